@@ -1,0 +1,52 @@
+"""The `hazsan` command line: discovers subcommands in `sanitizer.commands`.
+
+Exit codes (DESIGN.md section 5): 0 clean, 1 findings at or above the threshold, 2 unusable
+input or arguments (argparse's own errors exit 2 too).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import sanitizer.commands as _commands
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+def _command_modules():
+    for info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{_commands.__name__}.{info.name}")
+        yield info.name.replace("_", "-"), module
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hazsan",
+        description="Memory-allocation hazard sanitizer for distributed PyTorch serving stacks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in _command_modules():
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except BrokenPipeError:  # `hazsan check ... | head` is normal use
+        return EXIT_CLEAN
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
