@@ -1,0 +1,140 @@
+"""Streaming reader for schema-1 traces: one JSON Lines file per rank, plain or gzip.
+
+Memory stays flat: lines are parsed one at a time and nothing is kept. Every problem names the
+file and the 1-based line (the header is line 1).
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+
+from sanitizer.trace.schema import SCHEMA_VERSION
+
+
+class TraceError(Exception):
+    """Unusable input: a malformed line, a bad header, an unreadable file."""
+
+    def __init__(self, path: str | os.PathLike, line: int | None, message: str):
+        self.path = str(path)
+        self.line = line
+        self.message = message
+        where = f"{self.path}:{line}" if line else self.path
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass
+class TraceFile:
+    """One rank's trace. Iterate `events()` for (line_no, event) pairs in program order."""
+
+    path: Path
+    header: dict
+    truncated: bool = False  # set once the last line turned out cut short (a killed writer)
+    warnings: list[str] = field(default_factory=list)
+    _stream: io.BufferedIOBase | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.header.get("rank", 0)
+
+    def events(self) -> Iterator[tuple[int, object]]:
+        """Yield (line_no, parsed JSON or a TraceError for a line that is not JSON).
+
+        A last line without its newline that does not parse is what a killed process leaves:
+        it becomes a warning (`truncated`), never an error.
+        """
+        stream = self._stream
+        if stream is None:
+            raise RuntimeError("trace already consumed")
+        self._stream = None
+        loads = orjson.loads
+        line_no = 1
+        try:
+            for line_no, raw in enumerate(stream, 2):
+                try:
+                    yield line_no, loads(raw)
+                except orjson.JSONDecodeError as exc:
+                    if not raw.endswith(b"\n"):
+                        self._truncate(line_no)
+                        return
+                    if not raw.strip():
+                        continue  # blank lines carry nothing; tolerate them
+                    yield line_no, TraceError(self.path, line_no, f"not JSON: {exc}")
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            # A .gz cut short (killed writer): whatever came before is good.
+            self._truncate(line_no + 1, f"compressed stream ends early: {exc}")
+        except OSError as exc:
+            raise TraceError(self.path, line_no + 1, f"read error: {exc}") from exc
+        finally:
+            stream.close()
+
+    def _truncate(self, line_no: int, why: str = "last line cut short") -> None:
+        self.truncated = True
+        self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why}: the writer was killed?)")
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+def open_trace(path: str | os.PathLike) -> TraceFile:
+    """Open one rank file and parse its header. Raises TraceError on unusable input."""
+    path = Path(path)
+    try:
+        if path.name.endswith(".gz"):
+            stream = io.BufferedReader(gzip.open(path, "rb"), buffer_size=1 << 20)
+        else:
+            stream = open(path, "rb", buffering=1 << 20)
+    except OSError as exc:
+        raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from exc
+    try:
+        first = stream.readline()
+    except (EOFError, OSError) as exc:
+        stream.close()
+        raise TraceError(path, 1, f"cannot read header: {exc}") from exc
+    if not first:
+        stream.close()
+        raise TraceError(path, 1, "empty file: expected a header line {\"hazsan\": 1, ...}")
+    try:
+        header = orjson.loads(first)
+    except orjson.JSONDecodeError as exc:
+        stream.close()
+        raise TraceError(path, 1, f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict) or "hazsan" not in header:
+        stream.close()
+        raise TraceError(path, 1, 'not a hazsan trace: the header must be {"hazsan": 1, "rank": ...}')
+    if header["hazsan"] != SCHEMA_VERSION:
+        stream.close()
+        raise TraceError(path, 1, f"unsupported schema version {header['hazsan']!r} (this hazsan reads {SCHEMA_VERSION})")
+    rank = header.get("rank", 0)
+    if type(rank) is not int:
+        stream.close()
+        raise TraceError(path, 1, f"header field 'rank' must be an integer, got {rank!r}")
+    tf = TraceFile(path=path, header=header, _stream=stream)
+    return tf
+
+
+def expand_paths(paths) -> list[Path]:
+    """Files named, and for a directory every `*.jsonl` and `*.jsonl.gz` in it (sorted)."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = sorted(
+                q for q in p.iterdir() if q.is_file() and (q.name.endswith(".jsonl") or q.name.endswith(".jsonl.gz"))
+            )
+            if not found:
+                raise TraceError(p, None, "directory holds no *.jsonl or *.jsonl.gz trace files")
+            out.extend(found)
+        elif p.exists():
+            out.append(p)
+        else:
+            raise TraceError(p, None, "no such file or directory")
+    return out

@@ -1,0 +1,40 @@
+"""Schema 1 of the hazsan trace (DESIGN.md section 2), as data.
+
+The reader and the engine use these tables to name fields in error messages and to tell known
+fields from unknown ones (unknown ones are ignored with a counted warning).
+"""
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+#: Fields every event may carry (all optional).
+COMMON_FIELDS = frozenset({"ev", "t", "step", "site", "stack", "op", "shape", "dtype"})
+
+#: Known event kinds -> the fields DESIGN.md names for them (required and optional together).
+EVENT_FIELDS: dict[str, frozenset[str]] = {
+    "segment": frozenset({"addr", "size", "pool"}),
+    "segment_free": frozenset({"addr", "pool"}),
+    "window": frozenset({"addr", "size", "comm"}),
+    "window_free": frozenset({"addr", "comm"}),
+    "alloc": frozenset({"id", "addr", "size", "stream", "pool", "requested", "segment"}),
+    "free": frozenset({"id"}),
+    "free_done": frozenset({"id"}),
+    "record_stream": frozenset({"id", "stream"}),
+    "launch": frozenset({"stream", "reads", "writes"}),
+    "coll": frozenset({"cid", "comm", "seq", "op", "stream", "bufs"}),
+    "coll_done": frozenset({"cid"}),
+    "record": frozenset({"event", "stream"}),
+    "wait": frozenset({"event", "stream"}),
+    "sync": frozenset({"stream", "event"}),
+    "graph_begin": frozenset({"graph", "stream", "pool"}),
+    "graph_end": frozenset({"graph", "stream"}),
+    "graph_replay": frozenset({"graph", "stream"}),
+    "graph_free": frozenset({"graph"}),
+    "scope": frozenset({"name", "enter", "pool", "comm"}),
+    "step": frozenset({"n", "phase", "tokens"}),
+    # Written by capture (beyond DESIGN.md): events the writer had to drop, and hook failures.
+    "dropped": frozenset({"count", "reason"}),
+    "hook_error": frozenset({"count", "hook", "error"}),
+}
+
+ACCESS_CODES = {"r": 1, "w": 2, "rw": 3}
