@@ -1,0 +1,1 @@
+"""Happens-before ordering per rank (DESIGN.md section 3)."""

@@ -1,0 +1,167 @@
+"""Text, JSON and SARIF renderings of `sanitizer.rules.engine.Analysis`.
+
+The text report reads like a sanitizer report: grouped by rule and call site, most severe first,
+with both stacks (the block's and the colliding op's), then totals.
+"""
+from __future__ import annotations
+
+import orjson
+
+from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
+
+
+def render(analysis, fmt: str = "text") -> str:
+    if fmt == "json":
+        return render_json(analysis)
+    if fmt == "sarif":
+        return render_sarif(analysis)
+    return render_text(analysis)
+
+
+def render_json(analysis) -> str:
+    doc = {
+        "findings": [f.to_dict() for f in analysis.findings],
+        "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors]},
+    }
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _hex(v) -> str:
+    return hex(v) if isinstance(v, int) else str(v)
+
+
+def _range(lo, hi) -> str:
+    return f"[{_hex(lo)}, {_hex(hi)}) ({hi - lo} bytes)"
+
+
+def _stack_lines(stack, site, indent="    ") -> list[str]:
+    frames = stack or ([site] if site else [])
+    if not frames:
+        return [f"{indent}(no call site recorded: capture with HAZSAN_STACKS=site or full)"]
+    return [f"{indent}#{i} {frame}" for i, frame in enumerate(frames)]
+
+
+def _describe_block(b: dict | None) -> str:
+    if not b:
+        return "no live block known at that range"
+    where = f"pool {b.get('pool')!r}"
+    if b.get("window") is not None:
+        where += f", window {b['window']!r} offset {_hex(b['window_offset'])}"
+    op = f" by {b['op']}" if b.get("op") else ""
+    return (f"block {b.get('id')!r} {_range(b['addr'], b['addr'] + b['size'])} on stream "
+            f"{b.get('stream')!r}, {where}, allocated at line {b.get('line')}{op}")
+
+
+def _describe_op(o: dict | None) -> str:
+    if not o:
+        return ""
+    if o.get("kind") == "coll":
+        what = f"collective {o.get('op')} cid {o.get('cid')!r} (comm {o.get('comm')!r}, seq {o.get('seq')})"
+    else:
+        what = f"launch {o.get('op') or ''}".rstrip()
+    if o.get("replay_of_line"):
+        what += f" replayed from line {o['replay_of_line']}"
+    rank = f" on rank {o['rank']}" if "rank" in o else ""
+    return f"{what} on stream {o.get('stream')!r}{rank}, enqueued at line {o.get('line')}"
+
+
+def _finding_text(f: Finding) -> list[str]:
+    where = f"rank {f.rank}, step {f.step}, {f.file}:{f.line}"
+    out = [f"  {where}"]
+    if f.rule == "transient-in-window":
+        out.append(f"  {f.count} block(s), {f.bytes} bytes in total, freed without ever being a collective buffer ({f.detail})")
+        out.append(f"  first: {_describe_block(f.block)}")
+        out.extend(_stack_lines((f.block or {}).get("stack"), f.site))
+        return out
+    if f.rule == "asymmetric-offset":
+        out.append(f"  {f.detail}")
+        out.append(f"  this rank: {_describe_op(f.block)}")
+        out.extend(_stack_lines((f.block or {}).get("stack"), (f.block or {}).get("site")))
+        out.append(f"  reference: {_describe_op(f.op)}")
+        out.extend(_stack_lines((f.op or {}).get("stack"), (f.op or {}).get("site")))
+        return out
+    if f.overlap:
+        out.append(f"  overlapping range {_range(*f.overlap)}")
+    if f.rule == "unordered-access":
+        out.append(f"  {f.detail}")
+        out.append(f"  access at: {f.site or '(no site)'}")
+        out.append(f"  memory: {_describe_block(f.block)}")
+    else:
+        verb = {"reuse-in-flight": "Allocation of", "free-in-flight": "Free of",
+                "graph-buffer-released": "Release of"}.get(f.rule, "")
+        out.append(f"  {verb} {_describe_block(f.block)}")
+        if f.detail:
+            out.append(f"  ({f.detail})")
+        out.append("  Block allocated at:")
+        out.extend(_stack_lines((f.block or {}).get("stack"), (f.block or {}).get("site")))
+    out.append(f"  collides with {_describe_op(f.op)}")
+    out.append("  Op enqueued at:")
+    out.extend(_stack_lines((f.op or {}).get("stack"), (f.op or {}).get("site")))
+    return out
+
+
+def render_text(analysis) -> str:
+    lines: list[str] = []
+    for e in analysis.errors:
+        lines.append(f"hazsan: error: {e}")
+    groups: dict[tuple, list[Finding]] = {}
+    for f in analysis.findings:
+        groups.setdefault(f.group_key(), []).append(f)
+    order = sorted(groups, key=lambda k: (SEVERITY_ORDER[RULES[k[0]][0]], list(RULES).index(k[0]), str(k[1]), str(k[2])))
+    counts = analysis.summary.get("by_rule", {})
+    for key in order:
+        fs = groups[key]
+        rule, site, _ = key
+        sev = RULES[rule][0]
+        lines.append("=" * 78)
+        lines.append(f"hazsan {sev.upper()}: {rule}  at {site or '(unknown site)'}  [{len(fs)} listed]")
+        lines.append(f"  {RULES[rule][1]}")
+        lines.extend(_finding_text(fs[0]))
+        if len(fs) > 1:
+            more = ", ".join(f"rank {f.rank} step {f.step} line {f.line}" for f in fs[1:6])
+            lines.append(f"  ... and {len(fs) - 1} more like this: {more}{' ...' if len(fs) > 6 else ''}")
+    s = analysis.summary
+    lines.append("=" * 78)
+    for w in s.get("warnings", []):
+        lines.append(f"hazsan: warning: {w}")
+    if counts:
+        total = ", ".join(f"{rule}: {counts[rule]}" for rule in RULES if rule in counts)
+        lines.append(f"hazsan: {s['findings']} finding(s) in {s['events']} events, {s['ranks']} rank(s): {total}")
+    else:
+        lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s)")
+    if analysis.errors:
+        lines.append(f"hazsan: {s.get('malformed', len(analysis.errors))} malformed line(s): the input is unusable (exit 2); --lenient skips them")
+    return "\n".join(lines) + "\n"
+
+
+def render_sarif(analysis) -> str:
+    """SARIF 2.1.0, so CI systems can annotate the call sites."""
+    results = []
+    for f in analysis.findings:
+        site = f.site or (f.block or {}).get("site") or (f.op or {}).get("site")
+        loc = {"physicalLocation": {"artifactLocation": {"uri": f.file}, "region": {"startLine": f.line}}}
+        locations = [loc]
+        if site and ":" in site:
+            path, _, rest = site.partition(":")
+            line_s = rest.split(":", 1)[0]
+            if line_s.isdigit():
+                locations.insert(0, {"physicalLocation": {"artifactLocation": {"uri": path},
+                                                          "region": {"startLine": int(line_s)}}})
+        results.append({
+            "ruleId": f.rule,
+            "level": "error" if f.severity == "error" else "warning",
+            "message": {"text": f"{f.rule} on rank {f.rank}, step {f.step}: " + (f.detail or RULES[f.rule][1])},
+            "locations": locations,
+            "properties": f.to_dict(),
+        })
+    doc = {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {"name": "hazsan", "rules": [
+                {"id": r, "shortDescription": {"text": d}, "defaultConfiguration": {"level": sev}}
+                for r, (sev, d) in RULES.items()]}},
+            "results": results,
+        }],
+    }
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()

@@ -1,0 +1,989 @@
+"""The analysis engine: streams every rank's events through the ordering state and the six rules.
+
+The algorithm in one place (DESIGN.md sections 3 and 4):
+
+* Each rank is replayed in program order. `StreamClocks` (sanitizer.order.clocks) answers "is op
+  O done for stream X". An op with declared buffers (a `launch` with reads/writes, a `coll` with
+  bufs) stays *in flight* until it is done for the host; then nobody can ever see it unfinished
+  again and it is retired.
+* In-flight ops are kept per stream in epoch order, so "ops on S not done for X" is the suffix of
+  S's list past max(VC_X, VC_H)[S]: a bisect, then a short scan for address-range overlap. That is
+  why cost grows with in-flight work, never with trace length.
+* `--peer-completion successor`: a collective's buffers inside a window of its own communicator
+  are done for X only once a later (program order, higher seq) collective on that communicator is
+  locally done for X. Those buffers sit on a per-communicator list instead (`_StrictComm`).
+* Rules fire on the event that exposes the hazard:
+  alloc  -> reuse-in-flight, graph-buffer-released
+  free   -> free-in-flight, graph-buffer-released, transient-in-window
+  launch / coll / graph_replay -> unordered-access
+  coll (all ranks together) -> asymmetric-offset, matched by (comm, seq) while ranks are read
+  round-robin, so pending matches stay bounded by how far ranks drift apart.
+* Captured ops (between graph_begin and graph_end) neither run nor tick clocks; every
+  graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved.
+"""
+from __future__ import annotations
+
+import os
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+from sanitizer.order.clocks import StreamClocks, merge_into
+from sanitizer.rules.findings import ERROR, Finding, FindingSink, severity_of
+from sanitizer.trace.reader import TraceError, TraceFile, expand_paths, open_trace
+from sanitizer.trace.schema import ACCESS_CODES, COMMON_FIELDS, EVENT_FIELDS
+
+READ, WRITE = 1, 2
+LOCAL, SUCCESSOR = "local", "successor"
+_BATCH = 4096  # events read from one rank before moving to the next
+
+
+class Malformed(Exception):
+    """A line that breaks the contract (DESIGN.md section 2); the message names the problem."""
+
+
+# ----------------------------------------------------------------------------------- records
+
+
+class Block:
+    """A live allocation."""
+
+    __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "site", "stack", "op",
+                 "record_streams", "window", "coll_touched")
+
+    def __init__(self, bid, addr, size, stream, pool, line, step, ev):
+        self.id = bid
+        self.addr = addr
+        self.end = addr + size
+        self.stream = stream
+        self.pool = pool
+        self.line = line
+        self.step = step
+        self.site = ev.get("site")
+        self.stack = ev.get("stack")
+        self.op = ev.get("op")
+        self.record_streams = None  # set of streams from record_stream
+        self.window = None  # the Window it lies in, once known
+        self.coll_touched = False  # some collective used part of it during its life
+
+    def describe(self) -> dict:
+        w = self.window
+        return {
+            "id": self.id,
+            "addr": self.addr,
+            "size": self.end - self.addr,
+            "stream": self.stream,
+            "pool": self.pool,
+            "window": w.comm if w else None,
+            "window_offset": self.addr - w.addr if w else None,
+            "site": self.site,
+            "stack": self.stack,
+            "op": self.op,
+            "line": self.line,
+            "step": self.step,
+        }
+
+
+class Op:
+    """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
+
+    __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "name", "cid", "comm", "seq",
+                 "site", "stack", "clock", "captured", "window_bufs")
+
+    def __init__(self, kind, stream, bufs, line, step, ev):
+        self.kind = kind
+        self.stream = stream
+        self.epoch = 0
+        self.bufs = bufs
+        self.line = line
+        self.step = step
+        self.name = ev.get("op")
+        self.site = ev.get("site")
+        self.stack = ev.get("stack")
+        self.cid = self.comm = self.seq = None
+        self.clock = None  # collectives: what their stream knew at enqueue (for coll_done)
+        self.captured = None  # replays: the captured op they re-run
+        self.window_bufs = ()  # strict mode: bufs in a window of the op's own communicator
+
+    def replay(self, stream, line, step) -> "Op":
+        op = Op.__new__(Op)
+        op.kind, op.stream, op.bufs, op.line, op.step = self.kind, stream, self.bufs, line, step
+        op.name, op.site, op.stack = self.name, self.site, self.stack
+        op.cid, op.comm, op.seq = self.cid, self.comm, self.seq
+        op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
+        op.captured = self
+        return op
+
+    def describe(self) -> dict:
+        out = {"kind": self.kind, "op": self.name, "stream": self.stream, "line": self.line,
+               "step": self.step, "site": self.site, "stack": self.stack}
+        if self.kind == "coll":
+            out.update(cid=self.cid, comm=self.comm, seq=self.seq)
+        if self.captured is not None:
+            out["replay_of_line"] = self.captured.line
+        return out
+
+
+class Window:
+    __slots__ = ("addr", "end", "comm", "ordinal")
+
+    def __init__(self, addr, size, comm, ordinal):
+        self.addr, self.end, self.comm, self.ordinal = addr, addr + size, comm, ordinal
+
+
+class Graph:
+    __slots__ = ("id", "stream", "ops", "live", "line", "reserved")
+
+    def __init__(self, gid, stream, line):
+        self.id, self.stream, self.line = gid, stream, line
+        self.ops: list[Op] = []
+        self.live = False
+        self.reserved: RangeIndex | None = None
+
+
+class RangeIndex:
+    """Items with [lo, hi) ranges, sorted by lo; overlap queries by bisect plus a bounded scan."""
+
+    __slots__ = ("los", "items", "max_len")
+
+    def __init__(self):
+        self.los: list[int] = []
+        self.items: list[tuple[int, int, object]] = []
+        self.max_len = 0
+
+    def add(self, lo, hi, item) -> None:
+        i = bisect_right(self.los, lo)
+        self.los.insert(i, lo)
+        self.items.insert(i, (lo, hi, item))
+        if hi - lo > self.max_len:
+            self.max_len = hi - lo
+
+    def remove(self, lo, item) -> None:
+        i = bisect_right(self.los, lo) - 1
+        while i >= 0 and self.los[i] == lo:
+            if self.items[i][2] is item:
+                del self.los[i]
+                del self.items[i]
+                return
+            i -= 1
+
+    def overlapping(self, lo, hi):
+        items = self.items
+        i = bisect_right(self.los, lo - self.max_len)
+        end = bisect_right(self.los, hi - 1)
+        for j in range(i, end):
+            ilo, ihi, item = items[j]
+            if ihi > lo:
+                yield ilo, ihi, item
+
+    def __len__(self):
+        return len(self.items)
+
+
+class _InFlight:
+    """Ops of one stream in epoch order; ops[start:] are not yet done for the host."""
+
+    __slots__ = ("ops", "epochs", "start")
+
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.epochs: list[int] = []
+        self.start = 0
+
+    def retire_upto(self, known: int) -> list[Op]:
+        epochs, start, n = self.epochs, self.start, len(self.epochs)
+        if start == n or epochs[start] > known:
+            return []
+        stop = bisect_right(epochs, known, start)
+        gone = self.ops[start:stop]
+        self.start = stop
+        if stop > 1024 and stop * 2 > n:  # compact now and then
+            del self.ops[:stop]
+            del self.epochs[:stop]
+            self.start = 0
+        return gone
+
+
+class _StrictComm:
+    """Successor mode: every collective on one communicator, in program order."""
+
+    __slots__ = ("colls", "monotone")
+
+    def __init__(self):
+        self.colls: list[Op] = []
+        self.monotone = True
+
+
+class SeenIds:
+    """Ids ever used (duplicate `cid` detection) in O(1) memory for consecutive integer ids."""
+
+    __slots__ = ("lo", "hi", "other")
+
+    def __init__(self):
+        self.lo = self.hi = None
+        self.other: set = set()
+
+    def add(self, key) -> bool:
+        """False when `key` was seen before."""
+        if type(key) is int:
+            if self.hi is not None and key == self.hi + 1:
+                self.hi = key
+                return True
+            if self.hi is None and not self.other:
+                self.lo = self.hi = key
+                return True
+            if self.hi is not None and self.lo <= key <= self.hi:
+                return False
+        if key in self.other:
+            return False
+        self.other.add(key)
+        return True
+
+    def __contains__(self, key) -> bool:
+        if type(key) is int and self.hi is not None and self.lo <= key <= self.hi:
+            return True
+        return key in self.other
+
+
+# ------------------------------------------------------------------------------ one rank
+
+
+def _int(ev, name):
+    v = ev[name]
+    if type(v) is not int:
+        raise Malformed(f"field {name!r} must be an integer, got {v!r}")
+    return v
+
+
+def _ranges(ev, name):
+    """reads/writes: a list of [addr, size] pairs."""
+    v = ev.get(name)
+    if not v:
+        return ()
+    out = []
+    try:
+        for addr, size in v:
+            if type(addr) is not int or type(size) is not int:
+                raise ValueError
+            out.append((addr, addr + size))
+    except (TypeError, ValueError):
+        raise Malformed(f"field {name!r} must be a list of [addr, size] integer pairs, got {v!r}") from None
+    return out
+
+
+def _id(ev, name):
+    v = ev[name]
+    if type(v) is dict or type(v) is list:
+        raise Malformed(f"field {name!r} must be a scalar id, got {v!r}")
+    return v
+
+
+class RankAnalyzer:
+    """Replays one rank's events in program order and applies the per-rank rules."""
+
+    def __init__(self, trace: TraceFile, sink: FindingSink, matcher: "CollectiveMatcher",
+                 peer_completion: str = LOCAL):
+        self.trace = trace
+        self.file = str(trace.path)
+        self.rank = trace.rank
+        self.sink = sink
+        self.matcher = matcher
+        self.strict = peer_completion == SUCCESSOR
+        self.clocks = StreamClocks()
+        self.inflight: dict[object, _InFlight] = {}
+        self.strict_comms: dict[object, _StrictComm] = {}
+        self.live: dict[object, Block] = {}
+        self.window_blocks = RangeIndex()
+        self.windows: list[Window] = []
+        self.window_ordinals: dict[object, int] = {}
+        self.pending_free: dict[object, list[dict]] = {}
+        self.colls_in_flight: dict[object, Op] = {}
+        self.cids = SeenIds()
+        self.graphs: dict[object, Graph] = {}
+        self.capturing: list[Graph] = []
+        self.live_graphs: list[Graph] = []
+        self.transients: dict[object, Finding] = {}
+        self.step = None
+        self.line = 0
+        self.events = 0
+        self.unknown_kinds: dict[str, int] = {}
+        self.unknown_fields: dict[str, int] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        self.unrecorded_waits = 0
+        self.counted_drops = 0
+        self.hook_errors = 0
+        self.handlers = {
+            "alloc": self.on_alloc, "free": self.on_free, "free_done": self.on_free_done,
+            "record_stream": self.on_record_stream, "launch": self.on_launch, "coll": self.on_coll,
+            "coll_done": self.on_coll_done, "record": self.on_record, "wait": self.on_wait,
+            "sync": self.on_sync, "window": self.on_window, "window_free": self.on_window_free,
+            "segment": self.on_segment, "segment_free": self.on_segment_free,
+            "graph_begin": self.on_graph_begin, "graph_end": self.on_graph_end,
+            "graph_replay": self.on_graph_replay, "graph_free": self.on_graph_free,
+            "scope": self.on_scope, "step": self.on_step, "dropped": self.on_dropped,
+            "hook_error": self.on_hook_error,
+        }
+
+    # ------------------------------------------------------------------ dispatch
+
+    def feed(self, line: int, ev) -> None:
+        """Apply one event. Raises Malformed for a line that breaks the contract."""
+        self.line = line
+        if type(ev) is not dict:
+            raise Malformed("an event must be a JSON object")
+        kind = ev.get("ev")
+        handler = self.handlers.get(kind)
+        if handler is None:
+            if kind is None:
+                raise Malformed("missing field 'ev'")
+            self.unknown_kinds[str(kind)] = self.unknown_kinds.get(str(kind), 0) + 1
+            return
+        layout = (kind, *ev)
+        extra = self._layouts.get(layout)
+        if extra is None:
+            extra = self._layouts[layout] = tuple(
+                k for k in ev if k not in COMMON_FIELDS and k not in EVENT_FIELDS[kind])
+        if extra:
+            for k in extra:
+                self.unknown_fields[k] = self.unknown_fields.get(k, 0) + 1
+        try:
+            handler(ev, line)
+        except KeyError as exc:
+            raise Malformed(f"{kind}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise Malformed(f"{kind}: mistyped field ({exc})") from None
+        self.events += 1
+
+    # ------------------------------------------------------------------ queries
+
+    def _not_done(self, stream, lo, hi, access, protected=None):
+        """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
+        for `stream` (DESIGN 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
+        hits = None
+        clocks = self.clocks
+        vh = clocks.host
+        vx = clocks.streams.get(stream) or vh
+        for s, fl in self.inflight.items():
+            epochs = fl.epochs
+            if fl.start == len(epochs):
+                continue
+            known = vx.get(s, 0)
+            h = vh.get(s, 0)
+            if h > known:
+                known = h
+            if epochs[-1] <= known or (protected and s in protected):
+                continue
+            ops = fl.ops
+            for i in range(bisect_right(epochs, known, fl.start), len(ops)):
+                op = ops[i]
+                for blo, bhi, bacc in op.bufs:
+                    if blo < hi and lo < bhi and (bacc | access) & WRITE:
+                        if hits is None:
+                            hits = {}
+                        _widen(hits, op, max(lo, blo), min(hi, bhi))
+        if self.strict_comms:
+            for comm, sc in self.strict_comms.items():
+                done_seq = None  # highest seq among later collectives done for `stream`
+                for op in reversed(sc.colls):
+                    if done_seq is not None and done_seq > op.seq:
+                        if sc.monotone:
+                            break
+                        continue
+                    if op.window_bufs and not (protected and op.stream in protected):
+                        for blo, bhi, bacc in op.window_bufs:
+                            if blo < hi and lo < bhi and (bacc | access) & WRITE:
+                                if hits is None:
+                                    hits = {}
+                                _widen(hits, op, max(lo, blo), min(hi, bhi))
+                    if clocks.knows(stream, op.stream) >= op.epoch:
+                        if done_seq is None or op.seq > done_seq:
+                            done_seq = op.seq
+        return hits
+
+    def _graph_hits(self, lo, hi):
+        """Captured ops of live graphs whose buffers overlap [lo, hi)."""
+        hits = None
+        for g in self.live_graphs:
+            for blo, bhi, op in g.reserved.overlapping(lo, hi):
+                if hits is None:
+                    hits = {}
+                _widen(hits, op, max(lo, blo), min(hi, bhi))
+        return hits
+
+    # ------------------------------------------------------------------ memory events
+
+    def on_alloc(self, ev, line):
+        bid = _id(ev, "id")
+        addr = _int(ev, "addr")
+        size = _int(ev, "size")
+        stream = _id(ev, "stream")
+        pool = ev["pool"]
+        if bid in self.live:
+            raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
+        if size < 0:
+            raise Malformed(f"negative size {size}")
+        block = Block(bid, addr, size, stream, pool, line, self.step, ev)
+        for w in self.windows:
+            if w.addr < block.end and addr < w.end:
+                block.window = w
+                break
+        end = block.end
+        graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
+        if graph_ops:
+            for op, ov in graph_ops.items():
+                self._report("graph-buffer-released", line, block, op, ov,
+                             detail="a different block was allocated over a live graph's buffer")
+        hits = self._not_done(stream, addr, end, WRITE)
+        if hits:
+            for op, ov in hits.items():
+                if graph_ops and op.captured in graph_ops:
+                    continue
+                self._report("reuse-in-flight", line, block, op, ov)
+        self.live[bid] = block
+        if block.window is not None:
+            self.window_blocks.add(addr, end, block)
+
+    def on_free(self, ev, line):
+        bid = _id(ev, "id")
+        block = self.live.pop(bid, None)
+        if block is None:
+            raise Malformed(f"free of unknown or already freed id {bid!r}")
+        addr, end = block.addr, block.end
+        graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
+        if graph_ops:
+            for op, ov in graph_ops.items():
+                self._report("graph-buffer-released", line, block, op, ov,
+                             detail="a block holding a live graph's buffer was freed")
+        protected = block.record_streams
+        hits = self._not_done(block.stream, addr, end, WRITE, protected)
+        if hits:
+            for op, ov in hits.items():
+                if graph_ops and op.captured in graph_ops:
+                    continue
+                self._report("free-in-flight", line, block, op, ov)
+        if protected:
+            # Until free_done the allocator holds the block; then the host knows these streams
+            # as they were now (DESIGN 3.1).
+            self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
+        if block.window is not None:
+            self.window_blocks.remove(addr, block)
+            if not block.coll_touched:
+                self._transient(block, line)
+
+    def on_free_done(self, ev, line):
+        bid = _id(ev, "id")
+        snaps = self.pending_free.pop(bid, None)
+        if snaps is None:
+            if bid in self.live:
+                raise Malformed(f"free_done of id {bid!r}, which is still live (no free yet)")
+            raise Malformed(f"free_done with no pending free for id {bid!r} (free_done only follows a free of a block with record_stream streams)")
+        for clock in snaps:
+            self.clocks.host_learns(clock)
+        self._retire()
+
+    def on_record_stream(self, ev, line):
+        bid = _id(ev, "id")
+        stream = _id(ev, "stream")
+        block = self.live.get(bid)
+        if block is None:
+            raise Malformed(f"record_stream of unknown or freed id {bid!r}")
+        if stream != block.stream:
+            if block.record_streams is None:
+                block.record_streams = {stream}
+            else:
+                block.record_streams.add(stream)
+
+    def on_window(self, ev, line):
+        addr = _int(ev, "addr")
+        size = _int(ev, "size")
+        comm = _id(ev, "comm")
+        ordinal = self.window_ordinals.get(comm, 0)
+        self.window_ordinals[comm] = ordinal + 1
+        w = Window(addr, size, comm, ordinal)
+        self.windows.append(w)
+        # SGLang registers a segment as a window when the scope exits, after the allocations
+        # inside it: blocks already live there count as window blocks too.
+        for block in self.live.values():
+            if block.window is None and block.addr < w.end and w.addr < block.end:
+                block.window = w
+                self.window_blocks.add(block.addr, block.end, block)
+
+    def on_window_free(self, ev, line):
+        addr = _int(ev, "addr")
+        comm = _id(ev, "comm")
+        for i, w in enumerate(self.windows):
+            if w.addr == addr and w.comm == comm:
+                del self.windows[i]
+                return
+        raise Malformed(f"window_free of unknown window addr={addr} comm={comm!r}")
+
+    def on_segment(self, ev, line):
+        _int(ev, "addr"), _int(ev, "size")
+        ev["pool"]
+
+    def on_segment_free(self, ev, line):
+        _int(ev, "addr")
+
+    # ------------------------------------------------------------------ device work
+
+    def on_launch(self, ev, line):
+        stream = _id(ev, "stream")
+        reads = _ranges(ev, "reads")
+        writes = _ranges(ev, "writes")
+        if not reads and not writes:
+            if not self.capturing:
+                self.clocks.enqueue(stream)
+            return
+        bufs = [(lo, hi, READ) for lo, hi in reads]
+        bufs += [(lo, hi, WRITE) for lo, hi in writes]
+        op = Op("launch", stream, bufs, line, self.step, ev)
+        if self.capturing:
+            self._capture(op, stream)
+            return
+        self._enqueue(op)
+
+    def on_coll(self, ev, line):
+        cid = _id(ev, "cid")
+        comm = _id(ev, "comm")
+        seq = _int(ev, "seq")
+        name = ev["op"]
+        stream = _id(ev, "stream")
+        raw = ev["bufs"]
+        if type(raw) is not list:
+            raise Malformed(f"field 'bufs' must be a list, got {raw!r}")
+        if not self.cids.add(cid):
+            raise Malformed(f"duplicate cid {cid!r}")
+        bufs = []
+        for b in raw:
+            try:
+                addr, size, acc = b["addr"], b["size"], ACCESS_CODES[b["access"]]
+            except (KeyError, TypeError):
+                raise Malformed(f"each of 'bufs' needs addr, size and access r/w/rw, got {b!r}") from None
+            if type(addr) is not int or type(size) is not int:
+                raise Malformed(f"buffer addr and size must be integers, got {b!r}")
+            bufs.append((addr, addr + size, acc))
+        op = Op("coll", stream, bufs, line, self.step, ev)
+        op.name, op.cid, op.comm, op.seq = name, cid, comm, seq
+        # Window buffers: for transient-in-window, asymmetric-offset and successor mode.
+        in_window = []
+        if self.windows:
+            for b in bufs:
+                for w in self.windows:
+                    if w.addr < b[1] and b[0] < w.end:
+                        in_window.append((b, w))
+                        for _, _, blk in self.window_blocks.overlapping(b[0], b[1]):
+                            blk.coll_touched = True
+                        break
+        own = [(b, w) for b, w in in_window if w.comm == comm]
+        self.matcher.submit(self, comm, seq, op,
+                            tuple((w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own))
+        if self.strict and own:
+            op.window_bufs = [b for b, _ in own]
+            op.bufs = [b for b in bufs if all(b is not ob for ob, _ in own)]
+        if self.capturing:
+            self._capture(op, stream)
+            return
+        self._enqueue(op)
+        op.clock = self.clocks.snapshot(stream)
+        self.colls_in_flight[cid] = op
+
+    def _enqueue(self, op: Op) -> None:
+        stream = op.stream
+        clocks = self.clocks
+        op.epoch = clocks.enqueue(stream)
+        # unordered-access: this op's accesses against everything not done for its stream.
+        conflicts = None
+        for lo, hi, acc in (*op.bufs, *op.window_bufs):
+            hits = self._not_done(stream, lo, hi, acc)
+            if hits:
+                if conflicts is None:
+                    conflicts = hits
+                else:
+                    for other, (olo, ohi) in hits.items():
+                        _widen(conflicts, other, olo, ohi)
+        if conflicts:
+            for other, ov in conflicts.items():
+                self._report("unordered-access", self.line, None, other, ov, access_op=op)
+        if op.bufs:
+            fl = self.inflight.get(stream)
+            if fl is None:
+                fl = self.inflight[stream] = _InFlight()
+            fl.ops.append(op)
+            fl.epochs.append(op.epoch)
+        if self.strict and op.kind == "coll" and op.captured is None:
+            sc = self.strict_comms.get(op.comm)
+            if sc is None:
+                sc = self.strict_comms[op.comm] = _StrictComm()
+            if sc.colls and sc.colls[-1].seq >= op.seq:
+                sc.monotone = False
+            sc.colls.append(op)
+
+    def on_coll_done(self, ev, line):
+        cid = _id(ev, "cid")
+        op = self.colls_in_flight.pop(cid, None)
+        if op is None:
+            if cid in self.cids:
+                return  # already retired (done for the host) or captured in a graph
+            raise Malformed(f"coll_done of unknown cid {cid!r}")
+        self.clocks.host_learns(op.clock)
+        self._retire()
+
+    def on_record(self, ev, line):
+        event = _id(ev, "event")
+        stream = _id(ev, "stream")
+        if not self.capturing:
+            self.clocks.record(event, stream)
+
+    def on_wait(self, ev, line):
+        event = _id(ev, "event")
+        stream = _id(ev, "stream")
+        if not self.capturing and not self.clocks.wait(stream, event):
+            self.unrecorded_waits += 1
+
+    def on_sync(self, ev, line):
+        stream = ev.get("stream")
+        event = ev.get("event")
+        if stream is not None:
+            self.clocks.sync_stream(stream)
+        elif event is not None:
+            if not self.clocks.sync_event(event):
+                self.unrecorded_waits += 1
+        else:
+            self.clocks.sync_device()
+        self._retire()
+
+    def _retire(self) -> None:
+        """Drop ops done for the host: no stream can ever see them unfinished again."""
+        vh = self.clocks.host
+        for s, fl in self.inflight.items():
+            known = vh.get(s, 0)
+            if known:
+                for op in fl.retire_upto(known):
+                    if op.clock is not None:
+                        self.colls_in_flight.pop(op.cid, None)
+        if self.strict_comms:
+            for sc in self.strict_comms.values():
+                colls = sc.colls
+                done_seq = None
+                keep_from = 0
+                for i in range(len(colls) - 1, -1, -1):
+                    op = colls[i]
+                    if done_seq is not None and done_seq > op.seq and sc.monotone:
+                        keep_from = i + 1
+                        break
+                    if vh.get(op.stream, 0) >= op.epoch and (done_seq is None or op.seq > done_seq):
+                        done_seq = op.seq
+                if keep_from:
+                    del colls[:keep_from]
+
+    # ------------------------------------------------------------------ graphs
+
+    def _capture(self, op: Op, stream) -> None:
+        graph = None
+        for g in reversed(self.capturing):
+            if g.stream == stream:
+                graph = g
+                break
+        (graph or self.capturing[-1]).ops.append(op)
+
+    def on_graph_begin(self, ev, line):
+        gid = _id(ev, "graph")
+        stream = _id(ev, "stream")
+        if gid in self.graphs:
+            raise Malformed(f"graph_begin of graph {gid!r}, which already exists")
+        g = Graph(gid, stream, line)
+        self.graphs[gid] = g
+        self.capturing.append(g)
+
+    def on_graph_end(self, ev, line):
+        gid = _id(ev, "graph")
+        g = self.graphs.get(gid)
+        if g is None or g not in self.capturing:
+            raise Malformed(f"graph_end of graph {gid!r}, which is not being captured")
+        self.capturing.remove(g)
+        g.live = True
+        g.reserved = RangeIndex()
+        for op in g.ops:
+            for lo, hi, _ in (*op.bufs, *op.window_bufs):
+                g.reserved.add(lo, hi, op)
+        self.live_graphs.append(g)
+
+    def on_graph_replay(self, ev, line):
+        gid = _id(ev, "graph")
+        stream = _id(ev, "stream")
+        g = self.graphs.get(gid)
+        if g is None or not g.live:
+            raise Malformed(f"graph_replay of graph {gid!r}, which is not a captured, live graph")
+        for op in g.ops:
+            replay = op.replay(stream, line, self.step)
+            if replay.window_bufs:
+                # A replay carries no new seq: in successor mode its window buffers follow the
+                # local rule (they are reserved for the graph's life anyway).
+                replay.bufs = [*replay.bufs, *replay.window_bufs]
+                replay.window_bufs = ()
+            self._enqueue(replay)
+
+    def on_graph_free(self, ev, line):
+        gid = _id(ev, "graph")
+        g = self.graphs.pop(gid, None)
+        if g is None:
+            raise Malformed(f"graph_free of unknown graph {gid!r}")
+        if g in self.capturing:
+            self.capturing.remove(g)
+        if g in self.live_graphs:
+            self.live_graphs.remove(g)
+
+    # ------------------------------------------------------------------ annotations
+
+    def on_scope(self, ev, line):
+        ev["name"]
+        if type(ev["enter"]) is not bool:
+            raise Malformed("field 'enter' must be true or false")
+
+    def on_step(self, ev, line):
+        self.step = _int(ev, "n")
+
+    def on_dropped(self, ev, line):
+        self.counted_drops += _int(ev, "count")
+
+    def on_hook_error(self, ev, line):
+        self.hook_errors += ev.get("count", 1) if type(ev.get("count", 1)) is int else 1
+
+    # ------------------------------------------------------------------ reporting
+
+    def _report(self, rule, line, block, op, overlap, detail=None, access_op=None):
+        f = Finding(rule=rule, severity=severity_of(rule), rank=self.rank, step=self.step,
+                    file=self.file, line=line, block=block.describe() if block else None,
+                    op=op.describe(), overlap=tuple(overlap), detail=detail)
+        if access_op is not None:
+            f.block = self._block_at(overlap[0], overlap[1])
+            f.detail = (f"{access_op.kind} {access_op.name or ''} on stream {access_op.stream!r} "
+                        f"(line {access_op.line}) is not ordered after the op it collides with").replace("  ", " ")
+            f.site = access_op.site
+        self.sink.add(f)
+
+    def _block_at(self, lo, hi):
+        """The live block holding [lo, hi), for display (linear: only on findings)."""
+        for block in self.live.values():
+            if block.addr < hi and lo < block.end:
+                return block.describe()
+        return None
+
+    def _transient(self, block: Block, line) -> None:
+        key = block.site
+        f = self.transients.get(key)
+        size = block.end - block.addr
+        if f is None:
+            self.transients[key] = Finding(
+                rule="transient-in-window", severity=severity_of("transient-in-window"), rank=self.rank,
+                step=self.step, file=self.file, line=line, block=block.describe(), op=None,
+                overlap=None, count=1, bytes=size, site=block.site,
+                detail=f"window of communicator {block.window.comm!r}")
+        else:
+            f.count += 1
+            f.bytes += size
+
+    def finish(self) -> None:
+        for f in self.transients.values():
+            self.sink.add(f)
+        self.transients.clear()
+
+
+def _widen(hits: dict, op, lo, hi) -> None:
+    cur = hits.get(op)
+    if cur is None:
+        hits[op] = [lo, hi]
+    else:
+        if lo < cur[0]:
+            cur[0] = lo
+        if hi > cur[1]:
+            cur[1] = hi
+
+
+# ------------------------------------------------------------------------------ all ranks
+
+
+class CollectiveMatcher:
+    """asymmetric-offset: the same (comm, seq) must use the same window offsets on every rank.
+
+    Signatures are compared against the first rank to report; the lowest rank's signature is
+    the reference. An entry is dropped once every rank known to use the communicator has
+    reported, so memory stays bounded by how far the ranks are apart in the round-robin read.
+    """
+
+    def __init__(self, sink: FindingSink, enabled: bool):
+        self.sink = sink
+        self.enabled = enabled
+        self.pending: dict[tuple, dict] = {}
+        self.members: dict[object, set] = {}
+        self.unmatched = 0
+
+    def submit(self, analyzer: RankAnalyzer, comm, seq, op: Op, sig: tuple) -> None:
+        if not self.enabled:
+            return
+        members = self.members.get(comm)
+        if members is None:
+            members = self.members[comm] = set()
+        members.add(analyzer.rank)
+        key = (comm, seq)
+        entry = self.pending.get(key)
+        if entry is None:
+            self.pending[key] = {analyzer.rank: (sig, analyzer, op, analyzer.step)}
+            return
+        entry[analyzer.rank] = (sig, analyzer, op, analyzer.step)
+        if len(entry) >= len(members):
+            self._settle(key, entry)
+            del self.pending[key]
+
+    def _settle(self, key, entry) -> None:
+        ranks = sorted(entry)
+        ref_sig, ref_an, ref_op, _ = entry[ranks[0]]
+        for r in ranks[1:]:
+            sig, an, op, step = entry[r]
+            if sig != ref_sig:
+                ref = ref_op.describe()
+                ref.update(rank=ranks[0], file=ref_an.file, window_bufs=_sig_dict(ref_sig))
+                mine = op.describe()
+                mine.update(window_bufs=_sig_dict(sig))
+                self.sink.add(Finding(
+                    rule="asymmetric-offset", severity=ERROR, rank=r, step=step, file=an.file,
+                    line=op.line, block=mine, op=ref, overlap=None, site=op.site,
+                    detail=(f"{key[0]!r} seq {key[1]}: rank {r} uses window (ordinal, offset, size) "
+                            f"{list(sig)}, rank {ranks[0]} uses {list(ref_sig)}")))
+
+    def finish(self) -> None:
+        for key, entry in list(self.pending.items()):
+            if len(entry) > 1:
+                self._settle(key, entry)
+            self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
+        self.pending.clear()
+
+
+def _sig_dict(sig):
+    return [{"window": o, "offset": off, "size": size} for o, off, size in sig]
+
+
+@dataclass
+class Analysis:
+    """What `analyze` returns: the findings and a summary (DESIGN.md section 5, json format)."""
+
+    findings: list[Finding]
+    summary: dict
+    errors: list[TraceError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def exit_code(self, fail_on: str = "error") -> int:
+        if self.errors:
+            return 2
+        threshold = {"error": ("error",), "warning": ("error", "warning")}[fail_on]
+        return 1 if any(f.severity in threshold for f in self.findings) else 0
+
+
+def analyze(paths, *, peer_completion: str = LOCAL, lenient: bool = False,
+            max_per_group: int = 100, max_errors: int = 50) -> Analysis:
+    """Analyse rank trace files (or directories of them) together.
+
+    Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
+    them. Problems that make a file unusable (missing, bad header) are errors in both modes.
+    """
+    if peer_completion not in (LOCAL, SUCCESSOR):
+        raise ValueError(f"peer_completion must be {LOCAL!r} or {SUCCESSOR!r}")
+    sink = FindingSink(max_per_group=max_per_group)
+    errors: list[TraceError] = []
+    warnings: list[str] = []
+    skipped = 0
+    traces: list[TraceFile] = []
+    try:
+        files = expand_paths(paths)
+    except TraceError as exc:
+        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0), [exc], [])
+    for p in files:
+        try:
+            traces.append(open_trace(p))
+        except TraceError as exc:
+            errors.append(exc)
+    ranks_seen: dict[int, str] = {}
+    for t in traces:
+        if t.rank in ranks_seen:
+            warnings.append(f"{t.path}: rank {t.rank} also in {ranks_seen[t.rank]}; asymmetric-offset is checked per distinct rank")
+        ranks_seen.setdefault(t.rank, str(t.path))
+    matcher = CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
+    analyzers = [RankAnalyzer(t, sink, matcher, peer_completion) for t in traces]
+    streams = [(a, a.trace.events()) for a in analyzers]
+    error_total = 0
+    # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
+    while streams:
+        still = []
+        for a, it in streams:
+            batch = list(islice(it, _BATCH))
+            feed = a.feed
+            for line, ev in batch:
+                if type(ev) is TraceError:
+                    problem = ev
+                else:
+                    try:
+                        feed(line, ev)
+                        continue
+                    except Malformed as exc:
+                        problem = TraceError(a.file, line, str(exc))
+                if lenient:
+                    skipped += 1
+                else:
+                    error_total += 1
+                    if len(errors) < max_errors:
+                        errors.append(problem)
+            if len(batch) == _BATCH:
+                still.append((a, it))
+        streams = still
+    matcher.finish()
+    events = 0
+    drops = hook_errors = 0
+    for a in analyzers:
+        a.finish()
+        events += a.events
+        drops += a.counted_drops
+        hook_errors += a.hook_errors
+        warnings.extend(a.trace.warnings)
+        for kind, n in sorted(a.unknown_kinds.items()):
+            warnings.append(f"{a.file}: {n} event(s) of unknown kind {kind!r} ignored")
+        for name, n in sorted(a.unknown_fields.items()):
+            warnings.append(f"{a.file}: unknown field {name!r} ignored in {n} event(s)")
+        if a.unrecorded_waits:
+            warnings.append(f"{a.file}: {a.unrecorded_waits} wait/sync on an event never recorded (no-op)")
+        if a.counted_drops:
+            warnings.append(f"{a.file}: capture dropped {a.counted_drops} event(s): findings may be missing")
+        if a.hook_errors:
+            warnings.append(f"{a.file}: {a.hook_errors} capture hook error(s) were caught during the run")
+        if a.capturing:
+            warnings.append(f"{a.file}: graph capture never ended: {[g.id for g in a.capturing]}")
+    if matcher.unmatched:
+        warnings.append(f"{matcher.unmatched} collective(s) were not seen on every rank of their communicator")
+    if skipped:
+        warnings.append(f"--lenient: skipped {skipped} malformed line(s)")
+    if error_total > len(errors):
+        warnings.append(f"{error_total - len(errors)} more malformed line(s) not listed")
+    if sink.omitted:
+        warnings.append(f"{sink.omitted} repeated finding(s) counted but not listed (max {sink.max_per_group} per rule and call site)")
+    findings = sorted(sink.findings, key=_finding_order)
+    summary = _summary(events, len(analyzers), sink, warnings, skipped, drops, hook_errors)
+    summary["malformed"] = error_total
+    return Analysis(findings, summary, errors, warnings)
+
+
+def _finding_order(f: Finding):
+    return (0 if f.severity == ERROR else 1, f.rule, f.rank, f.file, f.line)
+
+
+def _summary(events, ranks, sink, warnings, skipped, drops, hook_errors) -> dict:
+    return {
+        "events": events,
+        "ranks": ranks,
+        "by_rule": dict(sorted(sink.by_rule.items())),
+        "findings": sum(sink.by_rule.values()),
+        "listed": len(sink.findings),
+        "skipped_lines": skipped,
+        "dropped_events": drops,
+        "hook_errors": hook_errors,
+        "warnings": warnings,
+    }
