@@ -1,0 +1,443 @@
+"""Trace transform: replay a rank's allocation requests through the model, rewrite addresses.
+
+Input: schema-1 events whose addresses mean nothing on a GPU (captured on CPU). Output: the same
+events with every alloc, window and buffer address replaced by where the model places it, plus a
+`segment` event before the first allocation that lands in each new segment.
+
+Rules (also in `hazsan place --help`):
+- Pool of an alloc: the innermost open `scope` that names a `pool`; else the alloc's own `pool`
+  when it is not the default; else the graph pool while a `graph_begin` capture is open
+  (graph_begin's `pool`, or "graph:<id>"); else the default pool. Streams stay as recorded.
+- A pool bound to a communicator (its scope has `comm`) is fed by a pluggable allocator
+  (ncclMemAlloc): its segments come from a second address space, or from that communicator's
+  window when one was declared before anything was placed in it (an arena; window offsets =
+  addr - window base). A scope with `no_split: true` (or --no-split POOL) makes a no_split pool,
+  as torch symmetric memory's MemPool(no_split=True).
+- A `window` over input blocks that already exist is a registration of those blocks' segments
+  (SGLang registers each ncclMemAlloc segment): it becomes the hull of the model segments holding
+  them. A `window` over nothing placed yet is an arena, placed in a window address space.
+- A buffer address maps through the input block that contains it (same offset within the block),
+  also after that block was freed (a stale pointer stays stale); else through an arena window;
+  memory the allocator never handed out (weights made before tracing, ...) moves to a separate
+  range (FOREIGN_BASE + addr) so that it can never overlap a modelled block.
+- Input `segment`/`segment_free` events are dropped: the model's segments replace them.
+- free of a block with record_stream streams holds it until its `free_done`.
+"""
+from __future__ import annotations
+
+import bisect
+import gzip
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import orjson
+
+from .allocator import DEFAULT_POOL, Block, CachingAllocator, PlacementError
+from .config import AllocatorConfig
+from .segments import DEFAULT_PLUGGABLE_BASE, Arena, DeviceDriver, OutOfMemory, SegmentSource
+
+WINDOW_BASE = 0x7D0000000000      # where arena windows are put
+FOREIGN_BASE = 1 << 48            # memory the allocator never handed out
+_DEFAULT_NAMES = (None, "", DEFAULT_POOL, 0, "0", "native")
+
+
+class PlaceError(Exception):
+    """Unusable input for placement; names file and line."""
+
+    def __init__(self, path, line, message):
+        self.path, self.line, self.message = str(path), line, message
+        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+
+
+@dataclass
+class PlaceStats:
+    events: int = 0
+    allocs: int = 0
+    segments: int = 0
+    dropped_segment_events: int = 0
+    foreign_buffers: int = 0
+    windows_arena: int = 0
+    windows_registered: int = 0
+    pools: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+class _ArenaChain(SegmentSource):
+    """Several windows of one communicator: a new segment goes in the first with room."""
+
+    name = "windows"
+
+    def __init__(self, arenas: list[Arena]):
+        self.arenas = arenas
+
+    def allocate(self, size: int) -> int:
+        last = None
+        for a in self.arenas:
+            try:
+                return a.allocate(size)
+            except OutOfMemory as exc:
+                last = exc
+        raise last or OutOfMemory("no window")
+
+    def release(self, addr: int, size: int) -> None:
+        for a in self.arenas:
+            if a.contains(addr):
+                a.release(addr, size)
+                return
+
+    def window_offset(self, addr: int):
+        for a in self.arenas:
+            if a.contains(addr):
+                return addr - a.base
+        return None
+
+
+class _InputRanges:
+    """Input blocks by input address, non-overlapping, sorted: [start, end, model_block, alive].
+
+    A freed block's entry stays (dead) until a new block overlaps it, so a stale pointer keeps
+    mapping to where its block was placed."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.entries: list[list] = []
+
+    def add(self, start: int, end: int, block: Block) -> None:
+        k = bisect.bisect_left(self.starts, start)
+        j = k - 1 if k > 0 and self.entries[k - 1][1] > start else k
+        m = k
+        while m < len(self.starts) and self.starts[m] < end:
+            m += 1
+        del self.entries[j:m]
+        del self.starts[j:m]
+        self.starts.insert(j, start)
+        self.entries.insert(j, [start, end, block, True])
+
+    def kill(self, start: int, block: Block) -> None:
+        k = bisect.bisect_right(self.starts, start) - 1
+        if k >= 0 and self.entries[k][2] is block:
+            self.entries[k][3] = False
+
+    def find(self, addr: int):
+        k = bisect.bisect_right(self.starts, addr) - 1
+        if k >= 0 and addr < self.entries[k][1]:
+            return self.entries[k]
+        return None
+
+    def overlapping_live(self, start: int, end: int) -> list:
+        k = max(0, bisect.bisect_right(self.starts, start) - 1)
+        out = []
+        while k < len(self.entries) and self.entries[k][0] < end:
+            e = self.entries[k]
+            if e[3] and e[1] > start:
+                out.append(e)
+            k += 1
+        return out
+
+
+class RankPlacer:
+    """Places one rank's events. Feed (line_no, event) pairs in program order to `place`."""
+
+    def __init__(self, config: AllocatorConfig, path="<trace>", *, no_split_pools=(),
+                 device_base: int | None = None):
+        self.path = path
+        self.config = config
+        self.no_split_pools = set(no_split_pools)
+        self._new_segments: list = []
+        self.alloc = CachingAllocator(config, on_segment=self._new_segments.append,
+                                      **({"driver": DeviceDriver(device_base)} if device_base else {}))
+        self.stats = PlaceStats()
+        self.blocks: dict = {}                 # trace id -> model Block
+        self.input_start: dict = {}            # trace id -> input address
+        self.inputs = _InputRanges()
+        self.scopes: list[dict] = []           # open scopes
+        self.captures: dict = {}               # graph id -> pool name (open graph_begin)
+        self.pool_comm: dict = {}              # pool -> comm (from scopes)
+        self.pool_no_split: set = set(no_split_pools)
+        self.arenas: dict = {}                 # comm -> [Arena]
+        self.windows: dict = {}                # (input addr, comm) -> model addr
+        self._window_cursor = WINDOW_BASE
+        self._pluggable_cursor = DEFAULT_PLUGGABLE_BASE
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _err(self, line, msg):
+        return PlaceError(self.path, line, msg)
+
+    def _field(self, ev, name, line, types=(int,)):
+        if name not in ev:
+            raise self._err(line, f"{ev.get('ev')!r} event lacks field {name!r}")
+        v = ev[name]
+        if types and (not isinstance(v, types) or isinstance(v, bool)):
+            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} has the wrong type: {v!r}")
+        return v
+
+    def _pool_for(self, ev) -> str:
+        for s in reversed(self.scopes):
+            if s.get("pool") not in (None, ""):
+                return str(s["pool"])
+        p = ev.get("pool")
+        if p not in _DEFAULT_NAMES:
+            return str(p)
+        if self.captures:
+            return next(reversed(self.captures.values()))
+        return DEFAULT_POOL
+
+    def _ensure_pool(self, name: str) -> None:
+        if name in self.alloc.pools:
+            return
+        comm = self.pool_comm.get(name)
+        no_split = name in self.pool_no_split
+        kind = "graph" if any(name == p for p in self.captures.values()) else "mempool"
+        source = None
+        if comm is not None:
+            kind = "symmetric"
+            if self.arenas.get(comm):
+                source = _ArenaChain(self.arenas[comm])
+            else:
+                source = DeviceDriver(self._pluggable_cursor, name=f"ncclMemAlloc[{comm}]")
+                self._pluggable_cursor += 1 << 40
+        self.alloc.create_pool(name, no_split=no_split, segment_source=source, kind=kind)
+        self.stats.pools[name] = {"kind": kind, "no_split": no_split,
+                                  "source": source.name if source else "cudaMalloc"}
+
+    def map_addr(self, addr: int) -> int:
+        e = self.inputs.find(addr)
+        if e is not None:
+            return e[2].addr + (addr - e[0])
+        for (waddr, comm), (model, size) in self.windows.items():
+            if waddr <= addr < waddr + size:
+                return model + (addr - waddr)
+        self.stats.foreign_buffers += 1
+        return FOREIGN_BASE + addr
+
+    def _map_range_list(self, ranges, line, what):
+        if not isinstance(ranges, list):
+            raise self._err(line, f"{what} must be a list of [addr, size]")
+        out = []
+        for r in ranges:
+            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)):
+                raise self._err(line, f"{what} entries must be [addr, size], got {r!r}")
+            out.append([self.map_addr(r[0]), r[1]])
+        return out
+
+    # ---- the event loop ---------------------------------------------------------------------
+    def place(self, line: int, ev: dict) -> Iterator[dict]:
+        """Yield the output events for one input event (0, 1 or several)."""
+        if not isinstance(ev, dict):
+            raise self._err(line, f"event is not a JSON object: {ev!r}")
+        self.stats.events += 1
+        kind = ev.get("ev")
+        handler = getattr(self, f"_ev_{kind}", None) if isinstance(kind, str) else None
+        if handler is None:
+            yield ev
+            return
+        yield from handler(line, ev)
+
+    def _ev_segment(self, line, ev):
+        self.stats.dropped_segment_events += 1
+        return iter(())
+
+    _ev_segment_free = _ev_segment
+
+    def _ev_scope(self, line, ev):
+        enter = ev.get("enter")
+        if not isinstance(enter, bool):
+            raise self._err(line, "scope event needs a boolean 'enter'")
+        if enter:
+            self.scopes.append(ev)
+            pool = ev.get("pool")
+            if pool not in (None, ""):
+                if ev.get("comm") is not None:
+                    self.pool_comm.setdefault(str(pool), ev["comm"])
+                if ev.get("no_split"):
+                    self.pool_no_split.add(str(pool))
+        else:
+            for k in range(len(self.scopes) - 1, -1, -1):
+                if self.scopes[k].get("name") == ev.get("name"):
+                    del self.scopes[k]
+                    break
+        yield ev
+
+    def _ev_graph_begin(self, line, ev):
+        g = ev.get("graph")
+        self.captures[g] = str(ev["pool"]) if ev.get("pool") not in (None, "") else f"graph:{g}"
+        yield ev
+
+    def _ev_graph_end(self, line, ev):
+        self.captures.pop(ev.get("graph"), None)
+        yield ev
+
+    def _ev_alloc(self, line, ev):
+        bid = ev.get("id")
+        if bid is None:
+            raise self._err(line, "alloc event lacks field 'id'")
+        addr = self._field(ev, "addr", line)
+        size = self._field(ev, "size", line)
+        stream = ev.get("stream", 0)
+        if size < 0:
+            raise self._err(line, f"negative alloc size {size}")
+        if bid in self.blocks and self.blocks[bid].allocated:
+            raise self._err(line, f"alloc of id {bid!r} which is still allocated")
+        pool = self._pool_for(ev)
+        self._ensure_pool(pool)
+        try:
+            block = self.alloc.malloc(size, stream, pool)
+        except OutOfMemory as exc:
+            raise self._err(line, f"cannot place alloc {bid!r} ({size} bytes) in pool {pool!r}: {exc}") from None
+        self.stats.allocs += 1
+        self.blocks[bid] = block
+        self.input_start[bid] = addr
+        self.inputs.add(addr, addr + max(size, 1), block)
+        for seg in self._new_segments:
+            self.stats.segments += 1
+            out = {"ev": "segment", "addr": seg.addr, "size": seg.size, "pool": seg.pool}
+            for k in ("t", "step"):
+                if k in ev:
+                    out[k] = ev[k]
+            yield out
+        self._new_segments.clear()
+        out = dict(ev)
+        out["addr"] = block.addr
+        out["pool"] = pool
+        out["segment"] = block.segment.addr
+        yield out
+
+    def _block(self, line, ev):
+        bid = ev.get("id")
+        if bid is None:
+            raise self._err(line, f"{ev.get('ev')} event lacks field 'id'")
+        b = self.blocks.get(bid)
+        if b is None:
+            raise self._err(line, f"{ev.get('ev')} of unknown id {bid!r}")
+        return b
+
+    def _ev_free(self, line, ev):
+        b = self._block(line, ev)
+        try:
+            self.alloc.free(b)
+        except PlacementError as exc:
+            raise self._err(line, str(exc)) from None
+        self.inputs.kill(self.input_start[ev["id"]], b)
+        yield ev
+
+    def _ev_record_stream(self, line, ev):
+        b = self._block(line, ev)
+        if "stream" not in ev:
+            raise self._err(line, "record_stream event lacks field 'stream'")
+        if b.allocated:
+            self.alloc.record_stream(b, ev["stream"])
+        yield ev
+
+    def _ev_free_done(self, line, ev):
+        b = self._block(line, ev)
+        if b.pending:
+            self.alloc.free_done(b)
+        yield ev
+
+    def _ev_launch(self, line, ev):
+        out = dict(ev)
+        for key in ("reads", "writes"):
+            if key in ev:
+                out[key] = self._map_range_list(ev[key], line, key)
+        yield out
+
+    def _ev_coll(self, line, ev):
+        out = dict(ev)
+        bufs = ev.get("bufs")
+        if bufs is not None:
+            if not isinstance(bufs, list):
+                raise self._err(line, "coll 'bufs' must be a list")
+            nb = []
+            for b in bufs:
+                if not isinstance(b, dict) or not isinstance(b.get("addr"), int):
+                    raise self._err(line, f"coll buffer needs an integer 'addr': {b!r}")
+                nb.append({**b, "addr": self.map_addr(b["addr"])})
+            out["bufs"] = nb
+        yield out
+
+    def _ev_window(self, line, ev):
+        addr = self._field(ev, "addr", line)
+        size = self._field(ev, "size", line)
+        comm = ev.get("comm")
+        covered = self.inputs.overlapping_live(addr, addr + size)
+        if covered:
+            # registration of existing segments: the hull of their model segments
+            segs = {id(e[2].segment): e[2].segment for e in covered}.values()
+            lo = min(s.addr for s in segs)
+            hi = max(s.end for s in segs)
+            self.stats.windows_registered += 1
+            self.windows[(addr, comm)] = (lo, size)
+            out = {**ev, "addr": lo, "size": hi - lo}
+        else:
+            base = (self._window_cursor + (2 << 20) - 1) & ~((2 << 20) - 1)
+            self._window_cursor = base + size + (2 << 20)
+            arena = Arena(base=base, capacity=size, name=f"window[{comm}]@{addr:#x}", comm=comm)
+            self.arenas.setdefault(comm, []).append(arena)
+            self.windows[(addr, comm)] = (base, size)
+            self.stats.windows_arena += 1
+            # pools of this comm created before the window keep their source; note it
+            for pname, c in self.pool_comm.items():
+                if c == comm and pname in self.alloc.pools:
+                    self.stats.notes.append(
+                        f"{self.path}:{line}: window for comm {comm!r} declared after pool {pname!r} "
+                        "already had segments; that pool keeps its ncclMemAlloc address space")
+            out = {**ev, "addr": base}
+        yield out
+
+    def _ev_window_free(self, line, ev):
+        addr = ev.get("addr")
+        model = self.windows.get((addr, ev.get("comm")))
+        out = dict(ev)
+        if model is not None:
+            out["addr"] = model[0]
+        elif isinstance(addr, int):
+            out["addr"] = self.map_addr(addr)
+        yield out
+
+
+# ---------------------------------------------------------------- files ------------------
+def _open_out(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "wb", compresslevel=5)
+    return open(path, "wb")
+
+
+def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=()) -> PlaceStats:
+    """Place one rank file; write the result (gzip if the name ends .gz). Raises PlaceError or
+    the reader's TraceError for unusable input."""
+    from sanitizer.trace.reader import TraceError, open_trace
+
+    tf = open_trace(in_path)
+    placer = RankPlacer(config, in_path, no_split_pools=no_split_pools)
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".part")
+    dumps = orjson.dumps
+    try:
+        with _open_out(tmp) as fh:
+            header = dict(tf.header)
+            header["placed"] = {"by": "hazsan place", "allocator_conf": config.describe(),
+                                "model": "c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.4-2.14)"}
+            fh.write(dumps(header) + b"\n")
+            for line_no, ev in tf.events():
+                if isinstance(ev, TraceError):
+                    raise ev
+                for out in placer.place(line_no, ev):
+                    fh.write(dumps(out) + b"\n")
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    placer.stats.notes.extend(tf.warnings)
+    return placer.stats
+
+
+def place_events(header: dict, events: Iterable[tuple[int, dict]], config: AllocatorConfig,
+                 path="<memory>", *, no_split_pools=()) -> tuple[list[dict], PlaceStats]:
+    """In-memory variant: returns the placed events (header not included) and the stats."""
+    placer = RankPlacer(config, path, no_split_pools=no_split_pools)
+    out: list[dict] = []
+    for line_no, ev in events:
+        out.extend(placer.place(line_no, ev))
+    return out, placer.stats
