@@ -382,7 +382,9 @@ class RankAnalyzer:
                         if hits is None:
                             hits = {}
                         _widen(hits, op, max(lo, blo), min(hi, bhi))
-        if self.strict_comms:
+        if self.strict_comms and access & WRITE:
+            # Successor mode covers reuse and writes: peers may still read my window. A read of
+            # a locally complete collective's result is ordered by the local kernel itself.
             for comm, sc in self.strict_comms.items():
                 done_seq = None  # highest seq among later collectives done for `stream`
                 for op in reversed(sc.colls):

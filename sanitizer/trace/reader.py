@@ -89,14 +89,14 @@ def open_trace(path: str | os.PathLike) -> TraceFile:
     path = Path(path)
     try:
         if path.name.endswith(".gz"):
-            stream = io.BufferedReader(gzip.open(path, "rb"), buffer_size=1 << 20)
+            stream = gzip.open(path, "rb")  # buffered itself; a bigger buffer would hit a cut tail early
         else:
             stream = open(path, "rb", buffering=1 << 20)
     except OSError as exc:
         raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from exc
     try:
         first = stream.readline()
-    except (EOFError, OSError) as exc:
+    except (EOFError, OSError, zlib.error) as exc:
         stream.close()
         raise TraceError(path, 1, f"cannot read header: {exc}") from exc
     if not first:

@@ -1,0 +1,108 @@
+"""What a call does to the allocator, by name: the tables the body classifier looks names up in.
+
+A name is either a qualified function (``torch.empty``, resolved through the file's imports) or a
+tensor method (written with a leading dot, ``.contiguous``), matched on the attribute name when the
+receiver is not a module. Anything not listed counts as compute: unknown code may allocate.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+# Kinds, in increasing order of concern. `neutral` allocates nothing on the device.
+NEUTRAL, ALLOC, COPY, COMPUTE = "neutral", "alloc", "copy", "compute"
+KIND_RANK = {NEUTRAL: 0, ALLOC: 1, COPY: 2, COMPUTE: 3}
+
+# Output allocations: one tensor, nothing else (the fill of zeros/ones/full is a memset).
+DEFAULT_ALLOC = (
+    "torch.empty", "torch.zeros", "torch.ones", "torch.full", "torch.empty_strided",
+    "torch.empty_like", "torch.zeros_like", "torch.ones_like", "torch.full_like",
+    ".new_empty", ".new_zeros", ".new_ones", ".new_full", ".new_empty_strided",
+    ".zero_", ".fill_",
+)
+
+# One copy or cast (or the view it starts from): what becomes a collective's input.
+DEFAULT_COPY = (
+    "torch.cat", "torch.concat", "torch.concatenate", "torch.stack", "torch.clone",
+    "torch.transpose", "torch.permute", "torch.movedim", "torch.t", "torch.reshape", "torch.flatten",
+    "torch.nn.functional.pad",
+    ".contiguous", ".to", ".clone", ".copy_", ".float", ".half", ".bfloat16", ".double", ".int",
+    ".long", ".bool", ".byte", ".type", ".type_as", ".cuda", ".transpose", ".t", ".permute",
+    ".movedim", ".reshape", ".flatten",
+)
+
+# Metadata, views, Python built-ins, logging: no device allocation at all.
+DEFAULT_NEUTRAL = (
+    "len", "int", "float", "bool", "str", "bytes", "isinstance", "issubclass", "getattr", "hasattr",
+    "setattr", "range", "enumerate", "zip", "min", "max", "abs", "tuple", "list", "dict", "set",
+    "frozenset", "print", "type", "id", "repr", "divmod", "round", "any", "all", "sorted", "reversed",
+    "iter", "next", "super", "callable", "hash", "format", "object", "NotImplementedError",
+    "RuntimeError", "ValueError", "AssertionError", "TypeError", "KeyError",
+    "contextlib.nullcontext", "nullcontext", "torch.inference_mode", "torch.no_grad",
+    "torch.enable_grad", "torch.device", "torch.Size", "torch.dtype", "torch.finfo", "torch.iinfo",
+    "torch.is_tensor", "torch.is_grad_enabled", "torch.is_inference_mode_enabled",
+    "torch.cuda.current_stream", "torch.cuda.current_device", "torch.cuda.stream",
+    "torch.cuda.get_device_capability", "torch.cuda.is_current_stream_capturing",
+    "torch.compiler.is_compiling", "torch._dynamo.is_compiling",
+    "triton.cdiv", "triton.next_power_of_2", "math.*", "logging.*", "logger.*", "warnings.warn",
+    "functools.partial", "dataclasses.replace", "os.environ.get", "os.getenv",
+    ".size", ".stride", ".dim", ".ndimension", ".numel", ".nelement", ".element_size", ".data_ptr",
+    ".is_contiguous", ".storage_offset", ".get_device", ".untyped_storage", ".view", ".view_as",
+    ".squeeze", ".unsqueeze", ".expand", ".expand_as", ".narrow", ".select", ".unbind", ".split",
+    ".chunk", ".as_strided", ".unflatten", ".detach", ".item", ".tolist", ".record_stream",
+    ".wait_stream", ".append", ".extend", ".pop", ".get", ".items", ".keys", ".values", ".update",
+    ".setdefault", ".format", ".join", ".startswith", ".endswith", ".debug", ".info", ".warning",
+    ".error", ".exception", ".tag", ".__enter__", ".__exit__",
+)
+
+
+@dataclass
+class CallCatalog:
+    """Looks a qualified name or a method name up in the kind tables (globs allowed: ``math.*``)."""
+
+    alloc: tuple[str, ...] = DEFAULT_ALLOC
+    copy: tuple[str, ...] = DEFAULT_COPY
+    neutral: tuple[str, ...] = DEFAULT_NEUTRAL
+    compute: tuple[str, ...] = ()  # forced compute: beats every other table
+    _exact: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _globs: list[tuple[str, str]] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Later tables override earlier ones; `compute` entries win (a user forcing a name).
+        for kind, names in ((NEUTRAL, self.neutral), (ALLOC, self.alloc), (COPY, self.copy),
+                            (COMPUTE, self.compute)):
+            for name in names:
+                if any(c in name for c in "*?["):
+                    self._globs.append((name, kind))
+                else:
+                    self._exact[name] = kind
+
+    def extended(self, alloc=(), copy=(), neutral=(), compute=()) -> "CallCatalog":
+        return CallCatalog(self.alloc + tuple(alloc), self.copy + tuple(copy),
+                           self.neutral + tuple(neutral), self.compute + tuple(compute))
+
+    def function_kind(self, qualified: str) -> str | None:
+        """Kind of a function reached through a module (or a builtin); None when unlisted."""
+        kind = self._exact.get(qualified)
+        if kind is None:
+            kind = self._glob(qualified)
+        return kind
+
+    def method_kind(self, method: str) -> str | None:
+        """Kind of ``obj.method(...)`` on an object hazsan cannot type; None when unlisted."""
+        kind = self._exact.get("." + method)
+        if kind is None:
+            kind = self._glob("." + method)
+        return kind
+
+    def _glob(self, name: str) -> str | None:
+        found = None
+        for pattern, kind in self._globs:
+            if fnmatch.fnmatchcase(name, pattern):
+                found = kind  # last match wins, so `compute` globs override
+        return found
+
+
+def is_inplace_method(name: str) -> bool:
+    """``x.add_(...)``: returns its receiver, so the receiver's storage lives on."""
+    return name.endswith("_") and not name.endswith("__")
