@@ -1,0 +1,577 @@
+#!/usr/bin/env python3
+"""Synthetic decode trace in schema 1 (../shared/DESIGN.md section 2), for benchmarks and checks.
+
+What one rank of a tensor-parallel DeepSeek-style decode server records, step after step:
+
+- a prologue: weights and the KV cache in the default pool, the SGLang symmetric pool's
+  preallocated segment registered as a window of communicator "tp";
+- per step: `step`, the input ids copied in, the embedding, 60 layers, the final norm, the LM head
+  with an all-gather of the vocabulary shards, sampling, and a host sync on the compute stream
+  (`.tolist()` of the sampled ids);
+- per layer: norm and attention activations in the default pool; the attention output and the MoE
+  output allocated inside a `scope` "symm" (so in the window); each all-reduced on the communication
+  stream with the usual fence: compute records E, comm waits E, coll, comm records E2, compute
+  waits E2; the shared-expert output added on the comm stream, protected with `record_stream` and
+  freed at once, its `free_done` seen at the next allocation (when the caching allocator polls its
+  events); declared reads and writes on every launch (weights, KV cache slices, activations).
+
+Addresses come from a small model of the CUDA caching allocator (sizes rounded to 512 B, small
+pool <= 1 MiB carved from 2 MiB segments, large pool from 20 MiB segments, freed blocks reused per
+stream and size, lowest address first, a block freed with `record_stream` held until `free_done`),
+so after the first step every address is a reused one, as in a real server. The token count moves
+between CUDA-graph-like batch buckets every few dozen steps, so block sizes change now and then.
+
+The trace is clean by construction under `--peer-completion local`. `--inject N` plants N hazards
+(in distinct layers, kinds taken in turn) and writes what the engine must report to
+`OUT/expected.json` (1-based trace lines, header = line 1):
+
+  missing-record-stream  shared-expert block freed without record_stream while the comm stream
+                         still reads it                      -> free-in-flight
+  collision              the same, and the freed address handed out again at once and written
+                         on the compute stream               -> free-in-flight, reuse-in-flight,
+                                                                unordered-access
+  read-before-wait       the compute stream reads the attention output between the all-reduce
+                         and the wait on its event           -> unordered-access
+  transient-in-window    the reference case: a compute transient allocated inside the symm scope
+                                                             -> transient-in-window (per site)
+
+Every rank gets the same injections (a code bug runs on every rank), so window offsets stay
+symmetric. Deterministic for a given --seed. Run with --help for the options.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+GENERATOR_VERSION = 1
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Model shape (DeepSeek-V3 at TP 8): what the sizes below are made of.
+HIDDEN = 7168
+HEADS = 128 // 8                  # attention heads per rank
+QK_DIM, V_DIM = 192, 128
+Q_LORA, KV_LORA_ROPE = 1536, 576  # fused q_a / kv_a projection output
+N_EXPERTS, TOP_K, MOE_INTER = 256, 8, 2048
+VOCAB = 129280
+LAYERS = 60
+BF16, FP32, I64, I32 = 2, 4, 8, 4
+TOKEN_BUCKETS = (48, 56, 64, 64, 64, 72, 80)   # 64 most of the time
+BUCKET_STEPS = (20, 60)                        # a batch size lasts this many steps
+CONTEXT_PER_TOKEN = 2048                       # tokens of context each request has in the KV cache
+
+COMPUTE, COMM = 1, 2              # stream ids (ints, as torch and torch.cuda._sanitizer use)
+COMM_NAME = "tp"
+DEFAULT, SYMM = "default", "symm"
+
+SMALL_LIMIT = 1 * MiB
+SMALL_SEGMENT = 2 * MiB
+LARGE_SEGMENT = 20 * MiB
+LARGE_WHOLE_SLACK = 1 * MiB       # the large pool hands out a whole block when <= this remains
+SYMM_PREALLOC = 4 * GiB           # SGLANG_SYMM_MEM_PREALLOC_GB_SIZE default
+
+SITE = {
+    "ids": "sglang/srt/model_executor/forward_batch_info.py:412:init_new",
+    "embed": "sglang/srt/layers/vocab_parallel_embedding.py:480:forward",
+    "norm": "sglang/srt/layers/layernorm.py:98:forward_cuda",
+    "qkv_a": "sglang/srt/models/deepseek_v2.py:1190:forward_absorb_prepare",
+    "q": "sglang/srt/models/deepseek_v2.py:1203:forward_absorb_prepare",
+    "kv_set": "sglang/srt/mem_cache/memory_pool.py:1301:set_mla_kv_buffer",
+    "attn": "sglang/srt/layers/attention/flashmla_backend.py:377:forward_decode",
+    "o_proj": "sglang/srt/models/deepseek_v2.py:1278:forward_absorb_core",
+    "allreduce": "sglang/srt/distributed/communication_op.py:14:tensor_model_parallel_all_reduce",
+    "residual": "sglang/srt/layers/layernorm.py:91:forward_cuda",
+    "gate": "sglang/srt/models/deepseek_v2.py:311:forward",
+    "topk": "sglang/srt/layers/moe/topk.py:560:select_experts",
+    "shared": "sglang/srt/models/deepseek_v2.py:471:_forward_shared_experts",
+    "moe_inter": "sglang/srt/layers/moe/fused_moe_triton/fused_moe.py:1318:fused_experts_impl",
+    "moe_out": "sglang/srt/layers/moe/fused_moe_triton/fused_moe.py:1333:fused_experts_impl",
+    "shared_add": "sglang/srt/models/deepseek_v2.py:522:forward_normal_dual_stream",
+    "lm_head": "sglang/srt/layers/logits_processor.py:702:_get_logits",
+    "gather": "sglang/srt/distributed/parallel_state.py:620:all_gather",
+    "sample": "sglang/srt/layers/sampler.py:104:forward",
+    "weights": "sglang/srt/model_loader/loader.py:372:load_weights",
+    "kv_cache": "sglang/srt/mem_cache/memory_pool.py:1196:_create_buffers",
+    "symm_scope": "sglang/srt/distributed/device_communicators/pynccl_allocator.py:135:__enter__",
+    # Injected hazards get sites of their own, so a report can be checked against them.
+    "hazard_tmp": "sglang/srt/models/deepseek_v2.py:530:forward_normal_dual_stream",
+    "hazard_read": "sglang/srt/models/deepseek_v2.py:1290:forward_absorb_core",
+    "hazard_transient": "sglang/srt/layers/mhc.py:2743:mhc_combine",
+}
+
+HAZARD_KINDS = ("missing-record-stream", "collision", "read-before-wait", "transient-in-window")
+HAZARD_RULES = {
+    "missing-record-stream": ("free-in-flight",),
+    "collision": ("free-in-flight", "reuse-in-flight", "unordered-access"),
+    "read-before-wait": ("unordered-access",),
+    "transient-in-window": ("transient-in-window",),
+}
+
+
+def round_size(size: int) -> int:
+    """The caching allocator's rounding: 512 B minimum, multiples of 512 B."""
+    return 512 if size < 512 else (size + 511) // 512 * 512
+
+
+class SegmentSource:
+    """Where a pool's segments come from (cudaMalloc, ncclMemAlloc): a range of virtual addresses
+    handed out upwards with occasional gaps, as a driver does."""
+
+    def __init__(self, base: int, rng: random.Random):
+        self.next = base
+        self.rng = rng
+
+    def take(self, size: int) -> int:
+        addr = self.next
+        self.next += (size + 2 * MiB - 1) // (2 * MiB) * (2 * MiB) + self.rng.choice((0, 0, 0, 2 * MiB))
+        return addr
+
+
+class Placer:
+    """Where the caching allocator puts blocks of one pool. Enough of CUDACachingAllocator for a
+    realistic address stream: rounding, small/large pools, segment sizes, per-stream reuse of freed
+    blocks lowest address first, whole large blocks when little would remain. Not modelled:
+    splitting of reused blocks and merging of free neighbours (the decode loop reuses equal sizes)."""
+
+    def __init__(self, pool: str, source: SegmentSource, on_segment):
+        self.pool = pool
+        self.source = source
+        self.on_segment = on_segment          # called (addr, size) for every new segment
+        self.free: dict[tuple, list] = {}     # (stream, is_small) -> sorted [(size, addr)]
+        self.tail: dict[tuple, list] = {}     # (stream, is_small) -> [next addr, end] of the newest segment
+
+    def add_segment(self, stream, addr: int, size: int, small: bool) -> None:
+        """A segment obtained elsewhere (a preallocation) becomes the pool's carving space."""
+        self.tail[(stream, small)] = [addr, addr + size]
+
+    def malloc(self, size: int, stream) -> tuple[int, int]:
+        """Returns (addr, block size)."""
+        rounded = round_size(size)
+        small = rounded <= SMALL_LIMIT
+        key = (stream, small)
+        free = self.free.get(key)
+        if free:
+            i = bisect.bisect_left(free, (rounded, 0))
+            if i < len(free):
+                bsize, addr = free[i]
+                if bsize == rounded or (not small and bsize - rounded <= LARGE_WHOLE_SLACK):
+                    del free[i]
+                    return addr, bsize
+        tail = self.tail.get(key)
+        if tail is None or tail[1] - tail[0] < rounded:
+            if small:
+                seg = SMALL_SEGMENT
+            else:
+                seg = LARGE_SEGMENT if rounded < 10 * MiB else (rounded + 2 * MiB - 1) // (2 * MiB) * (2 * MiB)
+            addr = self.source.take(seg)
+            self.on_segment(self.pool, addr, seg)
+            tail = self.tail[key] = [addr, addr + seg]
+        addr = tail[0]
+        remaining = tail[1] - addr - rounded
+        # Small pool splits when >= 512 B remain; large when > 1 MiB remains, else whole block.
+        if small or remaining > LARGE_WHOLE_SLACK:
+            tail[0] += rounded
+            return addr, rounded
+        tail[0] = tail[1]
+        return addr, rounded + remaining
+
+    def release(self, addr: int, bsize: int, stream) -> None:
+        bisect.insort(self.free.setdefault((stream, bsize <= SMALL_LIMIT), []), (bsize, addr))
+
+    def take_back(self, addr: int, bsize: int, stream) -> None:
+        """Hand out exactly this freed block again (the injected collision)."""
+        self.free[(stream, bsize <= SMALL_LIMIT)].remove((bsize, addr))
+
+
+class TraceWriter:
+    """Buffers encoded lines and writes them in large chunks; stops at exactly `limit` events."""
+
+    def __init__(self, path: Path, header: dict, limit: int, compresslevel: int | None):
+        self.path = path
+        self.limit = limit
+        self.stream = (gzip.open(path, "wb", compresslevel=compresslevel) if compresslevel
+                       else open(path, "wb", buffering=1 << 22))
+        self.buf: list[bytes] = []
+        self.events = 0          # events emitted (some may lie past the limit)
+        self.written = 0         # events in the file
+        self.t = 1_000_000_000
+        self.stream.write(orjson.dumps(header) + b"\n")
+
+    @property
+    def next_line(self) -> int:
+        return self.events + 2   # line of the next event (header = line 1)
+
+    @property
+    def full(self) -> bool:
+        return self.events >= self.limit
+
+    def emit(self, ev: dict) -> None:
+        self.t += 900 + (self.events * 7919) % 1300   # plausible ns gaps, no RNG call per event
+        ev["t"] = self.t
+        self.buf.append(orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE))
+        self.events += 1
+        if len(self.buf) >= 65536:
+            self.flush()
+
+    def flush(self) -> None:
+        keep = self.buf[: self.limit - self.written]     # the program runs on to a layer's end
+        self.stream.write(b"".join(keep))
+        self.written += len(keep)
+        self.buf.clear()
+
+    def close(self) -> int:
+        """Writes what is buffered up to the limit; returns the number of events in the file."""
+        self.flush()
+        self.stream.close()
+        return self.written
+
+
+class DecodeRank:
+    """Emits one rank's decode loop into a TraceWriter."""
+
+    def __init__(self, rank: int, writer: TraceWriter, seed: int,
+                 hazards: dict, stacks: bool):
+        self.rank = rank
+        self.w = writer
+        self.emit = writer.emit
+        self.hazards = hazards               # (step, layer) -> kind
+        self.expected: list[dict] = []
+        self.stacks = stacks
+        self.shape_rng = random.Random(seed)                 # same on every rank: same program
+        addr_rng = random.Random(seed * 1000 + rank + 1)     # per process: its own virtual addresses
+        self.default = Placer(DEFAULT, SegmentSource(0x7F0000000000 + addr_rng.randrange(1 << 12) * GiB // 4,
+                                                     addr_rng), self._segment)
+        self.symm_source = SegmentSource(0x7E0000000000 + addr_rng.randrange(1 << 10) * GiB, addr_rng)
+        self.symm = Placer(SYMM, self.symm_source, self._segment)
+        self.unregistered: list[tuple[int, int]] = []        # symm segments awaiting the scope exit
+        self.next_id = 1
+        self.next_cid = 1
+        self.seq = 0
+        self.step_no = 0
+        self.pending_free_done: list[int] = []
+        self.blocks: dict[int, tuple] = {}                   # id -> (addr, bsize, placer)
+        self.event_ids = [0x5600_0000_1000 + 0x40 * i for i in range(4)]   # cudaEvent_t values, reused
+        self.weights: dict[str, tuple] = {}
+
+    # -- primitives ------------------------------------------------------------------------------
+    def _segment(self, pool, addr, size):
+        self.emit({"ev": "segment", "addr": addr, "size": size, "pool": pool})
+        if pool == SYMM:
+            self.unregistered.append((addr, size))
+
+    def alloc(self, nbytes: int, role: str, shape, dtype="bfloat16", pool=DEFAULT, reuse=None) -> tuple:
+        """Returns the block as (id, addr, nbytes)."""
+        if self.pending_free_done:          # the allocator polls its events at every malloc
+            for bid in self.pending_free_done:
+                self.emit({"ev": "free_done", "id": bid})
+                addr, bsize, placer = self.blocks.pop(bid)
+                placer.release(addr, bsize, COMPUTE)
+            self.pending_free_done.clear()
+        placer = self.symm if pool == SYMM else self.default
+        if reuse is not None:
+            addr, bsize = reuse
+            placer.take_back(addr, bsize, COMPUTE)
+        else:
+            addr, bsize = placer.malloc(nbytes, COMPUTE)
+        bid = self.next_id
+        self.next_id += 1
+        self.blocks[bid] = (addr, bsize, placer)
+        ev = {"ev": "alloc", "id": bid, "addr": addr, "size": bsize, "stream": COMPUTE, "pool": pool,
+              "requested": nbytes, "site": SITE[role], "shape": shape, "dtype": dtype}
+        if self.stacks:
+            ev["stack"] = [SITE[role], "sglang/srt/models/deepseek_v2.py:2090:forward",
+                           "sglang/srt/model_executor/model_runner.py:1850:forward_decode"]
+        self.emit(ev)
+        return bid, addr, nbytes
+
+    def free(self, block, *, record_stream=None) -> None:
+        bid = block[0]
+        if record_stream is not None:
+            self.emit({"ev": "record_stream", "id": bid, "stream": record_stream})
+        self.emit({"ev": "free", "id": bid})
+        if record_stream is not None:
+            self.pending_free_done.append(bid)   # held until the allocator sees the stream finish
+        else:
+            addr, bsize, placer = self.blocks.pop(bid)
+            placer.release(addr, bsize, COMPUTE)
+
+    def launch(self, op: str, role: str, reads, writes, stream=COMPUTE) -> None:
+        self.emit({"ev": "launch", "stream": stream, "op": op, "site": SITE[role],
+                   "reads": [[b[1], b[2]] for b in reads], "writes": [[b[1], b[2]] for b in writes]})
+
+    def coll(self, op: str, role: str, bufs, stream) -> None:
+        self.seq += 1
+        self.emit({"ev": "coll", "cid": self.next_cid, "comm": COMM_NAME, "seq": self.seq, "op": op,
+                   "stream": stream, "site": SITE[role],
+                   "bufs": [{"addr": b[1], "size": b[2], "access": a} for b, a in bufs]})
+        self.next_cid += 1
+
+    def scope(self, enter: bool) -> None:
+        self.emit({"ev": "scope", "name": "symm", "enter": enter, "pool": SYMM, "comm": COMM_NAME,
+                   "site": SITE["symm_scope"]})
+        if not enter and self.unregistered:
+            # SymmetricMemoryContext.__exit__ registers the pool's new segments as windows.
+            for addr, size in self.unregistered:
+                self.emit({"ev": "window", "addr": addr, "size": size, "comm": COMM_NAME})
+            self.unregistered.clear()
+
+    def record(self, event: int, stream) -> None:
+        self.emit({"ev": "record", "event": event, "stream": stream})
+
+    def wait(self, event: int, stream) -> None:
+        self.emit({"ev": "wait", "event": event, "stream": stream})
+
+    def expect(self, rule: str, line: int, kind: str, site: str | None = None) -> None:
+        self.expected.append({"rule": rule, "rank": self.rank, "line": line, "hazard": kind,
+                              "step": self.step_no, **({"site": site} if site else {})})
+
+    # -- the program -----------------------------------------------------------------------------
+    def prologue(self) -> None:
+        w = self.weights
+        for layer in range(LAYERS):
+            w[layer] = {
+                "norm1": self.alloc(HIDDEN * BF16, "weights", [HIDDEN]),
+                "qkv_a": self.alloc(HIDDEN * (Q_LORA + KV_LORA_ROPE) * BF16, "weights", [Q_LORA + KV_LORA_ROPE, HIDDEN]),
+                "q_b": self.alloc(Q_LORA * HEADS * QK_DIM * BF16, "weights", [HEADS * QK_DIM, Q_LORA]),
+                "o": self.alloc(HEADS * V_DIM * HIDDEN * BF16, "weights", [HIDDEN, HEADS * V_DIM]),
+                "norm2": self.alloc(HIDDEN * BF16, "weights", [HIDDEN]),
+                "gate": self.alloc(N_EXPERTS * HIDDEN * FP32, "weights", [N_EXPERTS, HIDDEN], "float32"),
+                "experts": self.alloc(N_EXPERTS * 3 * HIDDEN * MOE_INTER // 8, "weights",
+                                      [N_EXPERTS, 3 * MOE_INTER // 8, HIDDEN], "float8_e4m3fn"),
+                "shared": self.alloc(3 * HIDDEN * MOE_INTER // 8 * BF16, "weights", [3 * MOE_INTER // 8, HIDDEN]),
+            }
+        w["embed"] = self.alloc(VOCAB // 8 * HIDDEN * BF16, "weights", [VOCAB // 8, HIDDEN])
+        w["final_norm"] = self.alloc(HIDDEN * BF16, "weights", [HIDDEN])
+        w["lm_head"] = self.alloc(VOCAB // 8 * HIDDEN * BF16, "weights", [VOCAB // 8, HIDDEN])
+        self.kv_per_layer = 256 * 1024 * KV_LORA_ROPE * BF16    # 256k token slots per layer
+        self.kv = self.alloc(self.kv_per_layer * LAYERS, "kv_cache", [LAYERS, 256 * 1024, KV_LORA_ROPE])
+        # SGLang preallocates the symmetric pool (one large segment) and registers it at once.
+        addr = self.symm_source.take(SYMM_PREALLOC)
+        self._segment(SYMM, addr, SYMM_PREALLOC)
+        self.symm.add_segment(COMPUTE, addr, SYMM_PREALLOC, small=False)
+        self.scope(True)
+        self.scope(False)
+        self.emit({"ev": "sync"})
+
+    def run(self) -> None:
+        self.prologue()
+        rng = self.shape_rng
+        tokens = 64
+        change_at = 0
+        n = 0
+        while not self.w.full:
+            if n == change_at:
+                tokens = rng.choice(TOKEN_BUCKETS)
+                change_at = n + rng.randint(*BUCKET_STEPS)
+            self.step(n, tokens)
+            n += 1
+
+    def step(self, n: int, T: int) -> None:
+        self.step_no = n
+        w = self.weights
+        self.emit({"ev": "step", "n": n, "phase": "decode", "tokens": T})
+        ids = self.alloc(T * I64, "ids", [T], "int64")
+        self.launch("aten::copy_", "ids", (), (ids,))
+        x = self.alloc(T * HIDDEN * BF16, "embed", [T, HIDDEN])
+        self.launch("embedding", "embed", (ids, w["embed"]), (x,))
+        self.free(ids)
+        for layer in range(LAYERS):
+            if self.w.full:
+                return
+            x = self.layer(n, layer, T, x)
+        h = self.alloc(T * HIDDEN * BF16, "norm", [T, HIDDEN])
+        self.launch("rmsnorm", "norm", (x, w["final_norm"]), (h,))
+        self.free(x)
+        logits = self.alloc(T * (VOCAB // 8) * BF16, "lm_head", [T, VOCAB // 8])
+        self.launch("gemm", "lm_head", (h, w["lm_head"]), (logits,))
+        self.free(h)
+        gathered = self.alloc(T * VOCAB * BF16, "gather", [T, VOCAB])
+        # pynccl collectives run on the current (compute) stream: no fence needed.
+        self.coll("all_gather", "gather", ((logits, "r"), (gathered, "w")), COMPUTE)
+        self.free(logits)
+        next_ids = self.alloc(T * I64, "sample", [T], "int64")
+        self.launch("sampling", "sample", (gathered,), (next_ids,))
+        self.free(gathered)
+        self.emit({"ev": "sync", "stream": COMPUTE})          # next_ids.tolist()
+        self.free(next_ids)
+
+    def layer(self, n: int, layer: int, T: int, x):
+        wl = self.weights[layer]
+        hazard = self.hazards.get((n, layer))
+        e1, e2, e3, e4 = self.event_ids
+        act = T * HIDDEN * BF16
+        # attention
+        h = self.alloc(act, "norm", [T, HIDDEN])
+        self.launch("rmsnorm", "norm", (x, wl["norm1"]), (h,))
+        qkv_a = self.alloc(T * (Q_LORA + KV_LORA_ROPE) * BF16, "qkv_a", [T, Q_LORA + KV_LORA_ROPE])
+        self.launch("gemm", "qkv_a", (h, wl["qkv_a"]), (qkv_a,))
+        self.free(h)
+        q = self.alloc(T * HEADS * QK_DIM * BF16, "q", [T, HEADS, QK_DIM])
+        self.launch("gemm", "q", (qkv_a, wl["q_b"]), (q,))
+        kv_base = self.kv[1] + layer * self.kv_per_layer
+        slot = (n * T) % (200 * 1024)
+        kv_slot = (None, kv_base + slot * KV_LORA_ROPE * BF16, T * KV_LORA_ROPE * BF16)
+        kv_ctx = (None, kv_base, min(T * CONTEXT_PER_TOKEN, 256 * 1024) * KV_LORA_ROPE * BF16)
+        self.launch("set_mla_kv_buffer", "kv_set", (qkv_a,), (kv_slot,))
+        self.free(qkv_a)
+        attn = self.alloc(T * HEADS * V_DIM * BF16, "attn", [T, HEADS, V_DIM])
+        self.launch("flash_mla_decode", "attn", (q, kv_ctx), (attn,))
+        self.free(q)
+        self.scope(True)
+        o = self.alloc(act, "o_proj", [T, HIDDEN], pool=SYMM)
+        self.scope(False)
+        self.launch("gemm", "o_proj", (attn, wl["o"]), (o,))
+        self.free(attn)
+        self.record(e1, COMPUTE)
+        self.wait(e1, COMM)
+        self.coll("all_reduce", "allreduce", ((o, "rw"),), COMM)
+        self.record(e2, COMM)
+        if hazard == "read-before-wait":
+            # o read on the compute stream before the wait: the all-reduce may still write it.
+            self.expect("unordered-access", self.w.next_line, hazard)
+            self.launch("aten::abs_max", "hazard_read", (o,), ())
+        self.wait(e2, COMPUTE)
+        x2 = self.alloc(act, "residual", [T, HIDDEN])
+        self.launch("add", "residual", (x, o), (x2,))
+        self.free(o)
+        self.free(x)
+        # MoE
+        h2 = self.alloc(act, "norm", [T, HIDDEN])
+        self.launch("rmsnorm", "norm", (x2, wl["norm2"]), (h2,))
+        logits = self.alloc(T * N_EXPERTS * FP32, "gate", [T, N_EXPERTS], "float32")
+        self.launch("gemm", "gate", (h2, wl["gate"]), (logits,))
+        topk = self.alloc(T * TOP_K * (I32 + FP32), "topk", [T, TOP_K, 2], "int32")
+        self.launch("topk_softmax", "topk", (logits,), (topk,))
+        self.free(logits)
+        inter = self.alloc(T * TOP_K * 2 * (MOE_INTER // 8) * BF16, "moe_inter", [T * TOP_K, 2 * MOE_INTER // 8])
+        shared = self.alloc(act, "shared", [T, HIDDEN])
+        self.launch("shared_experts", "shared", (h2, wl["shared"]), (shared,))
+        self.scope(True)
+        transient = None
+        if hazard == "transient-in-window":
+            # The reference case: compute inside the scope puts its transient in the window.
+            transient = self.alloc(T * HIDDEN * FP32, "hazard_transient", [T, HIDDEN], "float32", pool=SYMM)
+            self.launch("einsum", "hazard_transient", (h2, topk), (transient,))
+        moe_out = self.alloc(act, "moe_out", [T, HIDDEN], pool=SYMM)
+        self.scope(False)
+        self.launch("fused_moe_gate_up", "moe_inter", (h2, topk, wl["experts"]), (inter,))
+        self.launch("fused_moe_down", "moe_out", (inter, topk, wl["experts"]) + ((transient,) if transient else ()),
+                    (moe_out,))
+        if transient:
+            self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_transient"])
+            self.free(transient)
+        self.free(inter)
+        self.free(topk)
+        self.free(h2)
+        self.record(e3, COMPUTE)
+        self.wait(e3, COMM)
+        self.launch("add", "shared_add", (shared, moe_out), (moe_out,), stream=COMM)
+        collided = None
+        if hazard in ("missing-record-stream", "collision"):
+            # shared dropped without record_stream while the comm stream still reads it.
+            self.expect("free-in-flight", self.w.next_line, hazard)
+            addr, bsize, _ = self.blocks[shared[0]]
+            self.free(shared)
+            if hazard == "collision":
+                # ... and the allocator hands the same address out again at once.
+                self.expect("reuse-in-flight", self.w.next_line, hazard)
+                collided = self.alloc(act, "hazard_tmp", [T, HIDDEN], reuse=(addr, bsize))
+                self.expect("unordered-access", self.w.next_line, hazard)
+                self.launch("aten::zero_", "hazard_tmp", (), (collided,))
+        else:
+            self.free(shared, record_stream=COMM)
+        self.coll("all_reduce", "allreduce", ((moe_out, "rw"),), COMM)
+        self.record(e4, COMM)
+        self.wait(e4, COMPUTE)
+        if collided:
+            self.free(collided)
+        x3 = self.alloc(act, "residual", [T, HIDDEN])
+        self.launch("add", "residual", (x2, moe_out), (x3,))
+        self.free(moe_out)
+        self.free(x2)
+        return x3
+
+
+def plan_hazards(count: int, seed: int, events: int) -> dict:
+    """(step, layer) -> kind for `count` distinct layers spread over the trace's steps."""
+    if count <= 0:
+        return {}
+    steps = max(1, events // 3500 - 1)            # about 3,500 events per step; stay inside
+    slots = [(s, layer) for s in range(steps) for layer in range(LAYERS)]
+    if count > len(slots):
+        raise SystemExit(f"--inject {count}: a trace of {events} events has only {len(slots)} layers to put hazards in")
+    rng = random.Random(seed + 7)
+    chosen = sorted(rng.sample(slots, count))
+    order = list(range(count))
+    rng.shuffle(order)
+    return {slot: HAZARD_KINDS[order[i] % len(HAZARD_KINDS)] for i, slot in enumerate(chosen)}
+
+
+def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: int = 0,
+             gzip_level: int | None = None, stacks: bool = False) -> dict:
+    """Writes rank{r}.jsonl[.gz] and expected.json into `out`; returns a summary dict."""
+    out.mkdir(parents=True, exist_ok=True)
+    hazards = plan_hazards(inject, seed, events)
+    suffix = ".jsonl.gz" if gzip_level else ".jsonl"
+    for stale in list(out.glob("rank*.jsonl")) + list(out.glob("rank*.jsonl.gz")):
+        stale.unlink()
+    expected: list[dict] = []
+    files = []
+    start = time.perf_counter()
+    for rank in range(ranks):
+        path = out / f"rank{rank}{suffix}"
+        header = {"hazsan": 1, "rank": rank, "world_size": ranks, "device": f"cuda:{rank}",
+                  "generator": f"benchmarks/gen_decode_trace.py v{GENERATOR_VERSION}", "seed": seed}
+        writer = TraceWriter(path, header, events, gzip_level)
+        model = DecodeRank(rank, writer, seed, hazards, stacks)
+        model.run()
+        written = writer.close()
+        last_line = written + 1
+        expected += [e for e in model.expected if e["line"] <= last_line]
+        files.append({"file": path.name, "events": written, "bytes": path.stat().st_size})
+    seconds = time.perf_counter() - start
+    summary = {"generator_version": GENERATOR_VERSION, "events_per_rank": events, "ranks": ranks,
+               "seed": seed, "inject": inject, "gzip": gzip_level, "stacks": stacks, "files": files,
+               "seconds": round(seconds, 3)}
+    (out / "expected.json").write_bytes(orjson.dumps({"findings": expected}, option=orjson.OPT_INDENT_2))
+    (out / "meta.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=5_000_000, help="events per rank file (default 5,000,000)")
+    ap.add_argument("--ranks", type=int, default=1, help="rank files to write (default 1)")
+    ap.add_argument("--out", type=Path, required=True, help="output directory")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--inject", type=int, default=0, metavar="N",
+                    help="plant N hazards; OUT/expected.json lists the findings they must produce")
+    ap.add_argument("--gzip", nargs="?", type=int, const=1, default=None, metavar="LEVEL",
+                    help="write .jsonl.gz (compression level, default 1)")
+    ap.add_argument("--stacks", action="store_true", help="give every alloc a 3-frame stack (longer lines)")
+    args = ap.parse_args(argv)
+    if args.events < 1 or args.ranks < 1:
+        ap.error("--events and --ranks must be positive")
+    s = generate(args.out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject,
+                 gzip_level=args.gzip, stacks=args.stacks)
+    total = sum(f["events"] for f in s["files"])
+    size = sum(f["bytes"] for f in s["files"])
+    print(f"wrote {total:,} events in {len(s['files'])} file(s), {size / MiB:,.1f} MiB, to {args.out} "
+          f"in {s['seconds']:.1f} s ({total / s['seconds']:,.0f} events/s)")
+    if args.inject:
+        print(f"planted {args.inject} hazard(s); expected findings in {args.out / 'expected.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
