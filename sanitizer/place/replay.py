@@ -95,7 +95,9 @@ class _ArenaChain(SegmentSource):
 
 
 class _InputRanges:
-    """Input blocks by input address, non-overlapping, sorted: [start, end, model_block, alive].
+    """Input blocks by input address, non-overlapping, sorted: [start, end, model_addr, alive, block].
+
+    The model address is kept as a number: once freed, the allocator may reuse the Block object.
 
     A freed block's entry stays (dead) until a new block overlaps it, so a stale pointer keeps
     mapping to where its block was placed."""
@@ -113,11 +115,11 @@ class _InputRanges:
         del self.entries[j:m]
         del self.starts[j:m]
         self.starts.insert(j, start)
-        self.entries.insert(j, [start, end, block, True])
+        self.entries.insert(j, [start, end, block.addr, True, block])
 
     def kill(self, start: int, block: Block) -> None:
         k = bisect.bisect_right(self.starts, start) - 1
-        if k >= 0 and self.entries[k][2] is block:
+        if k >= 0 and self.entries[k][4] is block:
             self.entries[k][3] = False
 
     def find(self, addr: int):
@@ -151,6 +153,8 @@ class RankPlacer:
         self.stats = PlaceStats()
         self.blocks: dict = {}                 # trace id -> model Block
         self.input_start: dict = {}            # trace id -> input address
+        self.freed: set = set()                # ids freed (their Block may be reused by the model)
+        self.held: dict = {}                   # id -> Block freed with record_stream, until free_done
         self.inputs = _InputRanges()
         self.scopes: list[dict] = []           # open scopes
         self.captures: dict = {}               # graph id -> pool name (open graph_begin)
@@ -205,7 +209,7 @@ class RankPlacer:
     def map_addr(self, addr: int) -> int:
         e = self.inputs.find(addr)
         if e is not None:
-            return e[2].addr + (addr - e[0])
+            return e[2] + (addr - e[0])
         for (waddr, comm), (model, size) in self.windows.items():
             if waddr <= addr < waddr + size:
                 return model + (addr - waddr)
@@ -278,8 +282,9 @@ class RankPlacer:
         stream = ev.get("stream", 0)
         if size < 0:
             raise self._err(line, f"negative alloc size {size}")
-        if bid in self.blocks and self.blocks[bid].allocated:
+        if bid in self.blocks and bid not in self.freed:
             raise self._err(line, f"alloc of id {bid!r} which is still allocated")
+        self.freed.discard(bid)
         pool = self._pool_for(ev)
         self._ensure_pool(pool)
         try:
@@ -315,8 +320,12 @@ class RankPlacer:
 
     def _ev_free(self, line, ev):
         b = self._block(line, ev)
+        if ev["id"] in self.freed:
+            raise self._err(line, f"free of id {ev['id']!r}, which is already freed")
+        self.freed.add(ev["id"])
         try:
-            self.alloc.free(b)
+            if not self.alloc.free(b):
+                self.held[ev["id"]] = b
         except PlacementError as exc:
             raise self._err(line, str(exc)) from None
         self.inputs.kill(self.input_start[ev["id"]], b)
@@ -326,14 +335,15 @@ class RankPlacer:
         b = self._block(line, ev)
         if "stream" not in ev:
             raise self._err(line, "record_stream event lacks field 'stream'")
-        if b.allocated:
+        if ev["id"] not in self.freed:
             self.alloc.record_stream(b, ev["stream"])
         yield ev
 
     def _ev_free_done(self, line, ev):
         b = self._block(line, ev)
-        if b.pending:
-            self.alloc.free_done(b)
+        held = self.held.pop(ev["id"], None)
+        if held is not None:
+            self.alloc.free_done(held)
         yield ev
 
     def _ev_launch(self, line, ev):
@@ -364,7 +374,7 @@ class RankPlacer:
         covered = self.inputs.overlapping_live(addr, addr + size)
         if covered:
             # registration of existing segments: the hull of their model segments
-            segs = {id(e[2].segment): e[2].segment for e in covered}.values()
+            segs = {id(e[4].segment): e[4].segment for e in covered}.values()
             lo = min(s.addr for s in segs)
             hi = max(s.end for s in segs)
             self.stats.windows_registered += 1
