@@ -408,8 +408,8 @@ class RankPlacer:
 
 
 # ---------------------------------------------------------------- files ------------------
-def _open_out(path: Path):
-    if path.name.endswith(".gz"):
+def _open_out(path: Path, gz: bool):
+    if gz:
         return gzip.open(path, "wb", compresslevel=5)
     return open(path, "wb")
 
@@ -425,7 +425,7 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=())
     tmp = out_path.with_name(out_path.name + ".part")
     dumps = orjson.dumps
     try:
-        with _open_out(tmp) as fh:
+        with _open_out(tmp, out_path.name.endswith(".gz")) as fh:
             header = dict(tf.header)
             header["placed"] = {"by": "hazsan place", "allocator_conf": config.describe(),
                                 "model": "c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.4-2.14)"}
