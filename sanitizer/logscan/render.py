@@ -1,0 +1,227 @@
+"""Text, JSON and HTML renderings of a `ScanResult`."""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+
+import orjson
+
+from sanitizer.logscan.scan import ScanResult
+
+BAR_WIDTH = 50
+_NICE_WIDTHS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+# ------------------------------------------------------------------------------ histogram
+
+def histogram(values, threshold: float, max_bins: int = 16) -> list[tuple[float, float, int]]:
+    """Equal-width bins (lo, hi] on a round width, with `threshold` as a bin edge.
+
+    Right-closed, because an interval is flagged at accept len <= threshold: every bar is then
+    wholly flagged (hi <= threshold) or wholly not. Returns (lo, hi, count) from the lowest to
+    the highest occupied bin, empty bins in between included.
+    """
+    if not len(values):
+        return []
+    lo_v, hi_v = min(values), max(values)
+    span = max(hi_v - lo_v, 1e-9)
+    width = next((w for w in _NICE_WIDTHS if span / w <= max_bins), _NICE_WIDTHS[-1])
+    while span / width > max_bins:
+        width *= 2
+
+    def index(v: float) -> int:  # bin j is (threshold + (j-1)*width, threshold + j*width]
+        return math.ceil(round((v - threshold) / width, 9))
+
+    first, last = index(lo_v), index(hi_v)
+    counts = [0] * (last - first + 1)
+    for v in values:
+        counts[index(v) - first] += 1
+    return [(threshold + (first + i - 1) * width, threshold + (first + i) * width, c)
+            for i, c in enumerate(counts)]
+
+
+def histogram_lines(values, threshold: float) -> list[str]:
+    bins = histogram(values, threshold)
+    if not bins:
+        return ["  (no decode intervals)"]
+    peak = max(c for _, _, c in bins) or 1
+    lines = []
+    for lo, hi, c in bins:
+        bar = "#" * (math.ceil(c * BAR_WIDTH / peak) if c else 0)
+        mark = "  <= threshold" if hi <= threshold + 1e-9 and c else ""
+        lines.append(f"  ({lo:5.2f}, {hi:5.2f}] {c:>8} {bar}{mark}")
+    return lines
+
+
+# ------------------------------------------------------------------------------ verdict
+
+def verdict(r: ScanResult) -> str:
+    n = r.intervals
+    if not r.decode_lines:
+        return ("no 'Decode batch' lines found: is this an SGLang server log (scheduler output, "
+                "log level info)?")
+    if not n:
+        return (f"no decode interval carries 'accept len' ({r.decode_lines} decode lines): speculative "
+                "decoding is off, so this signature cannot be applied")
+    if not r.flagged:
+        return (f"clean: none of {n} decode intervals has accept len <= {r.threshold:.2f} with "
+                f"#running-req >= {r.min_running}")
+    ranks = ", ".join(f"{p or '(no prefix)'}: {s.flagged}" for p, s in sorted(r.by_prefix.items()) if s.flagged)
+    return (f"SIGNATURE FOUND: {len(r.flagged)} of {n} decode intervals have accept len <= "
+            f"{r.threshold:.2f} with #running-req >= {r.min_running} ({ranks}). Under load this is what "
+            "corrupted collective output looks like (the target model rejects the draft); check the "
+            "flagged windows against request-level output checks and run `hazsan check` on a "
+            "captured trace")
+
+
+# ------------------------------------------------------------------------------ text
+
+def _prefix_rows(r: ScanResult) -> list[list]:
+    rows = []
+    for prefix, s in sorted(r.by_prefix.items()):
+        d = s.to_dict()
+        rows.append([prefix or "(none)", d["decode_lines"], d["intervals"], d["flagged"],
+                     _f(d["accept_len_min"]), _f(d["accept_len_median"]), _f(d["accept_len_mean"])])
+    return rows
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render_text(r: ScanResult, max_lines: int = 50) -> str:
+    from tabulate import tabulate
+
+    out = [f"hazsan logscan: {len(r.files)} file(s), {r.lines} lines, {r.decode_lines} 'Decode batch' "
+           f"lines, {r.intervals} decode intervals with accept len, {r.unparsed_count} unparsed",
+           f"signature: accept len <= {r.threshold:.2f} with #running-req >= {r.min_running}", ""]
+    if r.by_prefix:
+        out.append("per rank prefix:")
+        out.append(tabulate(_prefix_rows(r), headers=["prefix", "decode lines", "intervals", "flagged",
+                                                      "accept len min", "median", "mean"],
+                            tablefmt="simple", disable_numparse=True))
+        out.append("")
+    out.append("accept-length distribution:")
+    out.extend(histogram_lines(r.accept_lens(), r.threshold))
+    if r.below_min_running:
+        out.append(f"  ({r.below_min_running} interval(s) at or below the threshold with fewer than "
+                   f"{r.min_running} running requests: not flagged)")
+    out.append("")
+    if r.flagged:
+        shown = r.flagged[:max_lines] if max_lines else r.flagged
+        out.append(f"flagged intervals ({len(shown)} of {len(r.flagged)} shown):")
+        out.append(tabulate([[f"{i.file}:{i.line}", i.time or "-", i.prefix or "(none)", f"{i.accept_len:.2f}",
+                              i.running_req, _f(i.accept_rate)] for i in shown],
+                            headers=["where", "time", "prefix", "accept len", "#running-req", "accept rate"],
+                            tablefmt="simple", disable_numparse=True))
+        out.append("")
+    if r.unparsed_count:
+        shown = r.unparsed[:max_lines] if max_lines else r.unparsed
+        out.append(f"unparsed 'Decode batch' lines ({len(shown)} of {r.unparsed_count} shown):")
+        for u in shown:
+            out.append(f"  {u.file}:{u.line}: {u.reason}")
+            if u.text:
+                out.append(f"    {u.text[:160]}")
+        out.append("")
+    out.append(f"verdict: {verdict(r)}")
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------ json
+
+def to_dict(r: ScanResult) -> dict:
+    return {
+        "intervals": r.intervals,
+        "flagged": [i.to_dict() for i in r.flagged],
+        "threshold": r.threshold,
+        "min_running": r.min_running,
+        "files": r.files,
+        "lines": r.lines,
+        "decode_lines": r.decode_lines,
+        "below_min_running": r.below_min_running,
+        "by_prefix": {p: s.to_dict() for p, s in sorted(r.by_prefix.items())},
+        "histogram": [{"lo": lo, "hi": hi, "count": c} for lo, hi, c in histogram(r.accept_lens(), r.threshold)],
+        "unparsed": r.unparsed_count,
+        "unparsed_lines": [u.to_dict() for u in r.unparsed],
+        "verdict": verdict(r),
+        "signature_found": bool(r.flagged),
+    }
+
+
+def render_json(r: ScanResult) -> str:
+    return orjson.dumps(to_dict(r), option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+# ------------------------------------------------------------------------------ html
+
+MATPLOTLIB_MISSING = ("matplotlib is not installed, so this report has no plot; "
+                      "`pip install matplotlib` and rerun for one. The terminal histogram follows.")
+
+
+def plot_png(r: ScanResult) -> bytes | None:
+    """The accept-length distribution as a PNG, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # no display on servers
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(8, 4), dpi=100)
+    ax = fig.add_subplot()
+    bins = histogram(r.accept_lens(), r.threshold)
+    if bins:
+        width = bins[0][1] - bins[0][0]
+        colors = ["#c0392b" if hi <= r.threshold + 1e-9 else "#2e86c1" for _, hi, _ in bins]
+        ax.bar([lo for lo, _, _ in bins], [c for _, _, c in bins], width=width, align="edge",
+               color=colors, edgecolor="white")
+    ax.axvline(r.threshold, color="#c0392b", linestyle="--", label=f"threshold {r.threshold:.2f}")
+    ax.set_xlabel("accept len (per decode interval)")
+    ax.set_ylabel("decode intervals")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title("SGLang accept-length distribution")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def render_html(r: ScanResult, max_lines: int = 500) -> tuple[str, bool]:
+    """The HTML report and whether it holds a plot."""
+    from tabulate import tabulate
+
+    png = plot_png(r)
+    e = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>hazsan logscan</title>",
+             "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"
+             ".bad{color:#c0392b;font-weight:bold}pre{background:#f6f6f6;padding:1em}</style></head><body>",
+             "<h1>hazsan logscan</h1>",
+             f"<p class='{'bad' if r.flagged else ''}'>Verdict: {e(verdict(r))}</p>",
+             f"<p>{len(r.files)} file(s): {e(', '.join(r.files))}. Signature: accept len &le; {r.threshold:.2f} "
+             f"with #running-req &ge; {r.min_running}.</p>",
+             "<h2>Accept-length distribution</h2>"]
+    if png is not None:
+        parts.append(f"<img alt='accept-length histogram' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    else:
+        parts.append(f"<p class='bad'>{e(MATPLOTLIB_MISSING)}</p>")
+        parts.append("<pre>" + e("\n".join(histogram_lines(r.accept_lens(), r.threshold))) + "</pre>")
+    parts.append("<h2>Per rank prefix</h2>")
+    parts.append(tabulate(_prefix_rows(r), headers=["prefix", "decode lines", "intervals", "flagged",
+                                                    "accept len min", "median", "mean"],
+                          tablefmt="html", disable_numparse=True))
+    if r.flagged:
+        parts.append(f"<h2>Flagged intervals ({min(len(r.flagged), max_lines)} of {len(r.flagged)} shown)</h2>")
+        parts.append(tabulate([[f"{i.file}:{i.line}", i.time or "-", i.prefix or "(none)", f"{i.accept_len:.2f}",
+                                i.running_req, i.text] for i in r.flagged[:max_lines]],
+                              headers=["where", "time", "prefix", "accept len", "#running-req", "line"],
+                              tablefmt="html", disable_numparse=True))
+    if r.unparsed_count:
+        parts.append(f"<h2>Unparsed 'Decode batch' lines ({r.unparsed_count})</h2><pre>")
+        parts.extend(e(f"{u.file}:{u.line}: {u.reason}\n    {u.text}\n") for u in r.unparsed[:max_lines])
+        parts.append("</pre>")
+    parts.append("</body></html>\n")
+    return "".join(parts), png is not None
