@@ -108,6 +108,9 @@ SITE = {
     "hazard_transient": "sglang/srt/layers/mhc.py:2743:mhc_combine",
 }
 
+#: The optional fields --lean leaves out (DESIGN.md section 2: all optional).
+LEAN_DROPS = ("site", "op", "shape", "dtype", "requested", "stack")
+
 HAZARD_KINDS = ("missing-record-stream", "collision", "read-before-wait", "transient-in-window")
 HAZARD_RULES = {
     "missing-record-stream": ("free-in-flight",),
@@ -195,9 +198,10 @@ class Placer:
 class TraceWriter:
     """Buffers encoded lines and writes them in large chunks; stops at exactly `limit` events."""
 
-    def __init__(self, path: Path, header: dict, limit: int, compresslevel: int | None):
+    def __init__(self, path: Path, header: dict, limit: int, compresslevel: int | None, lean: bool = False):
         self.path = path
         self.limit = limit
+        self.lean = lean
         self.stream = (gzip.open(path, "wb", compresslevel=compresslevel) if compresslevel
                        else open(path, "wb", buffering=1 << 22))
         self.buf: list[bytes] = []
@@ -215,8 +219,12 @@ class TraceWriter:
         return self.events >= self.limit
 
     def emit(self, ev: dict) -> None:
-        self.t += 900 + (self.events * 7919) % 1300   # plausible ns gaps, no RNG call per event
-        ev["t"] = self.t
+        if self.lean:
+            for key in LEAN_DROPS:
+                ev.pop(key, None)
+        else:
+            self.t += 900 + (self.events * 7919) % 1300   # plausible ns gaps, no RNG call per event
+            ev["t"] = self.t
         self.buf.append(orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE))
         self.events += 1
         if len(self.buf) >= 65536:
@@ -517,7 +525,7 @@ def plan_hazards(count: int, seed: int, events: int) -> dict:
 
 
 def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: int = 0,
-             gzip_level: int | None = None, stacks: bool = False) -> dict:
+             gzip_level: int | None = None, stacks: bool = False, lean: bool = False) -> dict:
     """Writes rank{r}.jsonl[.gz] and expected.json into `out`; returns a summary dict."""
     out.mkdir(parents=True, exist_ok=True)
     hazards = plan_hazards(inject, seed, events)
@@ -531,7 +539,7 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
         path = out / f"rank{rank}{suffix}"
         header = {"hazsan": 1, "rank": rank, "world_size": ranks, "device": f"cuda:{rank}",
                   "generator": f"benchmarks/gen_decode_trace.py v{GENERATOR_VERSION}", "seed": seed}
-        writer = TraceWriter(path, header, events, gzip_level)
+        writer = TraceWriter(path, header, events, gzip_level, lean)
         model = DecodeRank(rank, writer, seed, hazards, stacks)
         model.run()
         written = writer.close()
@@ -540,7 +548,7 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
         files.append({"file": path.name, "events": written, "bytes": path.stat().st_size})
     seconds = time.perf_counter() - start
     summary = {"generator_version": GENERATOR_VERSION, "events_per_rank": events, "ranks": ranks,
-               "seed": seed, "inject": inject, "gzip": gzip_level, "stacks": stacks, "files": files,
+               "seed": seed, "inject": inject, "gzip": gzip_level, "stacks": stacks, "lean": lean, "files": files,
                "seconds": round(seconds, 3)}
     (out / "expected.json").write_bytes(orjson.dumps({"findings": expected}, option=orjson.OPT_INDENT_2))
     (out / "meta.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
@@ -559,11 +567,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gzip", nargs="?", type=int, const=1, default=None, metavar="LEVEL",
                     help="write .jsonl.gz (compression level, default 1)")
     ap.add_argument("--stacks", action="store_true", help="give every alloc a 3-frame stack (longer lines)")
+    ap.add_argument("--lean", action="store_true",
+                    help="leave out the optional fields (t, site, op, shape, dtype, requested): shorter lines")
     args = ap.parse_args(argv)
     if args.events < 1 or args.ranks < 1:
         ap.error("--events and --ranks must be positive")
     s = generate(args.out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject,
-                 gzip_level=args.gzip, stacks=args.stacks)
+                 gzip_level=args.gzip, stacks=args.stacks, lean=args.lean)
     total = sum(f["events"] for f in s["files"])
     size = sum(f["bytes"] for f in s["files"])
     print(f"wrote {total:,} events in {len(s['files'])} file(s), {size / MiB:,.1f} MiB, to {args.out} "
