@@ -122,7 +122,7 @@ def test_malformed_line_exits_2_naming_file_and_line(tmp_path, capsys):
     ('{"ev": "alloc", "id": 1, "addr": 0, "size": 1, "stream": "s0", "pool": 0}', "which is live"),
     ('{"ev": "launch"}', "missing field 'stream'"),
     ('{"t": 5}', "missing field 'ev'"),
-    ('{"ev": "launch", "stream": "s0", "reads": [[1]]}', "list of [addr, size]"),
+    ('{"ev": "launch", "stream": "s0", "reads": [[1]]}', "lists of [addr, size]"),
 ])
 def test_contract_violations_are_malformed(tmp_path, capsys, body, needle):
     t = Trace()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 from sanitizer.order.clocks import StreamClocks, merge_into
@@ -35,6 +34,7 @@ from sanitizer.trace.reader import TraceError, TraceFile, expand_paths, open_tra
 from sanitizer.trace.schema import ACCESS_CODES, COMMON_FIELDS, EVENT_FIELDS
 
 READ, WRITE = 1, 2
+_ALLOWED = {kind: fields | COMMON_FIELDS for kind, fields in EVENT_FIELDS.items()}
 LOCAL, SUCCESSOR = "local", "successor"
 _BATCH = 4096  # events read from one rank before moving to the next
 
@@ -256,29 +256,6 @@ def _int(ev, name):
     return v
 
 
-def _ranges(ev, name):
-    """reads/writes: a list of [addr, size] pairs."""
-    v = ev.get(name)
-    if not v:
-        return ()
-    out = []
-    try:
-        for addr, size in v:
-            if type(addr) is not int or type(size) is not int:
-                raise ValueError
-            out.append((addr, addr + size))
-    except (TypeError, ValueError):
-        raise Malformed(f"field {name!r} must be a list of [addr, size] integer pairs, got {v!r}") from None
-    return out
-
-
-def _id(ev, name):
-    v = ev[name]
-    if type(v) is dict or type(v) is list:
-        raise Malformed(f"field {name!r} must be a scalar id, got {v!r}")
-    return v
-
-
 class RankAnalyzer:
     """Replays one rank's events in program order and applies the per-rank rules."""
 
@@ -309,7 +286,6 @@ class RankAnalyzer:
         self.events = 0
         self.unknown_kinds: dict[str, int] = {}
         self.unknown_fields: dict[str, int] = {}
-        self._layouts: dict[tuple, tuple] = {}
         self.unrecorded_waits = 0
         self.counted_drops = 0
         self.hook_errors = 0
@@ -329,31 +305,51 @@ class RankAnalyzer:
 
     def feed(self, line: int, ev) -> None:
         """Apply one event. Raises Malformed for a line that breaks the contract."""
-        self.line = line
-        if type(ev) is not dict:
-            raise Malformed("an event must be a JSON object")
-        kind = ev.get("ev")
-        handler = self.handlers.get(kind)
-        if handler is None:
-            if kind is None:
-                raise Malformed("missing field 'ev'")
-            self.unknown_kinds[str(kind)] = self.unknown_kinds.get(str(kind), 0) + 1
-            return
-        layout = (kind, *ev)
-        extra = self._layouts.get(layout)
-        if extra is None:
-            extra = self._layouts[layout] = tuple(
-                k for k in ev if k not in COMMON_FIELDS and k not in EVENT_FIELDS[kind])
-        if extra:
-            for k in extra:
-                self.unknown_fields[k] = self.unknown_fields.get(k, 0) + 1
-        try:
-            handler(ev, line)
-        except KeyError as exc:
-            raise Malformed(f"{kind}: missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise Malformed(f"{kind}: mistyped field ({exc})") from None
-        self.events += 1
+        problems: list = []
+        self.feed_batch(line, [ev], problems)
+        if problems:
+            raise Malformed(problems[0][1])
+
+    def feed_batch(self, first: int, items: list, problems: list) -> None:
+        """Apply a batch of parsed lines (first has line number `first`).
+
+        Lines that break the contract are appended to `problems` as (line, message) or
+        (line, TraceError) and otherwise skipped. This loop is the hot path: locals, no calls
+        beyond the handler.
+        """
+        handlers = self.handlers
+        allowed = _ALLOWED
+        line = first - 1
+        for ev in items:
+            line += 1
+            if type(ev) is not dict:
+                if ev is not None:
+                    problems.append((line, ev if isinstance(ev, TraceError) else "an event must be a JSON object"))
+                continue
+            kind = ev.get("ev")
+            handler = handlers.get(kind)
+            if handler is None:
+                if kind is None:
+                    problems.append((line, "missing field 'ev'"))
+                else:
+                    self.unknown_kinds[str(kind)] = self.unknown_kinds.get(str(kind), 0) + 1
+                continue
+            if not ev.keys() <= allowed[kind]:
+                for k in ev.keys() - allowed[kind]:
+                    self.unknown_fields[k] = self.unknown_fields.get(k, 0) + 1
+            self.line = line
+            try:
+                handler(ev, line)
+            except Malformed as exc:
+                problems.append((line, str(exc)))
+                continue
+            except KeyError as exc:
+                problems.append((line, f"{kind}: missing field {exc.args[0]!r}"))
+                continue
+            except (TypeError, ValueError) as exc:
+                problems.append((line, f"{kind}: mistyped field ({exc})"))
+                continue
+            self.events += 1
 
     # ------------------------------------------------------------------ queries
 
@@ -416,10 +412,10 @@ class RankAnalyzer:
     # ------------------------------------------------------------------ memory events
 
     def on_alloc(self, ev, line):
-        bid = _id(ev, "id")
+        bid = ev["id"]
         addr = _int(ev, "addr")
         size = _int(ev, "size")
-        stream = _id(ev, "stream")
+        stream = ev["stream"]
         pool = ev["pool"]
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
@@ -447,7 +443,7 @@ class RankAnalyzer:
             self.window_blocks.add(addr, end, block)
 
     def on_free(self, ev, line):
-        bid = _id(ev, "id")
+        bid = ev["id"]
         block = self.live.pop(bid, None)
         if block is None:
             raise Malformed(f"free of unknown or already freed id {bid!r}")
@@ -474,7 +470,7 @@ class RankAnalyzer:
                 self._transient(block, line)
 
     def on_free_done(self, ev, line):
-        bid = _id(ev, "id")
+        bid = ev["id"]
         snaps = self.pending_free.pop(bid, None)
         if snaps is None:
             if bid in self.live:
@@ -485,8 +481,8 @@ class RankAnalyzer:
         self._retire()
 
     def on_record_stream(self, ev, line):
-        bid = _id(ev, "id")
-        stream = _id(ev, "stream")
+        bid = ev["id"]
+        stream = ev["stream"]
         block = self.live.get(bid)
         if block is None:
             raise Malformed(f"record_stream of unknown or freed id {bid!r}")
@@ -499,7 +495,7 @@ class RankAnalyzer:
     def on_window(self, ev, line):
         addr = _int(ev, "addr")
         size = _int(ev, "size")
-        comm = _id(ev, "comm")
+        comm = ev["comm"]
         ordinal = self.window_ordinals.get(comm, 0)
         self.window_ordinals[comm] = ordinal + 1
         w = Window(addr, size, comm, ordinal)
@@ -513,7 +509,7 @@ class RankAnalyzer:
 
     def on_window_free(self, ev, line):
         addr = _int(ev, "addr")
-        comm = _id(ev, "comm")
+        comm = ev["comm"]
         for i, w in enumerate(self.windows):
             if w.addr == addr and w.comm == comm:
                 del self.windows[i]
@@ -530,15 +526,21 @@ class RankAnalyzer:
     # ------------------------------------------------------------------ device work
 
     def on_launch(self, ev, line):
-        stream = _id(ev, "stream")
-        reads = _ranges(ev, "reads")
-        writes = _ranges(ev, "writes")
+        stream = ev["stream"]
+        reads = ev.get("reads")
+        writes = ev.get("writes")
         if not reads and not writes:
             if not self.capturing:
                 self.clocks.enqueue(stream)
             return
-        bufs = [(lo, hi, READ) for lo, hi in reads]
-        bufs += [(lo, hi, WRITE) for lo, hi in writes]
+        try:
+            bufs = [(a, a + n, READ) for a, n in reads] if reads else []
+            if writes:
+                bufs += [(a, a + n, WRITE) for a, n in writes]
+        except (TypeError, ValueError):
+            bufs = None
+        if bufs is None or not all(type(b[0]) is int and type(b[1]) is int for b in bufs):
+            raise Malformed(f"'reads' and 'writes' must be lists of [addr, size] integer pairs, got {reads!r} / {writes!r}")
         op = Op("launch", stream, bufs, line, self.step, ev)
         if self.capturing:
             self._capture(op, stream)
@@ -546,11 +548,11 @@ class RankAnalyzer:
         self._enqueue(op)
 
     def on_coll(self, ev, line):
-        cid = _id(ev, "cid")
-        comm = _id(ev, "comm")
+        cid = ev["cid"]
+        comm = ev["comm"]
         seq = _int(ev, "seq")
         name = ev["op"]
-        stream = _id(ev, "stream")
+        stream = ev["stream"]
         raw = ev["bufs"]
         if type(raw) is not list:
             raise Malformed(f"field 'bufs' must be a list, got {raw!r}")
@@ -622,7 +624,7 @@ class RankAnalyzer:
             sc.colls.append(op)
 
     def on_coll_done(self, ev, line):
-        cid = _id(ev, "cid")
+        cid = ev["cid"]
         op = self.colls_in_flight.pop(cid, None)
         if op is None:
             if cid in self.cids:
@@ -632,14 +634,14 @@ class RankAnalyzer:
         self._retire()
 
     def on_record(self, ev, line):
-        event = _id(ev, "event")
-        stream = _id(ev, "stream")
+        event = ev["event"]
+        stream = ev["stream"]
         if not self.capturing:
             self.clocks.record(event, stream)
 
     def on_wait(self, ev, line):
-        event = _id(ev, "event")
-        stream = _id(ev, "stream")
+        event = ev["event"]
+        stream = ev["stream"]
         if not self.capturing and not self.clocks.wait(stream, event):
             self.unrecorded_waits += 1
 
@@ -690,8 +692,8 @@ class RankAnalyzer:
         (graph or self.capturing[-1]).ops.append(op)
 
     def on_graph_begin(self, ev, line):
-        gid = _id(ev, "graph")
-        stream = _id(ev, "stream")
+        gid = ev["graph"]
+        stream = ev["stream"]
         if gid in self.graphs:
             raise Malformed(f"graph_begin of graph {gid!r}, which already exists")
         g = Graph(gid, stream, line)
@@ -699,7 +701,7 @@ class RankAnalyzer:
         self.capturing.append(g)
 
     def on_graph_end(self, ev, line):
-        gid = _id(ev, "graph")
+        gid = ev["graph"]
         g = self.graphs.get(gid)
         if g is None or g not in self.capturing:
             raise Malformed(f"graph_end of graph {gid!r}, which is not being captured")
@@ -712,8 +714,8 @@ class RankAnalyzer:
         self.live_graphs.append(g)
 
     def on_graph_replay(self, ev, line):
-        gid = _id(ev, "graph")
-        stream = _id(ev, "stream")
+        gid = ev["graph"]
+        stream = ev["stream"]
         g = self.graphs.get(gid)
         if g is None or not g.live:
             raise Malformed(f"graph_replay of graph {gid!r}, which is not a captured, live graph")
@@ -727,7 +729,7 @@ class RankAnalyzer:
             self._enqueue(replay)
 
     def on_graph_free(self, ev, line):
-        gid = _id(ev, "graph")
+        gid = ev["graph"]
         g = self.graphs.pop(gid, None)
         if g is None:
             raise Malformed(f"graph_free of unknown graph {gid!r}")
@@ -912,32 +914,30 @@ def analyze(paths, *, peer_completion: str = LOCAL, lenient: bool = False,
         ranks_seen.setdefault(t.rank, str(t.path))
     matcher = CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
     analyzers = [RankAnalyzer(t, sink, matcher, peer_completion) for t in traces]
-    streams = [(a, a.trace.events()) for a in analyzers]
+    readers = [(a, a.trace.batches(_BATCH)) for a in analyzers]
     error_total = 0
     # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
-    while streams:
+    while readers:
         still = []
-        for a, it in streams:
-            batch = list(islice(it, _BATCH))
-            feed = a.feed
-            for line, ev in batch:
-                if type(ev) is TraceError:
-                    problem = ev
-                else:
-                    try:
-                        feed(line, ev)
-                        continue
-                    except Malformed as exc:
-                        problem = TraceError(a.file, line, str(exc))
+        for a, batches in readers:
+            try:
+                first, items = next(batches)
+            except StopIteration:
+                continue
+            except TraceError as exc:
+                errors.append(exc)
+                continue
+            problems: list = []
+            a.feed_batch(first, items, problems)
+            for line, problem in problems:
                 if lenient:
                     skipped += 1
-                else:
-                    error_total += 1
-                    if len(errors) < max_errors:
-                        errors.append(problem)
-            if len(batch) == _BATCH:
-                still.append((a, it))
-        streams = still
+                    continue
+                error_total += 1
+                if len(errors) < max_errors:
+                    errors.append(problem if isinstance(problem, TraceError) else TraceError(a.file, line, problem))
+            still.append((a, batches))
+        readers = still
     matcher.finish()
     events = 0
     drops = hook_errors = 0

@@ -11,6 +11,7 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from itertools import islice
 from typing import Iterator
 
 import orjson
@@ -44,33 +45,51 @@ class TraceFile:
         return self.header.get("rank", 0)
 
     def events(self) -> Iterator[tuple[int, object]]:
-        """Yield (line_no, parsed JSON or a TraceError for a line that is not JSON).
+        """Yield (line_no, parsed event, or a TraceError for a line that is not JSON)."""
+        for first, items in self.batches():
+            for line_no, item in enumerate(items, first):
+                if item is not None:
+                    yield line_no, item
 
-        A last line without its newline that does not parse is what a killed process leaves:
-        it becomes a warning (`truncated`), never an error.
+    def batches(self, size: int = 4096) -> Iterator[tuple[int, list]]:
+        """Yield (line_no of the first item, [parsed event or TraceError, ...]) in file order.
+
+        Parsing a batch in one comprehension is the fast path; a batch with a bad line is parsed
+        again line by line. A last line without its newline that does not parse is what a killed
+        process leaves: it becomes a warning (`truncated`), never an error. Blank lines are skipped
+        but keep their line numbers (an item `None`).
         """
         stream = self._stream
         if stream is None:
             raise RuntimeError("trace already consumed")
         self._stream = None
         loads = orjson.loads
-        line_no = 1
+        lines = _tolerant_lines(self, stream) if isinstance(stream, gzip.GzipFile) else stream
+        first = 2
         try:
-            for line_no, raw in enumerate(stream, 2):
+            while True:
+                raws = list(islice(lines, size))
+                if not raws:
+                    return
                 try:
-                    yield line_no, loads(raw)
-                except orjson.JSONDecodeError as exc:
-                    if not raw.endswith(b"\n"):
-                        self._truncate(line_no)
-                        return
-                    if not raw.strip():
-                        continue  # blank lines carry nothing; tolerate them
-                    yield line_no, TraceError(self.path, line_no, f"not JSON: {exc}")
-        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-            # A .gz cut short (killed writer): whatever came before is good.
-            self._truncate(line_no + 1, f"compressed stream ends early: {exc}")
+                    items = [loads(raw) for raw in raws]
+                except orjson.JSONDecodeError:
+                    items = []
+                    for i, raw in enumerate(raws):
+                        try:
+                            items.append(loads(raw))
+                        except orjson.JSONDecodeError as exc:
+                            if not raw.endswith(b"\n"):
+                                self._truncate(first + i)
+                                break
+                            if raw.strip():
+                                items.append(TraceError(self.path, first + i, f"not JSON: {exc}"))
+                            else:
+                                items.append(None)
+                yield first, items
+                first += len(raws)
         except OSError as exc:
-            raise TraceError(self.path, line_no + 1, f"read error: {exc}") from exc
+            raise TraceError(self.path, first, f"read error: {exc}") from exc
         finally:
             stream.close()
 
@@ -82,6 +101,16 @@ class TraceFile:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+
+
+def _tolerant_lines(trace: TraceFile, stream):
+    """Lines of a gzip stream; one cut short (killed writer) ends with a truncation warning."""
+    line_no = 1
+    try:
+        for line_no, raw in enumerate(stream, 2):
+            yield raw
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        trace._truncate(line_no + 1, f"compressed stream ends early: {exc}")
 
 
 def open_trace(path: str | os.PathLike) -> TraceFile:
