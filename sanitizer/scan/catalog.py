@@ -24,11 +24,16 @@ DEFAULT_ALLOC = (
 # One copy or cast (or the view it starts from): what becomes a collective's input.
 DEFAULT_COPY = (
     "torch.cat", "torch.concat", "torch.concatenate", "torch.stack", "torch.clone",
-    "torch.transpose", "torch.permute", "torch.movedim", "torch.t", "torch.reshape", "torch.flatten",
-    "torch.nn.functional.pad",
+    "torch.reshape", "torch.flatten", "torch.nn.functional.pad",
     ".contiguous", ".to", ".clone", ".copy_", ".float", ".half", ".bfloat16", ".double", ".int",
-    ".long", ".bool", ".byte", ".type", ".type_as", ".cuda", ".transpose", ".t", ".permute",
-    ".movedim", ".reshape", ".flatten",
+    ".long", ".bool", ".byte", ".type", ".type_as", ".cuda", ".reshape", ".flatten",
+)
+
+# Transposes count as copies (they set up the copy that follows) but are views themselves:
+# they allocate nothing, and the tensor they return shares its receiver's storage.
+DEFAULT_VIEW_COPIES = (
+    "torch.transpose", "torch.permute", "torch.movedim", "torch.t", "torch.swapaxes",
+    ".transpose", ".t", ".permute", ".movedim", ".swapaxes", ".swapdims", ".mT",
 )
 
 # Metadata, views, Python built-ins, logging: no device allocation at all.
@@ -46,10 +51,13 @@ DEFAULT_NEUTRAL = (
     "torch.compiler.is_compiling", "torch._dynamo.is_compiling",
     "triton.cdiv", "triton.next_power_of_2", "math.*", "logging.*", "logger.*", "warnings.warn",
     "functools.partial", "dataclasses.replace", "os.environ.get", "os.getenv",
+    "torch.as_strided", "torch.narrow", "torch.squeeze", "torch.unsqueeze", "torch.split",
+    "torch.chunk", "torch.unbind", "torch.view_as_real", "torch.view_as_complex", "torch.select",
     ".size", ".stride", ".dim", ".ndimension", ".numel", ".nelement", ".element_size", ".data_ptr",
     ".is_contiguous", ".storage_offset", ".get_device", ".untyped_storage", ".view", ".view_as",
     ".squeeze", ".unsqueeze", ".expand", ".expand_as", ".narrow", ".select", ".unbind", ".split",
-    ".chunk", ".as_strided", ".unflatten", ".detach", ".item", ".tolist", ".record_stream",
+    ".chunk", ".as_strided", ".unflatten", ".detach", ".item", ".unsqueeze_", ".squeeze_",
+    ".as_strided_", ".resize_as_", ".set_", ".tolist", ".record_stream",
     ".wait_stream", ".append", ".extend", ".pop", ".get", ".items", ".keys", ".values", ".update",
     ".setdefault", ".format", ".join", ".startswith", ".endswith", ".debug", ".info", ".warning",
     ".error", ".exception", ".tag", ".__enter__", ".__exit__",
@@ -63,6 +71,7 @@ class CallCatalog:
     alloc: tuple[str, ...] = DEFAULT_ALLOC
     copy: tuple[str, ...] = DEFAULT_COPY
     neutral: tuple[str, ...] = DEFAULT_NEUTRAL
+    views: tuple[str, ...] = DEFAULT_VIEW_COPIES
     compute: tuple[str, ...] = ()  # forced compute: beats every other table
     _exact: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _globs: list[tuple[str, str]] = field(default_factory=list, init=False, repr=False)
@@ -70,7 +79,7 @@ class CallCatalog:
     def __post_init__(self) -> None:
         # Later tables override earlier ones; `compute` entries win (a user forcing a name).
         for kind, names in ((NEUTRAL, self.neutral), (ALLOC, self.alloc), (COPY, self.copy),
-                            (COMPUTE, self.compute)):
+                            (COPY, self.views), (COMPUTE, self.compute)):
             for name in names:
                 if any(c in name for c in "*?["):
                     self._globs.append((name, kind))
@@ -78,8 +87,14 @@ class CallCatalog:
                     self._exact[name] = kind
 
     def extended(self, alloc=(), copy=(), neutral=(), compute=()) -> "CallCatalog":
-        return CallCatalog(self.alloc + tuple(alloc), self.copy + tuple(copy),
-                           self.neutral + tuple(neutral), self.compute + tuple(compute))
+        return CallCatalog(alloc=self.alloc + tuple(alloc), copy=self.copy + tuple(copy),
+                           neutral=self.neutral + tuple(neutral), views=self.views,
+                           compute=self.compute + tuple(compute))
+
+    def is_view(self, name: str) -> bool:
+        """A qualified name or ``.method`` that returns a view (no allocation)."""
+        return (name in self.views or name in VIEW_FUNCTIONS
+                or (name.startswith(".") and name[1:] in VIEW_METHODS))
 
     def function_kind(self, qualified: str) -> str | None:
         """Kind of a function reached through a module (or a builtin); None when unlisted."""
@@ -101,6 +116,17 @@ class CallCatalog:
             if fnmatch.fnmatchcase(name, pattern):
                 found = kind  # last match wins, so `compute` globs override
         return found
+
+
+# Neutral methods that return a view of (or the same storage as) their receiver.
+VIEW_METHODS = frozenset({
+    "view", "view_as", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "unbind",
+    "split", "chunk", "as_strided", "unflatten", "detach", "unsqueeze_", "squeeze_", "as_strided_",
+})
+VIEW_FUNCTIONS = frozenset({
+    "torch.as_strided", "torch.narrow", "torch.squeeze", "torch.unsqueeze", "torch.split",
+    "torch.chunk", "torch.unbind", "torch.view_as_real", "torch.view_as_complex", "torch.select",
+})
 
 
 def is_inplace_method(name: str) -> bool:

@@ -1,0 +1,84 @@
+"""`hazsan scan PATH...`: static scan of Python sources for symmetric-memory scopes (DESIGN.md 5)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+HELP = "static scan of Python sources for symmetric-memory scopes that may hold transients"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="Python files or directories (parsed with ast; nothing is imported or run)")
+    parser.add_argument("--format", choices=("text", "json", "markdown"), default="text")
+    parser.add_argument("--scope", action="append", default=[], metavar="NAME",
+                        help="another callable that opens a scope (repeatable); a bare name matches "
+                             "any callee ending in it, a dotted name the resolved qualified name")
+    parser.add_argument("--no-default-scopes", action="store_true",
+                        help="use only the scopes given by --scope / --config")
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML or JSON settings (scopes, depth, guard_keywords, exclude, calls)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="how many levels of helpers defined in the tree to follow (default 3)")
+    parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                        help="skip files whose path relative to PATH matches (repeatable)")
+    parser.add_argument("--allow", action="append", default=[], metavar="FILE",
+                        help="allow-list of accepted compute scopes: FILE:LINE or FILE:FUNCTION and a reason")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="schema-1 trace file or directory: mark scopes that placed transients in a window")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
+    parser.add_argument("--title", default="hazsan scan", help="markdown title")
+    parser.add_argument("--command-line", metavar="TEXT",
+                        help="the command to print as 'regenerate with' (default: this invocation)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sanitizer.scan.allow import AllowList, AllowListError
+    from sanitizer.scan.config import ConfigError, ScanConfig
+    from sanitizer.scan.render import render_json, render_markdown, render_text
+    from sanitizer.scan.scanner import Scanner
+
+    roots = [Path(p) for p in args.paths]
+    for root in roots:
+        if not root.exists():
+            print(f"hazsan scan: {root}: no such file or directory", file=sys.stderr)
+            return 2
+        if root.is_file() and root.suffix != ".py":
+            print(f"hazsan scan: {root}: not a Python file", file=sys.stderr)
+            return 2
+    try:
+        config = ScanConfig.build(args.config, args.scope, args.no_default_scopes, args.depth, args.exclude)
+        allow = AllowList.load(args.allow)
+    except (ConfigError, AllowListError) as exc:
+        print(f"hazsan scan: {exc}", file=sys.stderr)
+        return 2
+    result = Scanner(config, allow).run(roots)
+    result.command = args.command_line or "hazsan scan " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    if args.trace:
+        from sanitizer.scan.runtime import RuntimeMatcher
+        from sanitizer.trace.reader import TraceError
+        try:
+            RuntimeMatcher.from_path(args.trace).apply(result)
+        except TraceError as exc:
+            print(f"hazsan scan: {exc}", file=sys.stderr)
+            return 2
+    if args.format == "json":
+        text = render_json(result)
+    elif args.format == "markdown":
+        text = render_markdown(result, args.title)
+    else:
+        text = render_text(result)
+    if args.output:
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(f"hazsan scan: {args.output}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    else:
+        sys.stdout.write(text)
+    for p in result.problems:
+        print(f"hazsan scan: warning: {p.file}:{p.line or '-'}: {p.message}", file=sys.stderr)
+    return 1 if result.failing else 0

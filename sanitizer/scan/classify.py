@@ -1,0 +1,348 @@
+"""Classifying what a scope's body allocates.
+
+The algorithm, in one place:
+
+1. Every call in the body (not inside nested defs/lambdas, not inside nested scopes, which are
+   reported on their own) gets a kind from its resolved callee: `neutral` (metadata, views,
+   built-ins), `alloc` (an output allocation: torch.empty & co.), `copy` (one copy or cast:
+   .contiguous(), .to(), torch.cat, transposes, copy_), or `compute` (everything else: torch ops,
+   kernel launches, sub-module calls, and every callee it cannot resolve).
+2. A callee defined in the scanned tree is followed, to `depth` levels, and takes the kind of its
+   own body (compute if anything in it computes or leaves a transient behind).
+3. An allocating call is an output when its result outlives the region (bound to a name used
+   after the scope / returned by the helper / stored in an attribute, a container or an `out=`);
+   otherwise it is a transient: freed inside the window without being handed on.
+4. The scope is `compute` when any call computes or any allocation is a transient, else `copy`
+   when any call copies, else `alloc`.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, KIND_RANK, NEUTRAL, CallCatalog,
+                                    is_inplace_method)
+from sanitizer.scan.resolve import Func, Resolver, Target, Where, own_nodes
+from sanitizer.scan.scopes import ScopeSite
+
+STORE_METHODS = frozenset({"append", "extend", "insert", "setdefault", "update", "add", "put"})
+VIEW_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
+
+
+@dataclass
+class CallRecord:
+    callee: str                  # as written
+    file: str
+    line: int
+    kind: str                    # alloc / copy / compute
+    transient: bool              # may leave an allocation behind in the window
+    reason: str
+    resolved: bool = True        # False: counted as compute because nothing better was known
+    helper: str | None = None    # "qualname (file:line)" of a followed tree function
+    inner: list["CallRecord"] = field(default_factory=list)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # followed helpers' (file, first, last)
+
+    def as_dict(self) -> dict:
+        d = {"call": self.callee, "file": self.file, "line": self.line, "kind": self.kind,
+             "transient": self.transient, "reason": self.reason, "resolved": self.resolved}
+        if self.helper:
+            d["helper"] = self.helper
+        if self.inner:
+            d["inner"] = [r.as_dict() for r in self.inner]
+        return d
+
+
+@dataclass
+class Summary:
+    kind: str
+    records: list[CallRecord]
+
+
+def region_class(records: list[CallRecord]) -> str:
+    if any(r.kind == COMPUTE or r.transient for r in records):
+        return COMPUTE
+    if any(r.kind == COPY for r in records):
+        return COPY
+    return ALLOC
+
+
+class BodyClassifier:
+    def __init__(self, resolver: Resolver, catalog: CallCatalog, depth: int, scope_nodes: set[int]):
+        self.resolver = resolver
+        self.catalog = catalog
+        self.depth = depth
+        self.scope_nodes = scope_nodes      # ids of With nodes that are scope sites themselves
+        self._summaries: dict[tuple[int, int], Summary] = {}
+        self._in_progress: set[int] = set()
+
+    # -- entry points -----------------------------------------------------------------------
+    def scope_records(self, site: ScopeSite) -> tuple[list[CallRecord], list[int]]:
+        """Records for a scope body, and the lines of the scopes nested in it."""
+        escapes = _scope_escapes(site, self.catalog)
+        nested: list[int] = []
+        records = self._records(site.body, site.where, escapes, self.depth, nested)
+        return records, nested
+
+    def function_summary(self, func: Func, remaining: int) -> Summary:
+        key = (id(func.node), remaining)
+        cached = self._summaries.get(key)
+        if cached is not None:
+            return cached
+        if id(func.node) in self._in_progress:   # recursion: judged by the outer activation
+            return Summary(NEUTRAL, [])
+        self._in_progress.add(id(func.node))
+        try:
+            records = self._records(func.node.body, Where(func.module, func),
+                                    _function_escapes(func.node, self.catalog), remaining, [])
+        finally:
+            self._in_progress.discard(id(func.node))
+        kind = NEUTRAL
+        for r in records:
+            kind = max(kind, COMPUTE if r.transient else r.kind, key=KIND_RANK.__getitem__)
+        summary = Summary(kind, records)
+        self._summaries[key] = summary
+        return summary
+
+    # -- the walk ---------------------------------------------------------------------------
+    def _records(self, body, where: Where, escapes: set[str], remaining: int,
+                 nested: list[int]) -> list[CallRecord]:
+        records = []
+        for call in self._calls(body, nested):
+            rec = self._categorize(call, where, escapes, remaining)
+            if rec is not None:
+                records.append(rec)
+        records.sort(key=lambda r: r.line)
+        return records
+
+    def _calls(self, body, nested: list[int]):
+        stack = list(reversed(body))
+        while stack:
+            node = stack.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                continue
+            if isinstance(node, (ast.With, ast.AsyncWith)) and id(node) in self.scope_nodes:
+                nested.append(node.lineno)
+                continue
+            if isinstance(node, ast.Call):
+                yield node
+            stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+    def _categorize(self, call: ast.Call, where: Where, escapes: set[str],
+                    remaining: int) -> CallRecord | None:
+        target = self.resolver.resolve_call(call, where)
+        followed: list[Func] = []
+        kind, allocates, reason, resolved, helper, inner = self._kind_of(target, remaining, followed)
+        spans = [(f.module.rel, f.node.lineno, f.node.end_lineno or f.node.lineno) for f in followed]
+        if kind == NEUTRAL:
+            return None
+        if kind == COMPUTE:
+            transient = True
+        else:
+            transient = allocates and _fate(call, where.module, escapes, self.catalog) == "transient"
+            if transient:
+                reason += "; its result is freed inside the scope (a transient)"
+        return CallRecord(target.text, where.module.rel, call.lineno, kind, transient, reason,
+                          resolved, helper, inner, spans)
+
+    def _kind_of(self, target: Target, remaining: int, followed: list[Func]):
+        """(kind, allocates, reason, resolved, helper, inner records); `followed` gets the
+        tree functions whose bodies were read."""
+        cat = self.catalog
+        if target.launch:
+            return COMPUTE, True, "kernel launch", True, None, []
+        if target.qualified:
+            kind = cat.function_kind(target.qualified)
+            if kind is not None:
+                allocates = kind in (ALLOC, COPY) and not cat.is_view(target.qualified)
+                return kind, allocates, f"{kind}: {target.qualified}", True, None, []
+        funcs = target.funcs
+        if target.is_class is not None and not funcs:
+            cls = target.is_class
+            if cls.is_plain_record:
+                return NEUTRAL, False, "", True, None, []
+            funcs = self.resolver.find_method(cls, "__init__")
+            if not funcs:
+                return (COMPUTE, True, f"unresolved: constructs {cls.qualname}, whose __init__ is "
+                        "outside the scanned tree", False, None, [])
+        if funcs:
+            names = ", ".join(sorted({f"{f.qualname} ({f.where})" for f in funcs}))
+            if remaining <= 0:
+                return (COMPUTE, True, f"not followed: helper depth limit {self.depth} reached",
+                        False, names, [])
+            kind, inner = NEUTRAL, []
+            followed.extend(funcs)
+            for f in funcs:
+                s = self.function_summary(f, remaining - 1)
+                kind = max(kind, s.kind, key=KIND_RANK.__getitem__)
+                inner += s.records
+            allocates = kind in (ALLOC, COPY)
+            reason = {COMPUTE: "helper computes", COPY: "helper copies", ALLOC: "helper allocates",
+                      NEUTRAL: ""}[kind]
+            return kind, allocates, reason, True, names, inner
+        if target.method:
+            kind = cat.method_kind(target.method)
+            if kind is not None:
+                allocates = (kind in (ALLOC, COPY) and not is_inplace_method(target.method)
+                             and not cat.is_view("." + target.method))
+                return kind, allocates, f"{kind}: .{target.method}()", True, None, []
+            return (COMPUTE, True, f"unresolved: method .{target.method}() on an object of unknown type",
+                    False, None, [])
+        if target.qualified and "." in target.qualified and target.attribute_call:
+            # `envs.FLAG.get()`: an imported object, not a module function: judge by the method
+            kind = cat.method_kind(target.qualified.rsplit(".", 1)[1])
+            if kind is not None and not target.qualified.startswith(("torch.", "triton.")):
+                method = target.qualified.rsplit(".", 1)[1]
+                allocates = (kind in (ALLOC, COPY) and not is_inplace_method(method)
+                             and not cat.is_view("." + method))
+                return kind, allocates, f"{kind}: .{method}()", True, None, []
+        if target.qualified:
+            root = target.qualified.split(".")[0]
+            if root in ("torch", "triton", "tl", "numpy", "np", "flashinfer", "deep_gemm"):
+                return COMPUTE, True, f"op: {target.qualified}", True, None, []
+            where = "outside the scanned tree" if "." in target.qualified else "not defined in the scanned tree"
+            return COMPUTE, True, f"unresolved: {target.qualified} ({where})", False, None, []
+        return COMPUTE, True, f"unresolved: {target.unresolved or 'unknown callee'}", False, None, []
+
+
+# -- where a result goes ---------------------------------------------------------------------
+def _fate(call: ast.Call, module, escapes: set[str], catalog: CallCatalog) -> str:
+    """'output' when the allocation outlives the region, else 'transient'."""
+    node: ast.AST = call
+    while True:
+        parent = module.parent(node)
+        if parent is None:
+            return "transient"
+        if isinstance(parent, ast.Attribute) and parent.value is node:
+            grand = module.parent(parent)
+            if isinstance(grand, ast.Call) and grand.func is parent:
+                m = parent.attr
+                if is_inplace_method(m) or catalog.is_view("." + m):
+                    node = grand  # same storage flows on
+                    continue
+                if m in STORE_METHODS:
+                    return "transient"  # x.append(...) on the result: odd; be conservative
+                return "transient"      # consumed by another op (e.g. .float().contiguous())
+            if parent.attr in VIEW_ATTRS:
+                node = parent
+                continue
+            return "transient"          # only metadata read (e.g. .shape): the block is dropped
+        if isinstance(parent, (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Starred, ast.BoolOp,
+                               ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            node = parent
+            continue
+        if isinstance(parent, ast.IfExp) and node is not parent.test:
+            node = parent
+            continue
+        if isinstance(parent, ast.Subscript) and parent.value is node:
+            node = parent
+            continue
+        if isinstance(parent, ast.keyword):
+            return "output" if parent.arg == "out" else "transient"
+        if isinstance(parent, ast.Call):
+            f = parent.func
+            if isinstance(f, ast.Attribute) and f.attr in STORE_METHODS:
+                return "output"         # outputs.append(torch.empty(...))
+            return "transient"          # an argument of another op
+        if isinstance(parent, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+            targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+            return "output" if any(_target_escapes(t, escapes) for t in targets) else "transient"
+        if isinstance(parent, (ast.Return, ast.Yield, ast.YieldFrom)):
+            return "output"
+        if isinstance(parent, (ast.withitem, ast.For, ast.AsyncFor, ast.comprehension)):
+            return "output"  # handed to a context manager / iterated: not judged here
+        return "transient"
+
+
+def _target_escapes(target: ast.expr, escapes: set[str]) -> bool:
+    if isinstance(target, ast.Name):
+        return target.id in escapes
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return any(_target_escapes(t, escapes) for t in target.elts)
+    if isinstance(target, ast.Starred):
+        return _target_escapes(target.value, escapes)
+    return True  # attribute or subscript: stored somewhere that outlives the region
+
+
+def _fresh_call(call: ast.Call, catalog: CallCatalog) -> bool:
+    """A call whose result is a new tensor that holds no reference to its inputs."""
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        text = ast.unparse(func)
+        if text.startswith(("torch.", "F.")):
+            return not catalog.is_view(text if text.startswith("torch.") else "torch.nn.functional." + func.attr)
+        kind = catalog.method_kind(func.attr)
+        return kind in (ALLOC, COPY) and not is_inplace_method(func.attr) and not catalog.is_view("." + func.attr)
+    return False
+
+
+def _referenced_names(expr: ast.AST | None, catalog: CallCatalog) -> set[str]:
+    """Names whose objects the value of `expr` may keep alive (a view, a container, a wrapper).
+
+    Stops at calls known to return fresh tensors (torch ops, copies, allocations): their inputs
+    can die while the result lives on. Unknown calls (constructors, helpers) may keep their
+    arguments, so their arguments count.
+    """
+    out: set[str] = set()
+    stack = [expr] if expr is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Call):
+            if not _fresh_call(node, catalog):
+                stack.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, (ast.BinOp, ast.UnaryOp, ast.Compare, ast.Lambda, ast.JoinedStr)):
+            continue  # arithmetic makes new tensors; comparisons make bools
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _escaping_names(region_nodes: list[ast.AST], seed: set[str], catalog: CallCatalog) -> set[str]:
+    """Names whose objects outlive a region: `seed` (used after it), plus whatever is returned,
+    yielded, stored in an attribute/subscript/container or declared global inside it, closed
+    over assignments to names that escape."""
+    escapes = set(seed)
+    assigns = []
+    for node in region_nodes:
+        if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)):
+            escapes |= _referenced_names(node.value, catalog)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            escapes.update(node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in STORE_METHODS:
+            for arg in node.args:
+                escapes |= _referenced_names(arg, catalog)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+            assigns.append(node)
+    changed = True
+    while changed:
+        changed = False
+        for node in assigns:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_target_escapes(t, escapes) for t in targets):
+                new = _referenced_names(node.value, catalog) - escapes
+                if new:
+                    escapes |= new
+                    changed = True
+    return escapes
+
+
+def _function_escapes(node, catalog: CallCatalog) -> set[str]:
+    return _escaping_names(list(own_nodes(node.body)), set(), catalog)
+
+
+def _scope_escapes(site: ScopeSite, catalog: CallCatalog) -> set[str]:
+    """Names whose objects outlive the scope body (used after it in the enclosing function, or
+    handed on inside it)."""
+    first, last = site.body_span
+    if site.where.func is None:
+        outside = {n.id for n in own_nodes(site.module.tree.body) if isinstance(n, ast.Name)}
+    else:
+        outside = {n.id for n in own_nodes(site.where.func.node.body)
+                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                   and not (first <= n.lineno <= last)}
+    body_nodes = [n for s in site.body for n in own_nodes([s])]
+    return _escaping_names(body_nodes, outside, catalog)

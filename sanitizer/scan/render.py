@@ -1,0 +1,183 @@
+"""Text (for people), JSON (for tools) and Markdown (for reports) renderings of a ScanResult."""
+from __future__ import annotations
+
+import orjson
+
+from sanitizer.scan.scanner import ScanResult, ScopeReport
+
+CLASS_ORDER = ("compute", "copy", "alloc")
+CLASS_MEANING = {
+    "compute": "runs ops, kernels or unknown code inside the window: transients may land there",
+    "copy": "one copy or cast that becomes a collective's input",
+    "alloc": "only output allocations",
+}
+
+
+def render_json(result: ScanResult) -> str:
+    return orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+def _call_lines(records, indent: str, limit: int = 12) -> list[str]:
+    out: list[str] = []
+
+    def walk(recs, pad, budget):
+        for r in recs:
+            if len(out) >= budget:
+                out.append(f"{pad}...")
+                return
+            mark = "!" if r.transient else " "
+            where = f"{r.file}:{r.line}"
+            helper = f" -> {r.helper}" if r.helper else ""
+            out.append(f"{pad}{mark} {r.kind:7} {r.callee}  [{where}] {r.reason}{helper}")
+            walk(_telling(r.inner), pad + "    ", budget)
+
+    walk(records, indent, limit)
+    return out
+
+
+def _weight(r) -> int:
+    """How much a record explains: a resolved op or kernel, a transient, a helper, then guesses."""
+    if r.kind == "compute" and r.resolved and not r.helper:
+        return 0
+    if r.transient and r.kind != "compute":
+        return 1
+    if r.helper and r.resolved:
+        return 2
+    return 3
+
+
+def _telling(records, limit: int = 4):
+    """The inner records worth showing under a helper: the most explanatory first."""
+    interesting = [i for i in records if i.kind == "compute" or i.transient] or list(records)
+    return sorted(interesting, key=lambda r: (_weight(r), r.line))[:limit]
+
+
+def _status(s: ScopeReport) -> str:
+    if s.disabled:
+        return "statically disabled"
+    if s.allowed is not None:
+        return f"allowed ({s.allowed.source}: {s.allowed.reason})"
+    return "NOT ALLOWED" if s.failing else ""
+
+
+def _runtime_line(s: ScopeReport) -> str | None:
+    rt = s.runtime
+    if rt is None:
+        return None
+    if rt["transients"]:
+        return (f"runtime: {rt['transients']} transient(s) placed in a window, {rt['bytes']} bytes "
+                f"(sites: {', '.join(rt['sites'][:4])})")
+    return f"runtime: entered {rt['entered']} time(s); no transient placed in a window"
+
+
+def render_text(result: ScanResult) -> str:
+    lines: list[str] = []
+    summ = result.summary()
+    bc = summ["by_class"]
+    lines.append(f"hazsan scan: {summ['scopes']} scope(s) in {summ['files']} file(s) "
+                 f"({summ['files_parsed']} parsed): {bc['compute']} compute, {bc['copy']} copy, "
+                 f"{bc['alloc']} alloc; {summ['failing']} compute scope(s) not allowed")
+    for klass in CLASS_ORDER:
+        group = [s for s in result.scopes if s.klass == klass]
+        if not group:
+            continue
+        lines.append("")
+        lines.append(f"== {klass} ({len(group)}): {CLASS_MEANING[klass]}")
+        for s in group:
+            lines.append("")
+            status = _status(s)
+            lines.append(f"{s.file}:{s.line}  in {s.function}  [{s.scope} via {s.entered}"
+                         f"{' / ' + ' / '.join(s.via) if s.via else ''}]" + (f"  {status}" if status else ""))
+            if s.guard:
+                lines.append(f"  guard: {s.guard}")
+            if s.pool:
+                lines.append(f"  pool: {s.pool}")
+            if s.parent:
+                lines.append(f"  nested in the scope at line {s.parent}")
+            rt = _runtime_line(s)
+            if rt:
+                lines.append(f"  {rt}")
+            if klass != "alloc":
+                for no, text in s.snippet:
+                    lines.append(f"  {no:6} | {text}")
+                if s.end_line > s.snippet[-1][0] if s.snippet else False:
+                    lines.append(f"  {'':6} | ... (to line {s.end_line})")
+            lines += _call_lines(s.records, "  ")
+    if result.problems:
+        lines.append("")
+        lines.append(f"== files not scanned ({len(result.problems)})")
+        for p in result.problems:
+            lines.append(f"{p.file}:{p.line or '-'}: {p.message}")
+    if result.allow_unused:
+        lines.append("")
+        lines.append("== allow-list entries that matched nothing")
+        for e in result.allow_unused:
+            lines.append(f"{e.source}: {e.pattern}")
+    if result.runtime is not None:
+        rt = result.runtime
+        lines.append("")
+        lines.append(f"== runtime ({rt['files']} trace file(s)): {rt['transients']} transient(s) in a window, "
+                     f"{rt['attributed']} attributed to a scope, {rt['unattributed']} not")
+        for site in rt.get("unattributed_sites", [])[:10]:
+            lines.append(f"  unattributed: {site}")
+        for w in rt.get("warnings", [])[:10]:
+            lines.append(f"  warning: {w}")
+    return "\n".join(lines) + "\n"
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def render_markdown(result: ScanResult, title: str = "hazsan scan") -> str:
+    summ = result.summary()
+    bc = summ["by_class"]
+    out = [f"# {title}", ""]
+    if result.command:
+        out += [f"Regenerate with: `{result.command}`", ""]
+    out += [f"{summ['scopes']} scopes in {summ['files']} files ({summ['files_parsed']} parsed, "
+            f"helpers followed to depth {summ['depth']}): **{bc['compute']} compute**, {bc['copy']} copy, "
+            f"{bc['alloc']} alloc. {summ['failing']} compute scopes are not on the allow-list; "
+            f"{summ['allowed']} are; {summ['statically_disabled']} are statically disabled. "
+            f"Files not scanned: {len(result.problems)}.", ""]
+    out += ["| class | meaning |", "|---|---|"]
+    out += [f"| {k} | {CLASS_MEANING[k]} |" for k in CLASS_ORDER]
+    out += [""]
+    for klass in CLASS_ORDER:
+        group = [s for s in result.scopes if s.klass == klass]
+        if not group:
+            continue
+        out += [f"## {klass} ({len(group)})", ""]
+        out += ["| scope | function | entered | guard | transient / compute calls | status |",
+                "|---|---|---|---|---|---|"]
+        for s in group:
+            calls = [r for r in s.records if r.kind == "compute" or r.transient]
+            shown = "; ".join(_md_escape(_chain(r)) for r in calls[:4])
+            if len(calls) > 4:
+                shown += f"; +{len(calls) - 4} more"
+            entered = s.entered + (" / " + " / ".join(s.via) if s.via else "")
+            out.append(f"| `{s.file}:{s.line}` | `{_md_escape(s.function)}` | {_md_escape(entered)} | "
+                       f"{'`' + _md_escape(s.guard) + '`' if s.guard else ''} | {shown} | "
+                       f"{_md_escape(_status(s))} |")
+        out.append("")
+        if klass == "compute":
+            for s in group:
+                out += [f"### `{s.file}:{s.line}` ({_md_escape(s.function)})", ""]
+                rt = _runtime_line(s)
+                if rt:
+                    out += [f"*{rt}*", ""]
+                out += ["```python"] + [f"{no:6} | {text}" for no, text in s.snippet] + ["```", ""]
+                out += ["```"] + _call_lines(s.records, "") + ["```", ""]
+    if result.problems:
+        out += ["## Files not scanned", ""]
+        out += [f"- `{p.file}:{p.line or '-'}`: {_md_escape(p.message)}" for p in result.problems]
+        out.append("")
+    return "\n".join(out)
+
+
+def _chain(r) -> str:
+    text = f"{r.callee} ({r.reason})"
+    inner = _telling(r.inner, 1)
+    if inner:
+        text += " -> " + _chain(inner[0])
+    return text

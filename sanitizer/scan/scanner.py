@@ -1,0 +1,248 @@
+"""`hazsan scan`: find the scopes, classify them, apply the allow-list; the result as data."""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sanitizer.scan.allow import AllowEntry, AllowList
+from sanitizer.scan.classify import BodyClassifier, CallRecord, region_class
+from sanitizer.scan.config import ScanConfig
+from sanitizer.scan.resolve import Resolver
+from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
+from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree
+
+SNIPPET_LINES = 12
+
+
+@dataclass
+class ScopeReport:
+    file: str
+    line: int
+    end_line: int
+    function: str
+    scope: str                       # configured name matched
+    call: str                        # the scope call as written
+    entered: str                     # with / async with / ExitStack.enter_context
+    via: list[str]
+    guard: str | None
+    disabled: bool                   # statically disabled (disabled=True): never in the window
+    klass: str
+    records: list[CallRecord]
+    nested: list[int]
+    parent: int | None
+    pool: str | None
+    symmetric: bool | None
+    snippet: list[tuple[int, str]]
+    body_span: tuple[int, int]
+    path: Path                       # the file on disk (for matching trace sites)
+    allowed: AllowEntry | None = None
+    runtime: dict | None = None
+
+    @property
+    def failing(self) -> bool:
+        return self.klass == "compute" and not self.disabled and self.allowed is None
+
+    def as_dict(self) -> dict:
+        d = {
+            "file": self.file, "line": self.line, "end_line": self.end_line,
+            "function": self.function, "class": self.klass,
+            "calls": [r.as_dict() for r in self.records],
+            "guard": self.guard, "disabled": self.disabled,
+            "scope": self.scope, "scope_call": self.call, "entered": self.entered, "via": self.via,
+            "nested": self.nested, "parent": self.parent,
+            "pool": self.pool, "symmetric": self.symmetric,
+            "transients": [f"{r.callee} ({r.file}:{r.line})" for r in _flat(self.records) if r.transient
+                           and not r.inner],
+            "unresolved": sum(1 for r in _flat(self.records) if not r.resolved),
+            "allowed": ({"entry": self.allowed.pattern, "reason": self.allowed.reason,
+                         "source": self.allowed.source} if self.allowed else None),
+            "failing": self.failing,
+        }
+        if self.runtime is not None:
+            d["runtime"] = self.runtime
+        return d
+
+
+def _flat(records):
+    for r in records:
+        yield r
+        yield from _flat(r.inner)
+
+
+@dataclass
+class ScanResult:
+    scopes: list[ScopeReport]
+    problems: list[SourceProblem]
+    files_total: int
+    files_parsed: int
+    depth: int
+    scope_names: tuple[str, ...]
+    allow_unused: list[AllowEntry] = field(default_factory=list)
+    runtime: dict | None = None
+    command: str | None = None
+
+    @property
+    def failing(self) -> list[ScopeReport]:
+        return [s for s in self.scopes if s.failing]
+
+    def by_class(self) -> dict[str, int]:
+        out = {"compute": 0, "copy": 0, "alloc": 0}
+        for s in self.scopes:
+            out[s.klass] += 1
+        return out
+
+    def summary(self) -> dict:
+        d = {
+            "files": self.files_total, "files_parsed": self.files_parsed,
+            "scopes": len(self.scopes), "by_class": self.by_class(),
+            "failing": len(self.failing),
+            "allowed": sum(1 for s in self.scopes if s.allowed is not None),
+            "statically_disabled": sum(1 for s in self.scopes if s.disabled),
+            "syntax_errors": sum(1 for p in self.problems if p.message.startswith("syntax error")),
+            "unreadable": sum(1 for p in self.problems if not p.message.startswith("syntax error")),
+            "depth": self.depth, "scope_names": list(self.scope_names),
+            "allow_unused": [f"{e.source}: {e.pattern}" for e in self.allow_unused],
+        }
+        if self.command:
+            d["command"] = self.command
+        if self.runtime is not None:
+            d["runtime"] = self.runtime
+        return d
+
+    def as_dict(self) -> dict:
+        return {"scopes": [s.as_dict() for s in self.scopes],
+                "errors": [p.as_dict() for p in self.problems],
+                "summary": self.summary()}
+
+
+class Scanner:
+    def __init__(self, config: ScanConfig, allow: AllowList | None = None):
+        self.config = config
+        self.allow = allow or AllowList([])
+
+    def run(self, roots: list[Path]) -> ScanResult:
+        tree = SourceTree(roots, self.config.exclude)
+        resolver = Resolver(tree)
+        matcher = ScopeMatcher(resolver, self.config.scopes)
+        modules = self._candidates(tree, matcher)
+        sites = self._sites(modules, matcher)
+        classifier = BodyClassifier(resolver, self.config.catalog, self.config.depth,
+                                    {id(s.node) for s in sites if not isinstance(s.node, ast.Call)})
+        reports = [self._report(site, classifier) for site in sites]
+        _link_nesting(reports)
+        for r in reports:
+            if r.klass == "compute" and not r.disabled:
+                r.allowed = self.allow.accept(r.file, r.line, r.function)
+        reports.sort(key=lambda r: (r.file, r.line))
+        return ScanResult(reports, sorted(tree.problems, key=lambda p: (p.file, p.line or 0)),
+                          len(tree.files), tree.parsed_count, self.config.depth, self.config.scopes,
+                          self.allow.unused())
+
+    # -- steps ------------------------------------------------------------------------------
+    @staticmethod
+    def _candidates(tree: SourceTree, matcher: ScopeMatcher) -> list[ModuleInfo]:
+        """Files that can enter a scope: they mention a scope name or a helper that hands one out.
+
+        A cheap text pre-filter, repeated while new scope-returning helpers turn up (their
+        names become tokens too), keeps a scan of a large tree to the files that matter.
+        """
+        modules: list[ModuleInfo] = []
+        taken: set[int] = set()
+        seen_tokens: set[str] = set()
+        while True:
+            tokens = matcher.text_tokens()
+            new = {t.encode() for t in tokens - seen_tokens}
+            if tokens and not new:
+                break
+            seen_tokens |= tokens
+            added = []
+            for sf in tree.files:
+                if id(sf) in taken:
+                    continue
+                if tokens:
+                    data = tree.read_bytes(sf)
+                    if not any(t in data for t in new):
+                        continue
+                taken.add(id(sf))
+                info = tree.parse(sf)
+                if info is not None:
+                    added.append(info)
+            modules += added
+            grew = matcher.discover_factories(modules)
+            if not tokens or not grew:
+                break
+        while matcher.discover_factories(modules):  # helpers of helpers within these files
+            pass
+        return modules
+
+    @staticmethod
+    def _sites(modules: list[ModuleInfo], matcher: ScopeMatcher) -> list[ScopeSite]:
+        sites, seen = [], set()
+        for module in modules:
+            for site in matcher.sites(module):
+                if id(site.node) in seen:
+                    continue  # `with a(), b():` both scopes: one report for the block
+                seen.add(id(site.node))
+                sites.append(site)
+        return sites
+
+    def _report(self, site: ScopeSite, classifier: BodyClassifier) -> ScopeReport:
+        records, nested = classifier.scope_records(site)
+        m = site.match
+        guard_parts, disabled = [], False
+        for kw in m.call.keywords:
+            if kw.arg in self.config.guard_keywords:
+                guard_parts.append(f"{kw.arg}={_one_line(kw.value)}")
+                if isinstance(kw.value, ast.Constant) and kw.value.value is True:
+                    disabled = True
+        guard_parts += m.conditions
+        pool, symmetric = _pool(m)
+        first = site.line
+        last = site.body_span[1]
+        snippet_end = min(last, first + SNIPPET_LINES - 1)
+        snippet = list(zip(range(first, snippet_end + 1), site.module.lines(first, snippet_end)))
+        return ScopeReport(
+            file=site.module.rel, line=site.line, end_line=last, function=site.where.qualname,
+            scope=m.scope, call=_one_line(m.call), entered=site.entered, via=m.via,
+            guard="; ".join(guard_parts) or None, disabled=disabled,
+            klass=region_class(records), records=records, nested=sorted(set(nested)), parent=None,
+            pool=pool, symmetric=symmetric, snippet=snippet, body_span=site.body_span,
+            path=site.module.source.path)
+
+
+def _pool(m) -> tuple[str | None, bool | None]:
+    if "use_mem_pool" in m.scope:
+        arg = m.call.args[0] if m.call.args else next(
+            (k.value for k in m.call.keywords if k.arg == "pool"), None)
+        text = _one_line(arg) if arg is not None else None
+        low = (text or "").lower()
+        symmetric = True if ("symm" in low or "nccl" in low) else None
+        return text, symmetric
+    if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext"):
+        return None, True
+    return None, None
+
+
+def _link_nesting(reports: list[ScopeReport]) -> None:
+    by_file: dict[str, list[ScopeReport]] = {}
+    for r in reports:
+        by_file.setdefault(r.file, []).append(r)
+    for group in by_file.values():
+        for r in group:
+            best = None
+            for outer in group:
+                if outer is r:
+                    continue
+                lo, hi = outer.body_span
+                if lo <= r.line <= hi and (best is None or outer.body_span[0] >= best.body_span[0]):
+                    best = outer
+            if best is not None:
+                r.parent = best.line
+                if r.line not in best.nested:
+                    best.nested = sorted(best.nested + [r.line])
+
+
+def _one_line(node: ast.AST, limit: int = 120) -> str:
+    text = " ".join(ast.unparse(node).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
