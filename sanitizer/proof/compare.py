@@ -1,0 +1,170 @@
+"""Stock vs fixed: the measures, their statistics and the verdict.
+
+Measures (each a count k of n units per side):
+
+| name | unit | k counts |
+|---|---|---|
+| `steps` | decode step | steps with a finding of any per-event rule on any rank |
+| `steps_realised` | decode step | steps with an error-severity finding (reuse-in-flight: the realised collision, ...) |
+| `requests` | request (outcomes files on both sides) | requests with a finding on their rank in their steps |
+| `corrupted` | request (outcomes files on both sides) | requests whose output differed from the reference |
+
+The verdict: the fix is *confirmed* (exit 0) when both
+1. the fixed side is clean: no finding at or above `fail_on` (transient-in-window and findings
+   outside any step included), no corrupted request, and a complete capture (no dropped events,
+   hook errors, skipped lines or cut-short traces, which would make "zero" meaningless); and
+2. the difference is significant: Fisher's exact test, one-sided (stock rate higher), on the
+   primary measure gives p < alpha.
+Otherwise exit 1. The statistics for every measure are reported either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sanitizer.proof.run import RunEvidence
+from sanitizer.proof.stats import FisherResult, Rate, fisher
+from sanitizer.rules.findings import ERROR, RULES
+
+MEASURES: dict[str, str] = {
+    "steps": "decode steps with any finding",
+    "steps_realised": "decode steps with a realised hazard (error)",
+    "requests": "requests with a finding in their steps",
+    "corrupted": "corrupted requests (output check)",
+}
+
+
+@dataclass
+class Measure:
+    name: str
+    description: str
+    stock: Rate
+    fixed: Rate
+    test: FisherResult
+
+
+def _rate(side: RunEvidence, name: str) -> Rate | None:
+    if name == "steps":
+        return Rate(len(side.affected_steps()), len(side.steps))
+    if name == "steps_realised":
+        return Rate(len(side.affected_steps((ERROR,))), len(side.steps))
+    if side.requests is None:
+        return None
+    if name == "requests":
+        return Rate(sum(r.affected for r in side.requests), len(side.requests))
+    return Rate(len(side.corrupted), len(side.requests))
+
+
+@dataclass
+class Comparison:
+    stock: RunEvidence
+    fixed: RunEvidence
+    primary: str = "steps"
+    alpha: float = 0.05
+    fail_on: str = "warning"
+
+    def __post_init__(self):
+        if self.primary not in MEASURES:
+            raise ValueError(f"unknown measure {self.primary!r}")
+        if not 0 < self.alpha < 1:
+            raise ValueError("alpha must be between 0 and 1")
+        self.measures: list[Measure] = []
+        for name, desc in MEASURES.items():
+            s, f = _rate(self.stock, name), _rate(self.fixed, name)
+            if s is not None and f is not None:
+                self.measures.append(Measure(name, desc, s, f, fisher(s, f)))
+
+    @property
+    def confidence(self) -> float:
+        return 1 - self.alpha
+
+    def measure(self, name: str) -> Measure | None:
+        return next((m for m in self.measures if m.name == name), None)
+
+    # --- the two conditions -------------------------------------------------------------
+    def fixed_problems(self) -> list[str]:
+        """Why the fixed side is not clean; empty when it is."""
+        f = self.fixed
+        out = []
+        n = f.findings_at_or_above(self.fail_on)
+        if n:
+            rules = ", ".join(f"{r} {c}" for r, c in sorted(f.by_rule.items())
+                              if RULES.get(r, (ERROR,))[0] in ((ERROR,) if self.fail_on == ERROR else (ERROR, "warning")))
+            out.append(f"{n} finding(s) at or above {self.fail_on} ({rules})")
+        if f.corrupted:
+            out.append(f"{len(f.corrupted)} corrupted request(s)")
+        out.extend(f.capture_incomplete)
+        return out
+
+    @property
+    def fixed_clean(self) -> bool:
+        return not self.fixed_problems()
+
+    @property
+    def primary_measure(self) -> Measure | None:
+        return self.measure(self.primary)
+
+    @property
+    def significant(self) -> bool:
+        m = self.primary_measure
+        return bool(m and m.test.p_one_sided is not None and m.test.p_one_sided < self.alpha)
+
+    @property
+    def confirmed(self) -> bool:
+        return self.fixed_clean and self.significant
+
+    def exit_code(self) -> int:
+        return 0 if self.confirmed else 1
+
+    # --- sensitivity: was every corruption announced by a finding? ------------------------
+    @staticmethod
+    def precedence(side: RunEvidence) -> dict | None:
+        if side.requests is None:
+            return None
+        bad = side.corrupted
+        missed = [r for r in bad if r.preceded_at is None]
+        return {
+            "corrupted": len(bad),
+            "preceded": len(bad) - len(missed),
+            "preceded_on_any_rank": sum(r.preceded_any_rank_at is not None for r in bad),
+            "not_preceded": [r.outcome.request for r in missed],
+            "every_corrupted_preceded": not missed,
+            "max_lag_steps": max((r.outcome.step - r.preceded_at for r in bad if r.preceded_at is not None), default=None),
+        }
+
+    def verdict_text(self) -> str:
+        m = self.primary_measure
+        parts = []
+        if m is None:
+            parts.append(f"primary measure {self.primary!r} unavailable (needs outcomes.jsonl on both sides)")
+        if self.confirmed:
+            ub = m.fixed.upper_bound(self.confidence)
+            r3 = m.fixed.rule_of_three()
+            head = (f"FIX CONFIRMED: fixed side clean, 0 of {m.fixed.n} {m.description}"
+                    f" (rate < {_pct(r3 if r3 is not None else ub)} by the rule of three; exact one-sided "
+                    f"{self.confidence:.0%} bound {_pct(ub)}); stock {m.stock.k} of {m.stock.n}; "
+                    f"Fisher one-sided p = {_p(m.test.p_one_sided)}")
+            parts.insert(0, head)
+        else:
+            parts.insert(0, "FIX NOT CONFIRMED")
+            problems = self.fixed_problems()
+            if problems:
+                parts.append("fixed side not clean: " + "; ".join(problems))
+            if m is not None and not self.significant:
+                parts.append(f"difference in {m.description} not significant at alpha {self.alpha:g}: "
+                             f"stock {m.stock.k} of {m.stock.n}, fixed {m.fixed.k} of {m.fixed.n}, "
+                             f"Fisher one-sided p = {_p(m.test.p_one_sided)}")
+        prec = self.precedence(self.stock)
+        if prec and prec["corrupted"]:
+            parts.append(f"stock: {prec['preceded']} of {prec['corrupted']} corrupted requests preceded by a finding "
+                         f"on their rank" + ("" if prec["every_corrupted_preceded"] else
+                                             f" (not: {', '.join(map(str, prec['not_preceded'][:10]))})"))
+        return parts[0] + (": " + "; ".join(parts[1:]) if len(parts) > 1 and not self.confirmed else
+                           "".join(f"; {p}" for p in parts[1:]))
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4%}" if v < 0.001 else f"{v:.2%}"
+
+
+def _p(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
