@@ -67,7 +67,9 @@ def _runtime_line(s: ScopeReport) -> str | None:
     if rt["transients"]:
         return (f"runtime: {rt['transients']} transient(s) placed in a window, {rt['bytes']} bytes "
                 f"(sites: {', '.join(rt['sites'][:4])})")
-    return f"runtime: entered {rt['entered']} time(s); no transient placed in a window"
+    if rt["entered"]:
+        return f"runtime: entered {rt['entered']} time(s) with a site; no transient placed in a window"
+    return None
 
 
 def render_text(result: ScanResult) -> str:
@@ -94,6 +96,8 @@ def render_text(result: ScanResult) -> str:
                 lines.append(f"  pool: {s.pool}")
             if s.parent:
                 lines.append(f"  nested in the scope at line {s.parent}")
+            if s.nested:
+                lines.append(f"  holds nested scope(s) at line(s) {', '.join(map(str, s.nested))}, reported separately")
             rt = _runtime_line(s)
             if rt:
                 lines.append(f"  {rt}")
