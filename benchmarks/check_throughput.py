@@ -170,6 +170,20 @@ def time_hazsan_sample(sample: Path, peer_completion: str, repeats: int) -> tupl
     return Timing.best(runs), result
 
 
+def time_parse_floor(sample: Path, repeats: int) -> Timing:
+    """Reading the sample's lines and orjson.loads on each, nothing else: what any Python reader of
+    this format pays before an engine does any work."""
+
+    def parse():
+        loads = orjson.loads
+        with open(sample, "rb", buffering=1 << 20) as fh:
+            fh.readline()
+            for line in fh:
+                loads(line)
+
+    return Timing.best([timed(parse)[0] for _ in range(repeats)])
+
+
 def profile_hazsan_sample(sample: Path, peer_completion: str, top: int) -> str:
     from sanitizer.rules.engine import analyze
 
@@ -404,6 +418,9 @@ def main(argv=None) -> int:
         print(f"-- the first {n:,} events of rank 0, in this process, best of {args.repeats} by CPU time")
         print(f"   hazsan analyze(): {hz.cpu:.3f} s CPU ({hz.wall:.3f} s wall), {hz.cpu / n * 1e6:.3f} us/event "
               f"({n / hz.cpu:,.0f} events/s; reading and parsing included), findings {len(hz_result.findings)}")
+        floor = time_parse_floor(sample_path, args.repeats)
+        print(f"   for reference, reading + orjson.loads alone: {floor.cpu / n * 1e6:.3f} us/event "
+              f"({n / floor.cpu:,.0f} events/s), {floor.cpu / hz.cpu * 100:.0f}% of analyze()")
         if not args.skip_csan:
             import torch
 
