@@ -123,19 +123,46 @@ def test_symmetric_scope_places_blocks_in_the_window_and_check_sees_transients(t
     assert analyze([tmp_path / "out"]).summary["by_rule"].get("transient-in-window") == 1
 
 
-def test_window_registered_after_allocation_covers_the_model_segment(tmp_path):
+def test_symmetric_pool_segments_are_windows_input_registrations_replaced(tmp_path):
     ev = [
         {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"},
         {"ev": "alloc", "id": 1, "addr": 7_000_000, "size": 8192, "stream": 0},
+        {"ev": "alloc", "id": 2, "addr": 9_000_000, "size": 3 * MB, "stream": 0},
         {"ev": "scope", "name": "symm", "enter": False},
-        {"ev": "window", "addr": 7_000_000, "size": 8192, "comm": "tp"},
+        {"ev": "window", "addr": 7_000_000, "size": 8192, "comm": "tp"},     # SGLang at scope exit
         {"ev": "window_free", "addr": 7_000_000, "comm": "tp"},
+        {"ev": "alloc", "id": 3, "addr": 7_000_000, "size": 64, "stream": 0},
     ]
-    header, out = place(tmp_path, ev)
-    seg = next(e for e in out if e["ev"] == "segment")
-    win = next(e for e in out if e["ev"] == "window")
-    assert (win["addr"], win["size"]) == (seg["addr"], seg["size"]) == (allocs(out)[1]["addr"], 2 * MB)
-    assert next(e for e in out if e["ev"] == "window_free")["addr"] == win["addr"]
+    _, out = place(tmp_path, ev)
+    kinds = [e["ev"] for e in out]
+    assert kinds == ["scope", "segment", "window", "alloc", "segment", "window", "alloc", "scope",
+                     "segment", "alloc"]
+    segs = [e for e in out if e["ev"] == "segment"]
+    wins = [e for e in out if e["ev"] == "window"]
+    assert [(w["addr"], w["size"], w["comm"]) for w in wins] == [(s["addr"], s["size"], "tp") for s in segs[:2]]
+    assert [s["size"] for s in segs] == [2 * MB, 20 * MB, 2 * MB] and segs[2]["pool"] == "default"
+    a = allocs(out)
+    assert a[1]["addr"] == wins[0]["addr"] and a[2]["addr"] == wins[1]["addr"]
+
+
+def test_preallocated_symmetric_segment_is_made_and_carved(tmp_path):
+    # SGLang's SGLANG_SYMM_MEM_PREALLOC_GB_SIZE: a big segment in the pool, registered, no alloc
+    ev = [
+        {"ev": "alloc", "id": "w", "addr": 50, "size": 4096, "stream": 1},
+        {"ev": "segment", "addr": 1 << 32, "size": 64 * MB, "pool": "symm"},
+        {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"},
+        {"ev": "scope", "name": "symm", "enter": False},
+        {"ev": "window", "addr": 1 << 32, "size": 64 * MB, "comm": "tp"},
+        {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"},
+        {"ev": "alloc", "id": "big", "addr": (1 << 32) + 4096, "size": 12 * MB, "stream": 1},
+        {"ev": "scope", "name": "symm", "enter": False},
+    ]
+    _, out = place(tmp_path, ev)
+    wins = [e for e in out if e["ev"] == "window"]
+    assert len(wins) == 1 and wins[0]["size"] == 64 * MB
+    big = allocs(out)["big"]
+    assert big["addr"] == wins[0]["addr"]               # carved from the cached preallocation
+    assert sum(e["ev"] == "segment" for e in out) == 2  # default 2 MiB + the preallocation
 
 
 def test_no_split_scope_and_graph_pool(tmp_path):

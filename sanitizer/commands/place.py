@@ -13,8 +13,12 @@ allocator (2.4-2.14) places it, and a `segment` event precedes the first allocat
 segment; the files keep their names. Absolute addresses come from a deterministic fake driver (real
 cudaMalloc addresses are not ordered): offsets within segments and windows are what match a GPU.
 Allocations inside a `scope` that names a pool go to that pool; a scope with `comm` makes the pool
-symmetric (segments from ncclMemAlloc, or carved from that communicator's window when the window was
-declared first); `no_split: true` on the scope (or --no-split) makes a no_split pool. A block freed
+symmetric: its segments come from ncclMemAlloc (a second address space) and each is registered as a
+window of that communicator when made, as SGLang does (input registrations of such segments are
+replaced; a segment registered before anything landed in it is a preallocation and is made too);
+when the communicator's window was declared before anything was placed (an arena, as in the CPU
+testbed), the pool's segments are carved from it instead. `no_split: true` on the scope (or
+--no-split) makes a no_split pool (torch symmetric memory). A block freed
 after record_stream stays unavailable until its free_done. PYTORCH_CUDA_ALLOC_CONF keys that change
 placement are honoured; unmodelled ones (expandable_segments:True, backend:cudaMallocAsync, ...) are
 refused. Then run `hazsan check DIR`."""
@@ -78,8 +82,10 @@ def run(args) -> int:
             pools = ", ".join(f"{n} ({v['kind']}{', no_split' if v['no_split'] else ''}, {v['source']})"
                               for n, v in stats.pools.items()) or "default only"
             print(f"{f.name}: {stats.allocs} allocs placed in {stats.segments} segments; "
-                  f"pools: {pools}; windows: {stats.windows_arena} arena, {stats.windows_registered} "
-                  f"registered; {stats.foreign_buffers} buffer refs outside any block"
+                  f"pools: {pools}; windows: {stats.windows_arena} arena, {stats.windows_synthesized} "
+                  f"per symmetric segment ({stats.windows_replaced} input registrations replaced, "
+                  f"{stats.preallocated} preallocated), {stats.windows_registered} other registrations; "
+                  f"{stats.foreign_buffers} buffer refs outside any block"
                   + (f"; {stats.dropped_segment_events} input segment events replaced"
                      if stats.dropped_segment_events else ""))
     if not args.quiet:

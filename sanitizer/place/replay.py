@@ -9,13 +9,17 @@ Rules (also in `hazsan place --help`):
   when it is not the default; else the graph pool while a `graph_begin` capture is open
   (graph_begin's `pool`, or "graph:<id>"); else the default pool. Streams stay as recorded.
 - A pool bound to a communicator (its scope has `comm`) is fed by a pluggable allocator
-  (ncclMemAlloc): its segments come from a second address space, or from that communicator's
-  window when one was declared before anything was placed in it (an arena; window offsets =
-  addr - window base). A scope with `no_split: true` (or --no-split POOL) makes a no_split pool,
-  as torch symmetric memory's MemPool(no_split=True).
-- A `window` over input blocks that already exist is a registration of those blocks' segments
-  (SGLang registers each ncclMemAlloc segment): it becomes the hull of the model segments holding
-  them. A `window` over nothing placed yet is an arena, placed in a window address space.
+  (ncclMemAlloc): its segments come from a second address space and every new one is registered
+  as a window of the communicator at once (a `window` event after its `segment`), as SGLang's
+  allocator does. Input windows that register such segments are replaced by these. An input
+  segment that is registered before any allocation landed in it is SGLang's preallocation
+  (SGLANG_SYMM_MEM_PREALLOC_GB_SIZE): the model allocates and drops a block of that size in the
+  pool, so the pool caches a segment that size, registered likewise.
+- A `window` declared before anything was placed in it is an arena (the CPU symmetric-memory
+  testbed): the communicator's pools carve their segments from it, window offset = addr - base.
+  A `window` over other existing blocks becomes the hull of the model segments holding them.
+- A scope with `no_split: true` (or --no-split POOL) makes a no_split pool, as torch symmetric
+  memory's MemPool(no_split=True).
 - A buffer address maps through the input block that contains it (same offset within the block),
   also after that block was freed (a stale pointer stays stale); else through an arena window;
   memory the allocator never handed out (weights made before tracing, ...) moves to a separate
@@ -60,6 +64,9 @@ class PlaceStats:
     foreign_buffers: int = 0
     windows_arena: int = 0
     windows_registered: int = 0
+    preallocated: int = 0
+    windows_synthesized: int = 0
+    windows_replaced: int = 0
     pools: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
 
@@ -164,6 +171,9 @@ class RankPlacer:
         self.windows: dict = {}                # (input addr, comm) -> model addr
         self._window_cursor = WINDOW_BASE
         self._pluggable_cursor = DEFAULT_PLUGGABLE_BASE
+        self.pending_segments: dict = {}       # input segment addr -> (size, pool, line), no alloc yet
+        self.last_stream = 0                   # the stream of the latest alloc ("current stream")
+        self._replaced_windows: set = set()    # input windows the model's own registrations replace
 
     # ---- helpers ------------------------------------------------------------------------
     def _err(self, line, msg):
@@ -240,10 +250,27 @@ class RankPlacer:
         yield from handler(line, ev)
 
     def _ev_segment(self, line, ev):
+        # The model makes its own segments. One kind of input segment matters, though: a segment
+        # no allocation lands in before it is registered as a window, i.e. SGLang's symmetric
+        # pool preallocation (torch.empty(N GiB) in the pool, dropped at once). Remember it until
+        # an allocation lands in it (then it was an ordinary segment) or a window claims it.
         self.stats.dropped_segment_events += 1
+        addr, size = ev.get("addr"), ev.get("size")
+        if isinstance(addr, int) and isinstance(size, int) and size > 0:
+            self.pending_segments[addr] = (size, ev.get("pool"), line)
+            if len(self.pending_segments) > 64:
+                self.pending_segments.pop(next(iter(self.pending_segments)))
         return iter(())
 
-    _ev_segment_free = _ev_segment
+    def _ev_segment_free(self, line, ev):
+        self.stats.dropped_segment_events += 1
+        self.pending_segments.pop(ev.get("addr"), None)
+        return iter(())
+
+    def _claim_pending(self, addr: int) -> None:
+        for start, (size, _pool, _line) in list(self.pending_segments.items()):
+            if start <= addr < start + size:
+                del self.pending_segments[start]
 
     def _ev_scope(self, line, ev):
         enter = ev.get("enter")
@@ -287,6 +314,9 @@ class RankPlacer:
         self.freed.discard(bid)
         pool = self._pool_for(ev)
         self._ensure_pool(pool)
+        self.last_stream = stream
+        if self.pending_segments:
+            self._claim_pending(addr)
         try:
             block = self.alloc.malloc(size, stream, pool)
         except OutOfMemory as exc:
@@ -295,19 +325,26 @@ class RankPlacer:
         self.blocks[bid] = block
         self.input_start[bid] = addr
         self.inputs.add(addr, addr + max(size, 1), block)
-        for seg in self._new_segments:
-            self.stats.segments += 1
-            out = {"ev": "segment", "addr": seg.addr, "size": seg.size, "pool": seg.pool}
-            for k in ("t", "step"):
-                if k in ev:
-                    out[k] = ev[k]
-            yield out
-        self._new_segments.clear()
+        yield from self._flush_segments(ev)
         out = dict(ev)
         out["addr"] = block.addr
         out["pool"] = pool
         out["segment"] = block.segment.addr
         yield out
+
+    def _flush_segments(self, ev):
+        extra = {k: ev[k] for k in ("t", "step") if k in ev}
+        for seg in self._new_segments:
+            self.stats.segments += 1
+            yield {"ev": "segment", "addr": seg.addr, "size": seg.size, "pool": seg.pool, **extra}
+            comm = self.pool_comm.get(seg.pool)
+            if comm is not None and not isinstance(seg.source, _ArenaChain):
+                # SGLang's allocator registers every ncclMemAlloc segment as a window of the
+                # group's communicator (ncclCommWindowRegister in nccl_alloc_plug; 0.5.2x does it
+                # at scope exit): the window is the segment
+                self.stats.windows_synthesized += 1
+                yield {"ev": "window", "addr": seg.addr, "size": seg.size, "comm": comm, **extra}
+        self._new_segments.clear()
 
     def _block(self, line, ev):
         bid = ev.get("id")
@@ -372,32 +409,66 @@ class RankPlacer:
         size = self._field(ev, "size", line)
         comm = ev.get("comm")
         covered = self.inputs.overlapping_live(addr, addr + size)
+        pre = self.pending_segments.pop(addr, None)
+        if not covered and pre is not None:
+            # registration of a preallocated segment: allocate and drop a block of its size in
+            # its pool (what the preallocation did), so that the pool caches a segment that size
+            psize, pname, _ = pre
+            pname = str(pname) if pname not in _DEFAULT_NAMES else DEFAULT_POOL
+            if pname not in self.alloc.pools and comm is not None:
+                self.pool_comm.setdefault(pname, comm)
+            self._ensure_pool(pname)
+            try:
+                blk = self.alloc.malloc(psize, self.last_stream, pname)
+            except OutOfMemory as exc:
+                raise self._err(line, f"cannot place the preallocated segment of pool {pname!r}: {exc}") from None
+            seg = blk.segment
+            self.alloc.free(blk)
+            self.stats.preallocated += 1
+            synthesized = self.stats.windows_synthesized
+            yield from self._flush_segments(ev)
+            if self.stats.windows_synthesized > synthesized:
+                self._replaced_windows.add((addr, comm))   # the model registered it itself
+                self.windows[(addr, comm)] = (seg.addr, size)
+                return
+            self.stats.windows_registered += 1
+            self.windows[(addr, comm)] = (seg.addr, size)
+            yield {**ev, "addr": seg.addr, "size": seg.size}
+            return
         if covered:
-            # registration of existing segments: the hull of their model segments
             segs = {id(e[4].segment): e[4].segment for e in covered}.values()
+            self.windows[(addr, comm)] = (min(s.addr for s in segs), size)
+            if all(self.pool_comm.get(s.pool) == comm and not isinstance(s.source, _ArenaChain)
+                   for s in segs):
+                # registration of segments of a symmetric pool: the model registered its own
+                # segments when it made them; this input window is replaced
+                self._replaced_windows.add((addr, comm))
+                self.stats.windows_replaced += 1
+                return
+            # registration of other memory: the hull of the model segments holding it
             lo = min(s.addr for s in segs)
             hi = max(s.end for s in segs)
             self.stats.windows_registered += 1
-            self.windows[(addr, comm)] = (lo, size)
-            out = {**ev, "addr": lo, "size": hi - lo}
-        else:
-            base = (self._window_cursor + (2 << 20) - 1) & ~((2 << 20) - 1)
-            self._window_cursor = base + size + (2 << 20)
-            arena = Arena(base=base, capacity=size, name=f"window[{comm}]@{addr:#x}", comm=comm)
-            self.arenas.setdefault(comm, []).append(arena)
-            self.windows[(addr, comm)] = (base, size)
-            self.stats.windows_arena += 1
-            # pools of this comm created before the window keep their source; note it
-            for pname, c in self.pool_comm.items():
-                if c == comm and pname in self.alloc.pools:
-                    self.stats.notes.append(
-                        f"{self.path}:{line}: window for comm {comm!r} declared after pool {pname!r} "
-                        "already had segments; that pool keeps its ncclMemAlloc address space")
-            out = {**ev, "addr": base}
-        yield out
+            yield {**ev, "addr": lo, "size": hi - lo}
+            return
+        base = (self._window_cursor + (2 << 20) - 1) & ~((2 << 20) - 1)
+        self._window_cursor = base + size + (2 << 20)
+        arena = Arena(base=base, capacity=size, name=f"window[{comm}]@{addr:#x}", comm=comm)
+        self.arenas.setdefault(comm, []).append(arena)
+        self.windows[(addr, comm)] = (base, size)
+        self.stats.windows_arena += 1
+        for pname, c in self.pool_comm.items():
+            if c == comm and pname in self.alloc.pools:
+                self.stats.notes.append(
+                    f"{self.path}:{line}: window for comm {comm!r} declared after pool {pname!r} "
+                    "already had segments; that pool keeps its ncclMemAlloc address space")
+        yield {**ev, "addr": base}
 
     def _ev_window_free(self, line, ev):
         addr = ev.get("addr")
+        if (addr, ev.get("comm")) in self._replaced_windows:
+            self._replaced_windows.discard((addr, ev.get("comm")))
+            return
         model = self.windows.get((addr, ev.get("comm")))
         out = dict(ev)
         if model is not None:
