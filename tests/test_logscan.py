@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -216,7 +215,7 @@ def test_unreadable_input_exits_2_naming_the_file(tmp_path, capsys, make):
     assert str(target) in err
 
 
-def test_stdin(tmp_path):
+def test_stdin():
     proc = subprocess.run([sys.executable, "-m", "sanitizer", "logscan", "--format", "json", "-"],
                           input=(LOGS / "sglang_old_scheduler.log").read_bytes(), capture_output=True, timeout=60)
     assert proc.returncode == 1, proc.stderr

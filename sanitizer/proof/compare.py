@@ -138,11 +138,12 @@ class Comparison:
             parts.append(f"primary measure {self.primary!r} unavailable (needs outcomes.jsonl on both sides)")
         if self.confirmed:
             ub = m.fixed.upper_bound(self.confidence)
-            r3 = m.fixed.rule_of_three()
-            head = (f"FIX CONFIRMED: fixed side clean, 0 of {m.fixed.n} {m.description}"
-                    f" (rate < {_pct(r3 if r3 is not None else ub)} by the rule of three; exact one-sided "
-                    f"{self.confidence:.0%} bound {_pct(ub)}); stock {m.stock.k} of {m.stock.n}; "
-                    f"Fisher one-sided p = {_p(m.test.p_one_sided)}")
+            # The rule of three is the 95 % bound; at other levels only the exact bound is quoted.
+            r3 = m.fixed.rule_of_three() if abs(self.confidence - 0.95) < 1e-9 else None
+            bound = (f"rate < {_pct(r3)} by the rule of three; exact one-sided 95% bound {_pct(ub)}"
+                     if r3 is not None else f"exact one-sided {self.confidence:.0%} bound {_pct(ub)}")
+            head = (f"FIX CONFIRMED: fixed side clean, 0 of {m.fixed.n} {m.description} ({bound}); "
+                    f"stock {m.stock.k} of {m.stock.n}; Fisher one-sided {_p_clause(m.test.p_one_sided)}")
             parts.insert(0, head)
         else:
             parts.insert(0, "FIX NOT CONFIRMED")
@@ -152,7 +153,7 @@ class Comparison:
             if m is not None and not self.significant:
                 parts.append(f"difference in {m.description} not significant at alpha {self.alpha:g}: "
                              f"stock {m.stock.k} of {m.stock.n}, fixed {m.fixed.k} of {m.fixed.n}, "
-                             f"Fisher one-sided p = {_p(m.test.p_one_sided)}")
+                             f"Fisher one-sided {_p_clause(m.test.p_one_sided)}")
         prec = self.precedence(self.stock)
         if prec and prec["corrupted"]:
             parts.append(f"stock: {prec['preceded']} of {prec['corrupted']} corrupted requests preceded by a finding "
@@ -166,5 +167,12 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.4%}" if v < 0.001 else f"{v:.2%}"
 
 
+def _p_clause(v: float | None) -> str:
+    text = _p(v)
+    return f"p {text}" if text.startswith("<") else f"p = {text}"
+
+
 def _p(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3g}"
+    if v is None:
+        return "-"
+    return "< 1e-300" if v == 0 else f"{v:.3g}"  # 0.0 is an underflow, not a probability

@@ -40,7 +40,7 @@ class OutcomeError(Exception):
         super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     request: int | str
     step: int
@@ -48,7 +48,7 @@ class Outcome:
     rank: int | None = None
     first_step: int | None = None
     line: int = 0
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    extra: dict = field(default_factory=dict)
 
     @property
     def steps(self) -> tuple[int, int]:

@@ -116,7 +116,7 @@ def _measure_rows(c: Comparison) -> list[list]:
 def _measure_headers(c: Comparison) -> list[str]:
     conf = f"{c.confidence:.0%}"
     return ["measure", "stock k/n", f"stock rate [{conf} CI]", "fixed k/n", f"fixed upper {conf} (exact)",
-            "rule of three", "Fisher p (one-sided)", "p (two-sided)"]
+            "rule of three (95%)", "Fisher p (one-sided)", "p (two-sided)"]
 
 
 def _step_rows(c: Comparison, max_rows: int) -> tuple[list[str], list[list], int]:
