@@ -8,7 +8,8 @@ In one run, all on one pinned CPU core:
    parameters (kept under --trace-dir);
 2. runs `python -m sanitizer check TRACE --format json` in a subprocess pinned to the core and
    reports events/s (wall and CPU time; interpreter start-up included) and the subprocess's peak RSS
-   (os.wait4's rusage, so only that child is measured);
+   (os.wait4's rusage, taken by a small launcher
+   process so that this process's own memory is not counted);
 3. takes the first --sample events of rank 0 and times, in this process: hazsan's `analyze` on
    exactly those events (a file holding just them), and CSAN's EventHandler driven with the
    equivalent calls (launches and collectives as _handle_kernel_launch with read-only / read-write
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import platform
@@ -93,31 +95,48 @@ def ensure_trace(args) -> tuple[Path, dict]:
 
 
 # -- hazsan, the CLI, in a pinned subprocess -----------------------------------------------------
+# The measuring process must be small: a child's ru_maxrss includes the memory of the process it
+# was forked from (Linux carries the old address space's high-water mark across exec), so a child
+# of this process would report this process's size. A fresh interpreter spawns hazsan instead.
+_LAUNCHER = r"""
+import json, os, subprocess, sys, time
+spec = json.loads(sys.argv[1])
+os.sched_setaffinity(0, {spec["core"]})
+with open(spec["stdout"], "wb") as out, open(spec["stderr"], "wb") as err:
+    start = time.perf_counter()
+    proc = subprocess.Popen(spec["cmd"], stdout=out, stderr=err, cwd=spec["cwd"])
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+print(json.dumps({"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss,
+                  "exit": os.waitstatus_to_exitcode(status)}))
+"""
+
+
 def run_check(trace: Path, core: int, peer_completion: str) -> dict:
+    """`hazsan check` on one core: wall and CPU seconds, peak RSS of that process, its JSON report."""
     cmd = [sys.executable, "-m", "sanitizer", "check", str(trace), "--format", "json",
            "--peer-completion", peer_completion]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT,
-                                preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode not in (0, 1):
-        raise SystemExit(f"hazsan check exited {proc.returncode}:\n{stderr.decode(errors='replace')[-3000:]}")
-    report = orjson.loads(stdout)
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
-            "exit": proc.returncode, "report": report, "cmd": " ".join(cmd[1:])}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"cmd": cmd, "core": core, "cwd": str(ROOT),
+                "stdout": str(Path(tmp) / "out.json"), "stderr": str(Path(tmp) / "err.txt")}
+        launched = subprocess.run([sys.executable, "-c", _LAUNCHER, orjson.dumps(spec).decode()],
+                                  capture_output=True, check=False)
+        if launched.returncode != 0:
+            raise SystemExit(f"benchmark launcher failed:\n{launched.stderr.decode(errors='replace')[-3000:]}")
+        res = orjson.loads(launched.stdout)
+        stdout = Path(spec["stdout"]).read_bytes()
+        stderr = Path(spec["stderr"]).read_bytes()
+    if res["exit"] not in (0, 1):
+        raise SystemExit(f"hazsan check exited {res['exit']}:\n{stderr.decode(errors='replace')[-3000:]}")
+    return {"wall": res["wall"], "cpu": res["cpu"], "peak_rss_mb": res["maxrss_kb"] / 1024,
+            "exit": res["exit"], "report": orjson.loads(stdout), "cmd": " ".join(cmd[1:])}
 
 
 def startup_seconds(core: int) -> float:
     """What the CLI spends before the first event: interpreter start and the engine's imports."""
     cmd = [sys.executable, "-c", "import sanitizer.cli, sanitizer.rules.engine, sanitizer.report"]
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=False, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    subprocess.run(cmd, cwd=ROOT, check=False)   # inherits this process's one-core affinity
     return time.perf_counter() - start
 
 
@@ -155,9 +174,16 @@ class Timing:
 
 
 def timed(fn):
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = fn()
-    return Timing(time.perf_counter() - wall, time.process_time() - cpu), result
+    # Objects alive before the run (the parsed sample, CSAN's prepared calls) are frozen out of the
+    # cyclic GC, so neither side pays for collecting what the benchmark itself holds.
+    gc.collect()
+    gc.freeze()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        return Timing(time.perf_counter() - wall, time.process_time() - cpu), result
+    finally:
+        gc.unfreeze()
 
 
 def time_hazsan_sample(sample: Path, peer_completion: str, repeats: int) -> tuple[Timing, object]:
