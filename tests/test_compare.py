@@ -369,3 +369,11 @@ def test_load_run_api(tmp_path):
     assert c.exit_code() == 1  # 2 of 6 vs 0 of 6 is not significant
     with pytest.raises(ValueError):
         Comparison(c.stock, c.fixed, primary="nonsense")
+
+
+def test_primary_measure_needing_outcomes_is_unavailable_without_them(tmp_path, capsys):
+    stock = make_run(tmp_path, "stock", 20, {0: range(20)})
+    fixed = make_run(tmp_path, "fixed", 20, {0: ()})
+    code, doc, _ = _json(capsys, "--primary", "corrupted", stock, fixed)
+    assert code == 1 and not doc["verdict"]["significant"] and doc["verdict"]["fixed_clean"]
+    assert "unavailable (needs outcomes.jsonl on both sides)" in doc["verdict"]["text"]
