@@ -1,0 +1,18 @@
+"""Capture: record a running PyTorch program's allocations, collectives and scopes as a schema-1 trace.
+
+Turned on by the environment (``HAZSAN=1``) through the bootstrap line in hooks/hazsan_capture.pth,
+in this process and every process it starts. Modules, in the order they come into play:
+
+  config        settings from HAZSAN_* variables
+  bootstrap     activate(): post-import hooks for torch / torch.distributed / SGLang, atexit, SIGTERM, fork
+  runtime       the per-process Capture: writer, scopes, steps, hook-failure accounting
+  sites         call sites outside torch and hazsan
+  memory        TorchDispatchMode + storage finalizers -> alloc / free
+  window        CPU model of symmetric windows (placement by sanitizer.place)
+  collectives   torch.distributed wrappers -> coll / coll_done
+  torch_hooks   installs the above when torch is imported; torch.cuda.use_mem_pool on window pools
+  sglang_hooks  SGLang's SymmetricMemoryContext and Scheduler.run_batch
+
+This package imports nothing heavy at import time; torch is imported only by the modules that run
+after the program imported it.
+"""

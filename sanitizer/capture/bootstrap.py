@@ -1,0 +1,85 @@
+"""Turn capture on in this process: called by the .pth line when HAZSAN is set.
+
+Nothing here imports torch: torch, torch.distributed and SGLang are patched by post-import hooks
+(wrapt) when, and only if, the program imports them. Everything is wrapped so that a failure to
+set up capture prints one line on stderr and leaves the program running untouched.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+
+from sanitizer.capture import runtime
+from sanitizer.capture.config import Settings
+
+SGLANG_ALLOCATOR = "sglang.srt.distributed.device_communicators.pynccl_allocator"
+SGLANG_SCHEDULER = "sglang.srt.managers.scheduler"
+
+
+def activate(environ=os.environ):
+    """Start capture in this process (idempotent). Returns the Capture, or None on failure."""
+    if runtime._active is not None:
+        return runtime._active
+    try:
+        settings, problems = Settings.from_env(environ)
+        cap = runtime.Capture(settings)
+        runtime._active = cap
+        for p in problems:
+            cap.failed("settings", ValueError(p))
+        _register_import_hooks(cap)
+        atexit.register(cap.close)
+        _install_sigterm(cap)
+        os.register_at_fork(after_in_child=cap.after_fork_in_child)
+        return cap
+    except Exception as exc:   # never break the host program's start-up
+        print(f"hazsan: capture not started: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def _register_import_hooks(cap) -> None:
+    import wrapt
+
+    def hook(name, fn):
+        def run(module):
+            try:
+                fn(module)
+            except Exception as exc:
+                cap.failed(f"import.{name}", exc)
+        wrapt.register_post_import_hook(run, name)
+
+    def on_torch(module):
+        from sanitizer.capture import torch_hooks
+        torch_hooks.on_torch(cap)
+        # torch.distributed is imported while torch itself loads: patch it once torch is complete.
+        hook("torch.distributed", lambda m: torch_hooks.on_distributed(cap))
+
+    hook("torch", on_torch)
+
+    def on_allocator(module):
+        from sanitizer.capture import sglang_hooks
+        sglang_hooks.on_pynccl_allocator(cap, module)
+
+    def on_scheduler(module):
+        from sanitizer.capture import sglang_hooks
+        sglang_hooks.on_scheduler(cap, module)
+
+    hook(SGLANG_ALLOCATOR, on_allocator)
+    hook(SGLANG_SCHEDULER, on_scheduler)
+
+
+def _install_sigterm(cap) -> None:
+    """Flush on SIGTERM, then die of it as before. A handler the program installed wins."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        cap.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,56 @@
+"""Capture settings, all from the environment (so that they reach every spawned process)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+STACK_MODES = ("none", "site", "full")
+OFF_VALUES = ("", "0", "false", "no", "off")
+
+
+def requested(environ=os.environ) -> bool:
+    """Is capture asked for? (HAZSAN set to anything but an off value)."""
+    return environ.get("HAZSAN", "").strip().lower() not in OFF_VALUES
+
+
+@dataclass(frozen=True)
+class Settings:
+    directory: str = "hazsan-traces"       # HAZSAN_DIR
+    stacks: str = "site"                   # HAZSAN_STACKS: none | site | full
+    max_events: int = 20_000_000           # HAZSAN_MAX_EVENTS: per trace file, then counted drops
+    buffer_events: int = 65_536            # HAZSAN_BUFFER_EVENTS: flush when this many are queued
+    flush_seconds: float = 2.0             # HAZSAN_FLUSH_SECONDS: flush at least this often while busy
+    window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
+    max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> tuple["Settings", list[str]]:
+        """Settings plus a list of problems (bad values fall back to defaults, never raise)."""
+        problems: list[str] = []
+        d = cls()
+
+        def num(name, default, kind=int, minimum=1):
+            raw = environ.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                v = kind(raw)
+                if v < minimum:
+                    raise ValueError
+                return v
+            except ValueError:
+                problems.append(f"{name}={raw!r} is not a number >= {minimum}; using {default}")
+                return default
+
+        stacks = environ.get("HAZSAN_STACKS", d.stacks).strip().lower() or d.stacks
+        if stacks not in STACK_MODES:
+            problems.append(f"HAZSAN_STACKS={stacks!r} is not one of {'|'.join(STACK_MODES)}; using 'site'")
+            stacks = "site"
+        return cls(
+            directory=environ.get("HAZSAN_DIR") or d.directory,
+            stacks=stacks,
+            max_events=num("HAZSAN_MAX_EVENTS", d.max_events),
+            buffer_events=num("HAZSAN_BUFFER_EVENTS", d.buffer_events),
+            flush_seconds=num("HAZSAN_FLUSH_SECONDS", d.flush_seconds, float, 0),
+            window_bytes=num("HAZSAN_WINDOW_BYTES", d.window_bytes, int, 1 << 21),
+        ), problems

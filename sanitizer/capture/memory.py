@@ -1,0 +1,243 @@
+"""Allocations and frees of torch storages, seen through a TorchDispatchMode.
+
+What is recorded
+  * `alloc` once per storage: the first time an op returns a tensor whose storage we do not know
+    (factory functions, `torch.tensor`/`from_numpy` via `lift_fresh`, every op's fresh output). An
+    op that returns a known storage (views, in-place and out= ops) records nothing, unless the
+    storage was resized (its data pointer or byte size changed): then the old block is freed and
+    the new one allocated.
+  * tensors that reach an op or a collective without having been seen (created before capture
+    started, on a thread without the mode, by C++ code that bypasses the dispatcher) are adopted
+    the first time they are seen, with `op: "adopted"`.
+  * `free` when the storage dies: a weakref callback on the UntypedStorage. PyTorch preserves a
+    storage's Python object while the C++ StorageImpl lives, so the callback fires exactly when the
+    last view, autograd-saved tensor, module buffer or C++ holder (a collective's Work) lets go.
+
+Addresses: the block is [storage.data_ptr(), +nbytes) as the real allocator placed it, except for
+CPU storages allocated inside a symmetric scope: those are placed by the caching-allocator model in
+the scope's window arena (window.py), and every later reference to the storage (collective buffers)
+is translated into that modelled range, so the trace is self-consistent.
+
+How the mode is installed: the Python dispatch-mode stack is thread-local. `install()` pushes one
+mode instance on the importing thread (normally the main thread, at `import torch`) and wraps
+`threading.Thread._bootstrap_inner` so that every Python thread started afterwards pushes its own
+instance before running. Threads already running when torch was imported, and C++ threads (gloo
+workers, autograd's device threads), run without it; their tensors are adopted when they reach a
+recorded op or collective. The mode is never popped; user modes stack above it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
+
+class Block:
+    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "ref")
+
+    def __init__(self, bid, key, real, nbytes, addr, size, model):
+        self.id = bid
+        self.key = key
+        self.real = real          # storage.data_ptr() at allocation
+        self.nbytes = nbytes
+        self.addr = addr          # address in the trace (== real, or modelled inside a window)
+        self.size = size
+        self.model = model        # sanitizer.place Block when modelled, else None
+
+
+class BlockTable:
+    """Live storages -> trace blocks. All public methods swallow and count their own errors."""
+
+    def __init__(self, capture):
+        self.capture = capture
+        self.emit = capture.emit
+        self.sites = capture.sites
+        self.scopes = capture.scopes
+        self.live: dict[int, Block] = {}     # StorageImpl address (storage._cdata) -> Block
+        self._next_id = 0
+        self._names: dict = {}               # OpOverload -> "aten.add.Tensor"
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ dispatch hot path
+    def on_op(self, func, args, out) -> None:
+        try:
+            live = self.live
+            for a in args:
+                if isinstance(a, _Tensor) and a.layout == _STRIDED:
+                    s = a.untyped_storage()
+                    if s._cdata not in live:
+                        self._new(a, s, "adopted", live)
+            if type(out) is _Tensor or isinstance(out, _Tensor):
+                self._output(out, func, live)
+            elif type(out) is tuple or type(out) is list:
+                for o in out:
+                    if isinstance(o, _Tensor):
+                        self._output(o, func, live)
+                    elif type(o) is list or type(o) is tuple:
+                        for p in o:
+                            if isinstance(p, _Tensor):
+                                self._output(p, func, live)
+        except Exception as exc:
+            self.capture.failed("dispatch", exc)
+
+    def _output(self, t, func, live) -> None:
+        if t.layout != _STRIDED:
+            return
+        s = t.untyped_storage()
+        b = live.get(s._cdata)
+        if b is None:
+            name = self._names.get(func)
+            if name is None:
+                name = self._names[func] = str(func)
+            self._new(t, s, name, live)
+        elif s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real):
+            # resize_/set_/out= resizing: same StorageImpl, new memory
+            self._release(b)
+            live.pop(b.key, None)
+            self._new(t, s, str(func), live)
+
+    # ------------------------------------------------------------------ allocation
+    def _new(self, t, s, opname, live):
+        nbytes = s.nbytes()
+        real = s.data_ptr()
+        if nbytes == 0 or real == 0:       # meta tensors and empty storages hold no memory
+            return None
+        key = s._cdata
+        dev = s.device.type
+        scope = self.scopes.current()
+        pool = "default"
+        model = None
+        addr, size = real, nbytes
+        if dev == "cpu":
+            stream = "cpu"
+            if scope is not None:
+                try:
+                    model = self.capture.arenas_model().malloc(scope[0], scope[1], nbytes, stream)
+                    addr, size, pool = model.addr, model.size, model.pool
+                except Exception as exc:   # window full: record the real placement instead
+                    self.capture.failed("window", exc)
+        else:
+            stream = f"{dev}:{s.device.index or 0}"
+            if scope is not None:
+                pool = scope[0]
+        with self._lock:
+            bid = self._next_id = self._next_id + 1
+        b = Block(bid, key, real, nbytes, addr, size, model)
+        b.ref = weakref.ref(s, _Finalizer(self, key, bid))
+        live[key] = b
+        ev = {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream, "pool": pool,
+              "op": opname, "shape": list(t.shape), "dtype": str(t.dtype)[6:], "t": time.time_ns()}
+        if model is not None:
+            ev["requested"] = nbytes
+        site, stack = self.sites.where()
+        if site is not None:
+            ev["site"] = site
+            if stack is not None:
+                ev["stack"] = stack
+        self.emit(ev)
+        return b
+
+    def _release(self, b: Block) -> None:
+        if b.model is not None:
+            self.capture.arenas_model().free(b.model)
+        self.emit({"ev": "free", "id": b.id, "t": time.time_ns()})
+
+    def died(self, key, bid) -> None:
+        """Weakref callback: the storage died (any thread, possibly during interpreter exit)."""
+        try:
+            b = self.live.get(key)
+            if b is None or b.id != bid:
+                return                     # already released by a resize
+            del self.live[key]
+            self._release(b)
+        except Exception as exc:
+            self.capture.failed("free", exc)
+
+    # ------------------------------------------------------------------ lookups for collectives
+    def buffer(self, t) -> tuple[int, int] | None:
+        """The trace range [addr, size] of tensor t's elements (adopting an unknown storage)."""
+        if t.layout != _STRIDED:
+            return None
+        s = t.untyped_storage()
+        b = self.live.get(s._cdata)
+        if b is None:
+            b = self._new(t, s, "adopted", self.live)
+            if b is None:
+                return None
+        base = b.addr + (t.data_ptr() - s.data_ptr())
+        if t.numel() == 0:
+            return base, 0
+        if t.is_contiguous():
+            return base, t.numel() * t.element_size()
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)
+        return base, span * t.element_size()
+
+    def redeclare_after_fork(self) -> None:
+        """In a forked child: the inherited storages are live there too; declare them again."""
+        for b in list(self.live.values()):
+            self.emit({"ev": "alloc", "id": b.id, "addr": b.addr, "size": b.size, "stream": "cpu",
+                       "pool": "default", "op": "inherited-by-fork", "t": time.time_ns()})
+
+
+class _Finalizer:
+    """Weakref callback holding only the table, the key and the id (no reference to the storage)."""
+
+    __slots__ = ("table", "key", "bid")
+
+    def __init__(self, table, key, bid):
+        self.table, self.key, self.bid = table, key, bid
+
+    def __call__(self, _ref):
+        self.table.died(self.key, self.bid)
+
+
+class AllocationMode(TorchDispatchMode):
+    """Runs every aten op, then reports its outputs (and unknown inputs) to the BlockTable."""
+
+    def __init__(self, table: BlockTable):
+        super().__init__()
+        self._on_op = table.on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        self._on_op(func, args, out)
+        return out
+
+
+_installed_table: BlockTable | None = None
+
+
+def install(capture) -> BlockTable:
+    """Create the table, push the mode on this thread and on every thread started from now on."""
+    global _installed_table
+    table = BlockTable(capture)
+    capture.blocks = table
+    _installed_table = table
+    AllocationMode(table).__enter__()
+    _wrap_thread_start(table)
+    return table
+
+
+def _wrap_thread_start(table: BlockTable) -> None:
+    original = getattr(threading.Thread, "_bootstrap_inner", None)
+    if original is None or getattr(original, "_hazsan", False):
+        if original is None:
+            table.capture.failed("threads", RuntimeError("threading.Thread._bootstrap_inner not found: "
+                                                         "new threads run without the dispatch mode"))
+        return
+
+    def _bootstrap_inner(self):
+        try:
+            AllocationMode(table).__enter__()
+        except Exception as exc:
+            table.capture.failed("threads", exc)
+        return original(self)
+
+    _bootstrap_inner._hazsan = True
+    threading.Thread._bootstrap_inner = _bootstrap_inner

@@ -1,0 +1,152 @@
+"""The per-process capture state: settings, the trace writer, scopes, and hook-failure accounting.
+
+One `Capture` per process (module global `_active`), created by `bootstrap.activate()`. Hooks in
+torch_hooks / collectives / sglang_hooks call into it; every hook body runs under `guard` or an
+explicit try/except that hands the exception to `failed()`, which counts it and writes a
+`hook_error` event at the next flush: a hook never raises into the host program.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+
+from sanitizer.capture.config import Settings
+from sanitizer.capture.sites import SiteFinder
+from sanitizer.trace.writer import TraceWriter
+
+_active: "Capture | None" = None
+
+
+def active() -> "Capture | None":
+    return _active
+
+
+class ScopeStack(threading.local):
+    """Symmetric scopes entered on this thread (innermost last): (pool, comm) pairs."""
+
+    def __init__(self):
+        self.stack: list = []
+
+    def current(self):
+        s = self.stack
+        return s[-1] if s else None
+
+
+class Capture:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.writer = TraceWriter(os.path.abspath(settings.directory), max_events=settings.max_events,
+                                  buffer_events=settings.buffer_events,
+                                  flush_seconds=settings.flush_seconds)
+        self.emit = self.writer.emit
+        self.sites = SiteFinder(settings.stacks, settings.max_stack)
+        self.scopes = ScopeStack()
+        self.step: int | None = None
+        self.blocks = None        # memory.BlockTable, once torch is imported
+        self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
+        self.installed: list[str] = []   # names of the hooks installed (for diagnostics and tests)
+
+    # ---------------------------------------------------------------- failures
+    def failed(self, hook: str, exc: BaseException) -> None:
+        try:
+            self.writer.hook_failed(hook, exc)
+            if os.environ.get("HAZSAN_DEBUG"):
+                import traceback
+                traceback.print_exception(exc)
+        except Exception:
+            pass
+
+    def guard(self, hook: str):
+        """Decorator: run a hook body; swallow and count its exceptions (returns None then)."""
+        def deco(fn):
+            @functools.wraps(fn)
+            def wrapper(*a, **k):
+                try:
+                    return fn(*a, **k)
+                except Exception as exc:
+                    self.failed(hook, exc)
+                    return None
+            return wrapper
+        return deco
+
+    # ---------------------------------------------------------------- events
+    def event(self, ev: dict, with_site: bool = True) -> dict:
+        """Stamp and queue one event (t, and site/stack as configured)."""
+        ev["t"] = time.time_ns()
+        if with_site:
+            site, stack = self.sites.where()
+            if site is not None:
+                ev["site"] = site
+            if stack is not None:
+                ev["stack"] = stack
+        self.emit(ev)
+        return ev
+
+    def mark_step(self, n: int, phase: str | None = None, tokens: int | None = None) -> None:
+        """Start of decode step n: record it and flush what the previous step produced."""
+        ev = {"ev": "step", "n": int(n), "t": time.time_ns()}
+        if phase is not None:
+            ev["phase"] = str(phase)
+        if tokens is not None:
+            ev["tokens"] = int(tokens)
+        self.step = int(n)
+        self.emit(ev)
+        self.writer.flush()
+
+    # ---------------------------------------------------------------- scopes
+    def enter_scope(self, pool: str, comm: str, name: str = "symm") -> None:
+        self.scopes.stack.append((pool, comm))
+        self.event({"ev": "scope", "name": name, "enter": True, "pool": pool, "comm": comm})
+
+    def exit_scope(self, pool: str, comm: str, name: str = "symm") -> None:
+        stack = self.scopes.stack
+        if stack and stack[-1] == (pool, comm):
+            stack.pop()
+        elif (pool, comm) in stack:            # exited out of order: drop the innermost match
+            del stack[len(stack) - 1 - stack[::-1].index((pool, comm))]
+        self.event({"ev": "scope", "name": name, "enter": False, "pool": pool, "comm": comm})
+
+    def arenas_model(self):
+        if self.arenas is None:
+            from sanitizer.capture.window import SymmetricArenas
+            self.arenas = SymmetricArenas(self)
+        return self.arenas
+
+    # ---------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+    def after_fork_in_child(self) -> None:
+        """A forked child owns its own trace: reset the writer, then re-declare inherited blocks."""
+        try:
+            self.writer.discard_after_fork()
+            if self.blocks is not None:
+                self.blocks.redeclare_after_fork()
+        except Exception as exc:
+            self.failed("fork", exc)
+
+
+def comm_name(comm) -> str:
+    """The communicator name recorded in traces: a ProcessGroup's group_name (what `coll` events
+    carry), an SGLang GroupCoordinator's device group's name, or the string given."""
+    if isinstance(comm, str):
+        return comm
+    if comm is None:
+        try:
+            import torch.distributed as dist
+            comm = dist.group.WORLD
+        except Exception:
+            return "world"
+        if comm is None:
+            return "world"
+    for holder in (getattr(comm, "device_group", None), comm):
+        name = getattr(holder, "group_name", None)
+        if isinstance(name, str) and name:
+            return name
+    name = getattr(comm, "unique_name", None)
+    return name if isinstance(name, str) and name else str(comm)

@@ -1,0 +1,64 @@
+"""Call sites: the innermost frame outside torch, hazsan and the import machinery.
+
+The decision "is this code object internal?" is cached per code object, so a lookup is a short
+walk over frames with one dict hit each (no string work after the first visit).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+class SiteFinder:
+    def __init__(self, mode: str = "site", max_stack: int = 16, internal_dirs=()):
+        self.mode = mode
+        self.max_stack = max_stack
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the sanitizer package
+        dirs = [here + os.sep]
+        for d in internal_dirs:
+            if d:
+                dirs.append(os.path.abspath(d) + os.sep)
+        self.prefixes = tuple(dirs)
+        self.cwd = os.getcwd() + os.sep
+        self._names: dict = {}   # code object -> display file name, or None when internal
+
+    def add_internal(self, module) -> None:
+        """Treat every file under `module`'s package directory as internal (torch, wrapt, ...)."""
+        path = getattr(module, "__file__", None)
+        if path:
+            self.prefixes += (os.path.dirname(os.path.abspath(path)) + os.sep,)
+            self._names.clear()
+
+    def _name(self, code):
+        names = self._names
+        try:
+            return names[code]
+        except KeyError:
+            fn = code.co_filename
+            if fn.startswith("<frozen") or fn.startswith(self.prefixes) or fn.endswith(("contextlib.py", "threading.py")):
+                name = None
+            else:
+                name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn
+            names[code] = name
+            return name
+
+    def where(self) -> tuple[str | None, list | None]:
+        """(site, stack) of the innermost external frame; stack only in "full" mode."""
+        if self.mode == "none":
+            return None, None
+        f = sys._getframe(1)
+        name_of = self._name
+        if self.mode == "site":
+            while f is not None:
+                name = name_of(f.f_code)
+                if name is not None:
+                    return f"{name}:{f.f_lineno}:{f.f_code.co_name}", None
+                f = f.f_back
+            return None, None
+        stack = []
+        while f is not None and len(stack) < self.max_stack:
+            name = name_of(f.f_code)
+            if name is not None:
+                stack.append(f"{name}:{f.f_lineno}:{f.f_code.co_name}")
+            f = f.f_back
+        return (stack[0] if stack else None), (stack or None)

@@ -1,0 +1,103 @@
+"""What happens when the program imports torch (and torch.distributed): install the capture.
+
+Run from a post-import hook, so torch is never imported early on the program's behalf.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+
+def on_torch(capture) -> None:
+    capture.sites.add_internal(torch)
+    for name in ("wrapt", "typing_extensions"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            capture.sites.add_internal(mod)
+    from sanitizer.capture import memory
+    memory.install(capture)
+    capture.installed.append("dispatch-mode")
+    try:
+        _patch_mem_pools(capture)
+    except Exception as exc:
+        capture.failed("install.use_mem_pool", exc)
+
+
+def on_distributed(capture) -> None:
+    import torch.distributed as dist
+    if not dist.is_available():
+        return
+    from sanitizer.capture import collectives
+    collectives.install(capture)
+    capture.installed.append("collectives")
+
+
+class WindowPools:
+    """torch.cuda.MemPool objects known to be registered as symmetric windows: pool id -> comm."""
+
+    def __init__(self):
+        self.comm_of: dict = {}
+
+    def mark(self, pool, comm: str) -> None:
+        self.comm_of[_pool_key(pool)] = comm
+
+    def comm(self, pool):
+        return self.comm_of.get(_pool_key(pool))
+
+
+def _pool_key(pool):
+    pid = getattr(pool, "id", None)
+    return tuple(pid) if isinstance(pid, (tuple, list)) else pid
+
+
+def _patch_mem_pools(capture) -> None:
+    """use_mem_pool on a pool registered as a window is a symmetric scope (GPU programs)."""
+    windows = capture.window_pools = WindowPools()
+    memory_mod = getattr(torch.cuda, "memory", None)
+    original = getattr(memory_mod, "use_mem_pool", None)
+    if original is None or getattr(original, "_hazsan", False):
+        return
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, *args, **kwargs):
+        comm = None
+        try:
+            comm = windows.comm(pool)
+            if comm is not None:
+                capture.enter_scope(f"mempool:{_pool_key(pool)}", comm)
+        except Exception as exc:
+            capture.failed("use_mem_pool", exc)
+        try:
+            with original(pool, *args, **kwargs):
+                yield
+        finally:
+            if comm is not None:
+                try:
+                    capture.exit_scope(f"mempool:{_pool_key(pool)}", comm)
+                except Exception as exc:
+                    capture.failed("use_mem_pool", exc)
+
+    use_mem_pool._hazsan = True
+    use_mem_pool.__doc__ = original.__doc__
+    memory_mod.use_mem_pool = use_mem_pool
+    if getattr(torch.cuda, "use_mem_pool", None) is original:
+        torch.cuda.use_mem_pool = use_mem_pool
+
+    # Pools that become windows: ProcessGroupNCCL.register_mem_pool (NCCL window registration)
+    # and torch symmetric memory's get_mem_pool.
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    pg_nccl = getattr(c10d, "ProcessGroupNCCL", None)
+    reg = getattr(pg_nccl, "register_mem_pool", None)
+    if reg is not None and not getattr(reg, "_hazsan", False):
+        def register_mem_pool(self, pool, *args, **kwargs):
+            r = reg(self, pool, *args, **kwargs)
+            try:
+                name = getattr(self, "group_name", None) or getattr(self, "uid", None) or "nccl"
+                windows.mark(pool, str(name))
+            except Exception as exc:
+                capture.failed("register_mem_pool", exc)
+            return r
+        register_mem_pool._hazsan = True
+        pg_nccl.register_mem_pool = register_mem_pool
