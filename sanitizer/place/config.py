@@ -96,9 +96,12 @@ class AllocatorConfig:
             parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding_size // MB}")
         if self.large_segment_size != K_LARGE_BUFFER:
             parts.append(f"large_segment_size_mb:{self.large_segment_size // MB}")
-        if any(self.roundup_power2_divisions):
+        divs = self.roundup_power2_divisions
+        if len(set(divs)) == 1 and divs[0]:
+            parts.append(f"roundup_power2_divisions:{divs[0]}")
+        elif any(divs):
             parts.append("roundup_power2_divisions:[" + ",".join(
-                f"{1 << i}:{d}" for i, d in enumerate(self.roundup_power2_divisions)) + "]")
+                f"{1 << i}:{d}" for i, d in enumerate(divs)) + "]")
         return ",".join(parts) or "defaults"
 
 
