@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"
-	$(VPY) -m pip install -q -e ".[test,proof]"
+	$(VPY) -m pip install -q -e ".[test,proof,report]"
 	touch $@
 
 .PHONY: venv test demo bench
