@@ -222,3 +222,16 @@ def test_unmodelled_allocator_setting_is_refused(tmp_path, capsys, monkeypatch):
     assert "expandable_segments:True is not modelled" in capsys.readouterr().err
     assert main(["place", str(tmp_path / "rank0.jsonl"), "--out", str(tmp_path / "o"),
                  "--alloc-conf", "max_split_size_mb:64", "--quiet"]) == 0
+
+
+def test_requested_bytes_are_placed_and_size_becomes_the_model_block(tmp_path):
+    # a trace from an allocator that made a 20 MiB block for 19 MiB (no split below 1 MiB + 1)
+    ev = [
+        {"ev": "alloc", "id": 1, "addr": 0, "size": 20 * MB, "requested": 19 * MB + 600 * 1024, "stream": 0},
+        {"ev": "alloc", "id": 2, "addr": 20 * MB, "size": 4 * MB, "requested": 3 * MB, "stream": 0},
+    ]
+    _, out = place(tmp_path, ev)
+    a = allocs(out)
+    assert a[1]["size"] == 20 * MB and a[1]["requested"] == 19 * MB + 600 * 1024
+    assert a[2]["size"] == 3 * MB                        # the model's block for 3 MiB (split)
+    assert a[2]["segment"] != a[1]["segment"]            # the first 20 MiB segment is used up

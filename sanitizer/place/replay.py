@@ -312,13 +312,18 @@ class RankPlacer:
         if bid in self.blocks and bid not in self.freed:
             raise self._err(line, f"alloc of id {bid!r} which is still allocated")
         self.freed.discard(bid)
+        # a trace that records both gives `size` = the block its allocator made and `requested` =
+        # the bytes asked for: the request is what the model must place
+        requested = ev.get("requested")
+        has_request = isinstance(requested, int) and 0 <= requested <= size
+        request = requested if has_request else size
         pool = self._pool_for(ev)
         self._ensure_pool(pool)
         self.last_stream = stream
         if self.pending_segments:
             self._claim_pending(addr)
         try:
-            block = self.alloc.malloc(size, stream, pool)
+            block = self.alloc.malloc(request, stream, pool)
         except OutOfMemory as exc:
             raise self._err(line, f"cannot place alloc {bid!r} ({size} bytes) in pool {pool!r}: {exc}") from None
         self.stats.allocs += 1
@@ -328,6 +333,8 @@ class RankPlacer:
         yield from self._flush_segments(ev)
         out = dict(ev)
         out["addr"] = block.addr
+        if has_request:
+            out["size"] = block.size       # the input's size was its allocator's block size
         out["pool"] = pool
         out["segment"] = block.segment.addr
         yield out

@@ -190,6 +190,8 @@ class _Scaler:
                 new_addr = self.cursor
                 self.cursor += max(new_size, 1) + 4096
                 e.update(id=rid(ev.get("id")), addr=new_addr, size=new_size)
+                if isinstance(ev.get("requested"), int):
+                    e["requested"] = min(new_size, max(0, math.ceil(ev["requested"] * ratio)))
                 old = ev.get("addr")
                 if isinstance(old, int):
                     j = bisect.bisect_left(ranges_start, old)
