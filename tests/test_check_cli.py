@@ -95,6 +95,7 @@ def test_directory_reads_plain_and_gz(tmp_path, capsys):
     t.header["rank"] = 1
     t.write(d / "rank1.jsonl.gz", gz=True)
     (d / "notes.txt").write_text("ignored")
+    (d / "outcomes.jsonl").write_text('{"request": 1, "step": 0, "corrupted": false}\n')  # not a trace
     code, out, _ = check(capsys, d, "--format", "json")
     doc = json.loads(out)
     assert doc["summary"]["ranks"] == 2 and doc["summary"]["events"] == 8

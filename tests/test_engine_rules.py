@@ -189,7 +189,19 @@ def test_transient_in_window_grouped_per_site(tmp_path):
     assert len(tw) == 1
     assert (tw[0].site, tw[0].count, tw[0].bytes, tw[0].line) == ("mhc.py:10:hc_pre", 2, KB4 + 2048, first)
     assert tw[0].block["window_offset"] == 0 and tw[0].severity == "warning"
+    assert tw[0].by_step == {None: 2}
     assert a.exit_code("error") == 0 and a.exit_code("warning") == 1
+
+
+def test_transient_counts_per_step_and_steps_seen(tmp_path):
+    t = window_trace()
+    for step in (3, 4, 4):
+        t.ev("step", n=step)
+        t.alloc(step * 10 + len(t.events), B, 512, site="x.py:1:f")
+        t.free(step * 10 + len(t.events) - 1)
+    a = run(tmp_path, t)
+    assert a.findings[0].by_step == {3: 1, 4: 2}
+    assert a.summary["steps_by_rank"] == {0: [3, 4]}
 
 
 def test_window_registered_after_allocation_still_counts(tmp_path):

@@ -282,6 +282,7 @@ class RankAnalyzer:
         self.live_graphs: list[Graph] = []
         self.transients: dict[object, Finding] = {}
         self.step = None
+        self.steps_seen: set[int] = set()
         self.line = 0
         self.events = 0
         self.unknown_kinds: dict[str, int] = {}
@@ -747,6 +748,7 @@ class RankAnalyzer:
 
     def on_step(self, ev, line):
         self.step = _int(ev, "n")
+        self.steps_seen.add(self.step)
 
     def on_dropped(self, ev, line):
         self.counted_drops += _int(ev, "count")
@@ -779,7 +781,7 @@ class RankAnalyzer:
         f = self.transients.get(key)
         size = block.end - block.addr
         if f is None:
-            self.transients[key] = Finding(
+            f = self.transients[key] = Finding(
                 rule="transient-in-window", severity=severity_of("transient-in-window"), rank=self.rank,
                 step=self.step, file=self.file, line=line, block=block.describe(), op=None,
                 overlap=None, count=1, bytes=size, site=block.site,
@@ -787,6 +789,7 @@ class RankAnalyzer:
         else:
             f.count += 1
             f.bytes += size
+        f.by_step[self.step] = f.by_step.get(self.step, 0) + 1
 
     def finish(self) -> None:
         for f in self.transients.values():
@@ -970,6 +973,7 @@ def analyze(paths, *, peer_completion: str = LOCAL, lenient: bool = False,
     findings = sorted(sink.findings, key=_finding_order)
     summary = _summary(events, len(analyzers), sink, warnings, skipped, drops, hook_errors)
     summary["malformed"] = error_total
+    summary["steps_by_rank"] = {a.rank: sorted(a.steps_seen) for a in analyzers}
     return Analysis(findings, summary, errors, warnings)
 
 

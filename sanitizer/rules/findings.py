@@ -43,6 +43,7 @@ class Finding:
     bytes: int = 0
     site: str | None = None
     detail: str | None = None
+    by_step: dict = field(default_factory=dict)  # transient-in-window: blocks per decode step
 
     def to_dict(self) -> dict:
         out = {
@@ -59,6 +60,7 @@ class Finding:
         if self.rule == "transient-in-window":
             out["count"] = self.count
             out["bytes"] = self.bytes
+            out["by_step"] = {str(k): v for k, v in self.by_step.items()}
         if self.site is not None:
             out["site"] = self.site
         if self.detail:

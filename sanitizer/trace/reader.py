@@ -16,7 +16,7 @@ from typing import Iterator
 
 import orjson
 
-from sanitizer.trace.schema import SCHEMA_VERSION
+from sanitizer.trace.schema import NON_TRACE_FILES, SCHEMA_VERSION
 
 
 class TraceError(Exception):
@@ -157,7 +157,9 @@ def expand_paths(paths) -> list[Path]:
         p = Path(p)
         if p.is_dir():
             found = sorted(
-                q for q in p.iterdir() if q.is_file() and (q.name.endswith(".jsonl") or q.name.endswith(".jsonl.gz"))
+                q for q in p.iterdir()
+                if q.is_file() and (q.name.endswith(".jsonl") or q.name.endswith(".jsonl.gz"))
+                and q.name not in NON_TRACE_FILES
             )
             if not found:
                 raise TraceError(p, None, "directory holds no *.jsonl or *.jsonl.gz trace files")

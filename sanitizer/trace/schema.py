@@ -38,3 +38,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
 }
 
 ACCESS_CODES = {"r": 1, "w": 2, "rw": 3}
+
+#: Files a run directory may hold beside the rank traces (the example's per-request outcomes,
+#: see sanitizer.proof.outcomes); a directory argument skips them.
+NON_TRACE_FILES = frozenset({"outcomes.jsonl", "outcomes.jsonl.gz"})
