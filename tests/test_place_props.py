@@ -125,3 +125,72 @@ def test_a_block_is_never_handed_to_another_stream(reqs):
         b = a.malloc(size, stream)
         assert b.segment.stream == stream
         assert b.segment in seen.get(stream, [b.segment]) or b.segment not in sum(seen.values(), [])
+
+
+# ---------------------------------------------------------------- the trace transform ----------
+from sanitizer.place.replay import FOREIGN_BASE, place_events  # noqa: E402
+
+TRACE_OP = st.one_of(
+    st.tuples(st.just("alloc"), SIZES, STREAMS, st.sampled_from([None, "symm"])),
+    st.tuples(st.just("free"), st.integers(0, 10**6)),
+    st.tuples(st.just("record"), st.integers(0, 10**6), STREAMS),
+    st.tuples(st.just("done"), st.integers(0, 10**6)),
+    st.tuples(st.just("use"), st.integers(0, 10**6), st.integers(0, 10**6)),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=st.lists(TRACE_OP, max_size=50), data=st.data())
+def test_placed_traces_never_overlap_live_blocks_and_buffers_follow_their_block(ops, data):
+    """Random CPU-like traces (addresses reused at will, as the CPU allocator does)."""
+    events, live, held, nid = [], {}, [], 0
+    cpu_addrs = st.sampled_from([0x1000, 0x1000 + 4096, 0x50000, 0x900000])
+    for op in ops:
+        if op[0] == "alloc":
+            _, size, stream, pool = op
+            addr = data.draw(cpu_addrs)
+            if any(a < addr + max(size, 1) and addr < a + max(s, 1) for a, s in live.values()):
+                continue          # a CPU allocator does not hand out overlapping live blocks
+            nid += 1
+            if pool:
+                events.append({"ev": "scope", "name": "symm", "enter": True, "pool": pool, "comm": "tp"})
+            events.append({"ev": "alloc", "id": nid, "addr": addr, "size": size, "stream": stream})
+            if pool:
+                events.append({"ev": "scope", "name": "symm", "enter": False})
+            live[nid] = (addr, size)
+        elif op[0] == "free" and live:
+            bid = sorted(live)[op[1] % len(live)]
+            del live[bid]
+            events.append({"ev": "free", "id": bid})
+            held.append(bid)
+        elif op[0] == "record" and live:
+            events.append({"ev": "record_stream", "id": sorted(live)[op[1] % len(live)], "stream": op[2]})
+        elif op[0] == "done" and held:
+            events.append({"ev": "free_done", "id": held.pop(op[1] % len(held))})
+        elif op[0] == "use" and live:
+            bid = sorted(live)[op[1] % len(live)]
+            a, s = live[bid]
+            off = op[2] % max(s, 1)
+            events.append({"ev": "launch", "stream": 0, "writes": [[a + off, 1]], "_check": (bid, off)})
+    out, stats = place_events({}, list(enumerate(events, 2)), AllocatorConfig())
+    placed, model_live, held_live, streams = {}, {}, {}, {}
+    for e in out:
+        if e["ev"] == "alloc":
+            lo, hi = e["addr"], e["addr"] + max(e["size"], 1)
+            taken = list(model_live.values()) + list(held_live.values())
+            assert all(hi <= a or b <= lo for a, b in taken), "placed over a live or held block"
+            model_live[e["id"]] = (lo, hi)
+            placed[e["id"]] = e["addr"]
+            streams[e["id"]] = {e["stream"]}
+        elif e["ev"] == "record_stream":
+            streams[e["id"]].add(e["stream"])
+        elif e["ev"] == "free":
+            rng = model_live.pop(e["id"])
+            if len(streams[e["id"]]) > 1:        # recorded on another stream: held until free_done
+                held_live[e["id"]] = rng
+        elif e["ev"] == "free_done":
+            held_live.pop(e["id"], None)
+        elif e["ev"] == "launch":
+            bid, off = e["_check"]
+            assert e["writes"][0][0] == placed[bid] + off < FOREIGN_BASE
+    assert stats.allocs == sum(1 for e in events if e["ev"] == "alloc")

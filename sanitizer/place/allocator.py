@@ -1,11 +1,17 @@
 """A placement model of PyTorch's CUDA caching allocator (DeviceCachingAllocator).
 
 Read from c10/cuda/CUDACachingAllocator.cpp, two versions compared line by line:
-  - pytorch/pytorch 001074d2 (2.4/2.5 era: config in CUDAAllocatorConfig, no no_split pools),
-  - a late-2025 main (2.10+: AcceleratorAllocatorConfig, MemPool(allocator, use_on_oom, no_split),
-    max_non_split_rounding_size, large_segment_size, LIFO captures_underway).
-The placement rules below are the same in both except where a comment names a version; every
-PyTorch from 2.4 to 2.14 is covered by the union (a setting a version lacks is simply never set).
+  - pytorch/pytorch at 001074d25084fdb87a799823e395a50f5ec044d3 (the 2.4 era: settings in
+    CUDAAllocatorConfig, the oversize rounding limit hard-wired to kLargeBuffer, MemPool without
+    allocator or no_split, captures_underway searched first to last);
+  - a late-2025 main (2.10 era; found by content, commit not recorded by the search index: CUDA 13
+    capture APIs, graph_capture_record_stream_reuse, AcceleratorAllocatorConfig with
+    max_non_split_rounding_size and large_segment_size, PrivatePool with a pluggable allocator
+    (allocPrimitive -> allocator()->raw_alloc), no_split_pools, captures_underway searched LIFO);
+  - c10/core/AllocatorConfig.cpp at 065861fba7598880aa3216822742a1172d0a197c for the parser.
+The placement rules below are identical in both except where a comment names a version; 2.4 to
+2.14 is covered by their union (a setting an older version lacks is simply never set there: e.g.
+max_non_split_rounding_mb defaults to the 20 MiB that 2.4 hard-wires).
 
 The algorithm, in the allocator's own order (malloc):
   1. size = round_size(request)                       512-byte granularity, optional power-2 divisions
