@@ -21,7 +21,8 @@ testbed), the pool's segments are carved from it instead. `no_split: true` on th
 --no-split) makes a no_split pool (torch symmetric memory). A block freed
 after record_stream stays unavailable until its free_done. PYTORCH_CUDA_ALLOC_CONF keys that change
 placement are honoured; unmodelled ones (expandable_segments:True, backend:cudaMallocAsync, ...) are
-refused. Then run `hazsan check DIR`."""
+refused. Then run `hazsan check DIR`: its line numbers are those of the placed files (segment and
+window events are inserted, input segment events dropped)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

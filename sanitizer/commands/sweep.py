@@ -8,8 +8,8 @@ HELP = "replay one recorded decode step at several token counts; realised collis
 
 EPILOG = """\
 The chosen step (the first `step` marker with `tokens`, or --step N) is replayed at each scale:
-dimensions of recorded `alloc` shapes equal to the step's token count (or those in `token_dims`)
-are multiplied, sizes follow; everything before the first step marker is kept as set-up. Each
+the first dimension of each recorded `alloc` shape equal to the step's token count (or the
+dimensions listed in its `token_dims`) is multiplied, the size follows; everything before the first step marker is kept as set-up. Each
 scaled trace is placed with the caching-allocator model (as `hazsan place`) and analysed (as
 `hazsan check`). A shape COLLIDES when `reuse-in-flight` fires (the allocator really handed out
 bytes a collective still uses); the latent hazards `free-in-flight` and `transient-in-window` are
