@@ -302,3 +302,20 @@ def test_config_from_env_prefers_pytorch_alloc_conf():
     env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     assert AllocatorConfig.from_env(env).max_split_size == 64 * MB
     assert AllocatorConfig.from_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}).max_split_size == 128 * MB
+
+
+# ---------------------------------------------------------------- the GPU comparison -----------
+def test_gpu_check_sequence_model_side_hand_worked():
+    from sanitizer.place.gpu_check import compare, run_model
+
+    m = run_model()
+    assert m["e"] == (1, 8 * MB, 12 * MB)        # 12 MiB reuses the exact 12 MiB rest of c's segment
+    assert m["h"] == (1, 0, 3 * MB)              # 2 MiB in c's freed 3 MiB: 1 MiB left, not split
+    assert m["i"] == (0, 1024 + 200 * KB, 1024)  # a is held (record_stream): i goes after f
+    assert m["j"] == (0, 0, 1024)                # after the sync, a's bytes are free again
+    assert m["n"] == (1, 3 * MB, 9 * MB) and m["o"][1:] == (0, 20 * MB)
+    assert m["k"][0] == m["m"][0] != m["a"][0]   # the MemPool has its own segments
+    observed = dict(m)
+    observed["j"] = (0, 1024, None)
+    rate, bad = compare(m, observed)
+    assert rate == (len(m) - 1) / len(m) and bad[0].startswith("j:")
