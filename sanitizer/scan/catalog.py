@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 NEUTRAL, ALLOC, COPY, COMPUTE = "neutral", "alloc", "copy", "compute"
 KIND_RANK = {NEUTRAL: 0, ALLOC: 1, COPY: 2, COMPUTE: 3}
 
-# Output allocations: one tensor, nothing else (the fill of zeros/ones/full is a memset).
+# Output allocations: one tensor, nothing else (the fill of zeros/ones/full/rand/arange is one
+# kernel writing the output; torch.tensor copies host data into it).
 DEFAULT_ALLOC = (
     "torch.empty", "torch.zeros", "torch.ones", "torch.full", "torch.empty_strided",
     "torch.empty_like", "torch.zeros_like", "torch.ones_like", "torch.full_like",
-    ".new_empty", ".new_zeros", ".new_ones", ".new_full", ".new_empty_strided",
+    "torch.rand", "torch.randn", "torch.randint", "torch.rand_like", "torch.randn_like",
+    "torch.randint_like", "torch.randperm", "torch.arange", "torch.linspace", "torch.eye",
+    "torch.tensor", "torch.as_tensor", "torch.from_numpy",
+    ".new_empty", ".new_zeros", ".new_ones", ".new_full", ".new_empty_strided", ".new_tensor",
     ".zero_", ".fill_",
 )
 
@@ -41,7 +45,8 @@ DEFAULT_NEUTRAL = (
     "len", "int", "float", "bool", "str", "bytes", "isinstance", "issubclass", "getattr", "hasattr",
     "setattr", "range", "enumerate", "zip", "min", "max", "abs", "tuple", "list", "dict", "set",
     "frozenset", "print", "type", "id", "repr", "divmod", "round", "any", "all", "sorted", "reversed",
-    "iter", "next", "super", "callable", "hash", "format", "object", "NotImplementedError",
+    "iter", "next", "super", "callable", "hash", "format", "object", "slice", "vars", "locals",
+    "globals", "ord", "chr", "bin", "hex", "pow", "filter", "map", "NotImplementedError",
     "RuntimeError", "ValueError", "AssertionError", "TypeError", "KeyError",
     "contextlib.nullcontext", "nullcontext", "torch.inference_mode", "torch.no_grad",
     "torch.enable_grad", "torch.device", "torch.Size", "torch.dtype", "torch.finfo", "torch.iinfo",
@@ -50,6 +55,9 @@ DEFAULT_NEUTRAL = (
     "torch.cuda.get_device_capability", "torch.cuda.is_current_stream_capturing",
     "torch.compiler.is_compiling", "torch._dynamo.is_compiling",
     "triton.cdiv", "triton.next_power_of_2", "math.*", "logging.*", "logger.*", "warnings.warn",
+    "numpy.*", "os.*", "time.*", "itertools.*", "operator.*", "typing.*", "json.*",
+    "torch.get_device_module", "torch.cuda.Event", "torch.cuda.Stream", "torch.cuda.device_count",
+    "torch.cuda.is_available", "torch.version.*", "torch.get_default_dtype",
     "functools.partial", "dataclasses.replace", "os.environ.get", "os.getenv",
     "torch.as_strided", "torch.narrow", "torch.squeeze", "torch.unsqueeze", "torch.split",
     "torch.chunk", "torch.unbind", "torch.view_as_real", "torch.view_as_complex", "torch.select",
@@ -60,7 +68,8 @@ DEFAULT_NEUTRAL = (
     ".as_strided_", ".resize_as_", ".set_", ".tolist", ".record_stream",
     ".wait_stream", ".append", ".extend", ".pop", ".get", ".items", ".keys", ".values", ".update",
     ".setdefault", ".format", ".join", ".startswith", ".endswith", ".debug", ".info", ".warning",
-    ".error", ".exception", ".tag", ".__enter__", ".__exit__",
+    ".error", ".exception", ".tag", ".__enter__", ".__exit__", ".bit_length", ".lower", ".upper",
+    ".strip", ".replace", ".is_set", ".synchronize", ".record", ".wait", ".query",
 )
 
 

@@ -197,7 +197,7 @@ class BodyClassifier:
                 return kind, allocates, f"{kind}: .{method}()", True, None, []
         if target.qualified:
             root = target.qualified.split(".")[0]
-            if root in ("torch", "triton", "tl", "numpy", "np", "flashinfer", "deep_gemm"):
+            if root in ("torch", "triton", "tl", "flashinfer", "deep_gemm", "sgl_kernel", "vllm"):
                 return COMPUTE, True, f"op: {target.qualified}", True, None, []
             where = "outside the scanned tree" if "." in target.qualified else "not defined in the scanned tree"
             return COMPUTE, True, f"unresolved: {target.qualified} ({where})", False, None, []

@@ -36,18 +36,19 @@ def _call_lines(records, indent: str, limit: int = 12) -> list[str]:
 
 
 def _weight(r) -> int:
-    """How much a record explains: a resolved op or kernel, a transient, a helper, then guesses."""
+    """How well a record explains a class, lower is better: a resolved op or kernel launch,
+    a transient, a helper whose body holds one of those, then unresolved guesses."""
     if r.kind == "compute" and r.resolved and not r.helper:
         return 0
     if r.transient and r.kind != "compute":
         return 1
-    if r.helper and r.resolved:
-        return 2
-    return 3
+    if r.inner:
+        return min(_weight(i) for i in r.inner) + (0 if r.resolved else 1)
+    return 4
 
 
 def _telling(records, limit: int = 4):
-    """The inner records worth showing under a helper: the most explanatory first."""
+    """The records worth showing: the most explanatory first, then in line order."""
     interesting = [i for i in records if i.kind == "compute" or i.transient] or list(records)
     return sorted(interesting, key=lambda r: (_weight(r), r.line))[:limit]
 
@@ -152,15 +153,16 @@ def render_markdown(result: ScanResult, title: str = "hazsan scan") -> str:
         if not group:
             continue
         out += [f"## {klass} ({len(group)})", ""]
-        out += ["| scope | function | entered | guard | transient / compute calls | status |",
-                "|---|---|---|---|---|---|"]
+        out += ["| scope | function | pool | entered | guard | most telling compute / transient calls | status |",
+                "|---|---|---|---|---|---|---|"]
         for s in group:
             calls = [r for r in s.records if r.kind == "compute" or r.transient]
-            shown = "; ".join(_md_escape(_chain(r)) for r in calls[:4])
-            if len(calls) > 4:
-                shown += f"; +{len(calls) - 4} more"
+            shown = "; ".join(_md_escape(_chain(r)) for r in _telling(calls, 3))
+            if len(calls) > 3:
+                shown += f"; +{len(calls) - 3} more"
+            pool = "symmetric" if s.symmetric else (f"`{_md_escape(s.pool)}`" if s.pool else "")
             entered = s.entered + (" / " + " / ".join(s.via) if s.via else "")
-            out.append(f"| `{s.file}:{s.line}` | `{_md_escape(s.function)}` | {_md_escape(entered)} | "
+            out.append(f"| `{s.file}:{s.line}` | `{_md_escape(s.function)}` | {pool} | {_md_escape(entered)} | "
                        f"{'`' + _md_escape(s.guard) + '`' if s.guard else ''} | {shown} | "
                        f"{_md_escape(_status(s))} |")
         out.append("")

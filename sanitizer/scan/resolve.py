@@ -195,6 +195,10 @@ class Resolver:
         if head in module.imports:  # re-exported name
             return self.resolve_qualified(".".join([module.imports[head], *rest[1:]]),
                                           module.source, hops + 1)
+        for base in module.star_imports:  # `from .common import *` in a package __init__
+            hit = self.resolve_qualified(".".join([base, *rest]), module.source, hops + 1)
+            if hit:
+                return hit
         return None
 
     def class_of(self, expr: ast.expr, where_module: ModuleInfo) -> ClassInfo | None:

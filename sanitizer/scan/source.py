@@ -62,6 +62,7 @@ class ModuleInfo:
     imports: dict[str, str] = field(default_factory=dict)       # local name -> qualified name
     functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = field(default_factory=dict)
     classes: dict[str, ClassInfo] = field(default_factory=dict)
+    star_imports: list[str] = field(default_factory=list)     # `from x import *` -> "x"
     _parents: dict[int, ast.AST] | None = None
     _lines: list[str] | None = None
 
@@ -266,6 +267,8 @@ def _toplevel_statements(body):
 def _index_module(info: ModuleInfo) -> None:
     stmts = list(_toplevel_statements(info.tree.body))
     info.imports = collect_imports(info, stmts)
+    info.star_imports = [resolve_relative(info, s.module, s.level) for s in stmts
+                         if isinstance(s, ast.ImportFrom) and any(a.name == "*" for a in s.names)]
     for stmt in stmts:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             info.functions.setdefault(stmt.name, []).append(stmt)
