@@ -254,3 +254,24 @@ def test_example_traces_keep_their_hazards_after_placement(tmp_path, example):
         assert placed.get(rule, 0) == raw.get(rule, 0), rule
     if not raw:
         assert not placed
+
+
+def test_empty_cache_in_the_input_releases_the_models_free_segments(tmp_path):
+    ev = [
+        {"ev": "alloc", "id": 1, "addr": 100, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": 2, "addr": 9000, "size": 3 * MB, "stream": 0},
+        {"ev": "alloc", "id": 3, "addr": 5 * MB, "size": 4096, "stream": 0},
+        {"ev": "record_stream", "id": 3, "stream": 1},
+        {"ev": "free", "id": 2},
+        {"ev": "free", "id": 3},                    # held: stream 1 may still use it
+        {"ev": "segment_free", "addr": 9000},       # torch.cuda.empty_cache(): syncs, then releases
+        {"ev": "segment_free", "addr": 77},
+        {"ev": "free_done", "id": 3},
+        {"ev": "alloc", "id": 4, "addr": 9000, "size": 3 * MB, "stream": 0},
+    ]
+    _, out = place(tmp_path, ev)
+    a = allocs(out)
+    released = [e for e in out if e["ev"] == "segment_free"]
+    assert [r["addr"] for r in released] == [a[2]["segment"]]   # the small segment still holds id 1
+    assert a[4]["segment"] != a[2]["segment"]                   # a fresh segment from the driver
+    assert [e["ev"] for e in out].count("segment") == 3

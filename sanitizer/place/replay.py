@@ -65,6 +65,7 @@ class PlaceStats:
     windows_arena: int = 0
     windows_registered: int = 0
     preallocated: int = 0
+    segments_released: int = 0
     windows_synthesized: int = 0
     windows_replaced: int = 0
     pools: dict = field(default_factory=dict)
@@ -174,6 +175,7 @@ class RankPlacer:
         self.pending_segments: dict = {}       # input segment addr -> (size, pool, line), no alloc yet
         self.last_stream = 0                   # the stream of the latest alloc ("current stream")
         self._replaced_windows: set = set()    # input windows the model's own registrations replace
+        self._releasing = False                # inside a run of input segment_free events
 
     # ---- helpers ------------------------------------------------------------------------
     def _err(self, line, msg):
@@ -243,6 +245,8 @@ class RankPlacer:
             raise self._err(line, f"event is not a JSON object: {ev!r}")
         self.stats.events += 1
         kind = ev.get("ev")
+        if kind != "segment_free":
+            self._releasing = False
         handler = getattr(self, f"_ev_{kind}", None) if isinstance(kind, str) else None
         if handler is None:
             yield ev
@@ -263,9 +267,21 @@ class RankPlacer:
         return iter(())
 
     def _ev_segment_free(self, line, ev):
+        # Segments go back to the driver only in release_cached_blocks (torch.cuda.empty_cache(),
+        # or the out-of-memory retry): it first waits for every pending record_stream event, then
+        # frees every unsplit cached segment of the default pool. The first segment_free of a run
+        # replays that on the model; the model's own segment_free events replace the input's.
         self.stats.dropped_segment_events += 1
-        self.pending_segments.pop(ev.get("addr"), None)
-        return iter(())
+        if self.pending_segments.pop(ev.get("addr"), None) is not None or self._releasing:
+            return
+        self._releasing = True
+        for bid, b in list(self.held.items()):
+            self.alloc.free_done(b)
+            del self.held[bid]
+        extra = {k: ev[k] for k in ("t", "step") if k in ev}
+        for seg in self.alloc.empty_cache(DEFAULT_POOL):
+            self.stats.segments_released += 1
+            yield {"ev": "segment_free", "addr": seg.addr, "pool": seg.pool, **extra}
 
     def _claim_pending(self, addr: int) -> None:
         for start, (size, _pool, _line) in list(self.pending_segments.items()):
