@@ -27,9 +27,11 @@ recorded op or collective. The mode is never popped; user modes stack above it.
 """
 from __future__ import annotations
 
+import itertools
 import threading
-import time
 import weakref
+from functools import partial
+from time import time_ns
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -60,9 +62,9 @@ class BlockTable:
         self.sites = capture.sites
         self.scopes = capture.scopes
         self.live: dict[int, Block] = {}     # StorageImpl address (storage._cdata) -> Block
-        self._next_id = 0
+        self._ids = itertools.count(1)       # next() is atomic under the GIL
         self._names: dict = {}               # OpOverload -> "aten.add.Tensor"
-        self._lock = threading.Lock()
+        self._dtypes: dict = {}              # torch.float32 -> "float32"
 
     # ------------------------------------------------------------------ dispatch hot path
     def on_op(self, func, args, out) -> None:
@@ -109,46 +111,50 @@ class BlockTable:
         if nbytes == 0 or real == 0:       # meta tensors and empty storages hold no memory
             return None
         key = s._cdata
-        dev = s.device.type
-        scope = self.scopes.current()
+        stack = self.scopes.stack
         pool = "default"
         model = None
         addr, size = real, nbytes
-        if dev == "cpu":
+        if t.is_cpu:
             stream = "cpu"
-            if scope is not None:
+            if stack:
+                pool, comm = stack[-1]
                 try:
-                    model = self.capture.arenas_model().malloc(scope[0], scope[1], nbytes, stream)
+                    model = self.capture.arenas_model().malloc(pool, comm, nbytes, stream)
                     addr, size, pool = model.addr, model.size, model.pool
                 except Exception as exc:   # window full: record the real placement instead
+                    pool = "default"
                     self.capture.failed("window", exc)
         else:
-            stream = f"{dev}:{s.device.index or 0}"
-            if scope is not None:
-                pool = scope[0]
-        with self._lock:
-            bid = self._next_id = self._next_id + 1
+            dev = s.device
+            stream = f"{dev.type}:{dev.index or 0}"
+            if stack:
+                pool = stack[-1][0]
+        bid = next(self._ids)
         b = Block(bid, key, real, nbytes, addr, size, model)
-        b.ref = weakref.ref(s, _Finalizer(self, key, bid))
+        b.ref = weakref.ref(s, partial(self.died, key, bid))
         live[key] = b
+        dtype = self._dtypes.get(t.dtype)
+        if dtype is None:
+            dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
         ev = {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream, "pool": pool,
-              "op": opname, "shape": list(t.shape), "dtype": str(t.dtype)[6:], "t": time.time_ns()}
+              "op": opname, "shape": list(t.shape), "dtype": dtype, "t": time_ns()}
         if model is not None:
             ev["requested"] = nbytes
-        site, stack = self.sites.where()
+        site, frames = self.sites.where()
         if site is not None:
             ev["site"] = site
-            if stack is not None:
-                ev["stack"] = stack
+            if frames is not None:
+                ev["stack"] = frames
         self.emit(ev)
         return b
 
     def _release(self, b: Block) -> None:
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
-        self.emit({"ev": "free", "id": b.id, "t": time.time_ns()})
+        self.emit({"ev": "free", "id": b.id, "t": time_ns()})
 
-    def died(self, key, bid) -> None:
+    def died(self, key, bid, _ref=None) -> None:
         """Weakref callback: the storage died (any thread, possibly during interpreter exit)."""
         try:
             b = self.live.get(key)
@@ -182,19 +188,7 @@ class BlockTable:
         """In a forked child: the inherited storages are live there too; declare them again."""
         for b in list(self.live.values()):
             self.emit({"ev": "alloc", "id": b.id, "addr": b.addr, "size": b.size, "stream": "cpu",
-                       "pool": "default", "op": "inherited-by-fork", "t": time.time_ns()})
-
-
-class _Finalizer:
-    """Weakref callback holding only the table, the key and the id (no reference to the storage)."""
-
-    __slots__ = ("table", "key", "bid")
-
-    def __init__(self, table, key, bid):
-        self.table, self.key, self.bid = table, key, bid
-
-    def __call__(self, _ref):
-        self.table.died(self.key, self.bid)
+                       "pool": "default", "op": "inherited-by-fork", "t": time_ns()})
 
 
 class AllocationMode(TorchDispatchMode):
@@ -203,6 +197,14 @@ class AllocationMode(TorchDispatchMode):
     def __init__(self, table: BlockTable):
         super().__init__()
         self._on_op = table.on_op
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._dynamo.disable by default: that
+        # imports torch._dynamo on the first op (seconds) and costs several us on every op. Dynamo
+        # never compiles a frame while a non-infra dispatch mode is active (convert_frame skips
+        # it and runs it eagerly), so the wrapper protects nothing here.
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **kwargs) if kwargs else func(*args)
