@@ -156,8 +156,8 @@ class _Scaler:
     def _repetition(self, k: int) -> list[dict]:
         ranges_start: list[int] = []
         ranges: list[tuple] = []        # (old_start, old_end, new_start, ratio)
-        out = [{**self.marker, "n": (self.marker.get("n") or 0) + k, "tokens": self.new_tokens,
-                "sweep": {"scale": self.scale, "repetition": k, "recorded_tokens": self.tokens}}]
+        # (the scale and the recorded token count go in the header: no extra fields on events)
+        out = [{**self.marker, "n": (self.marker.get("n") or 0) + k, "tokens": self.new_tokens}]
 
         def rid(x):
             return f"{x}@{k}" if x in self.step_ids else x
@@ -268,7 +268,10 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                 evs = sc.build()
                 name = f.name[:-3] if f.name.endswith(".gz") else f.name
                 with open(raw_dir / name, "wb") as fh:
-                    fh.write(orjson.dumps({**header, "sweep": {"scale": scale, "source": str(f)}}) + b"\n")
+                    fh.write(orjson.dumps({**header, "sweep": {
+                        "scale": scale, "source": str(f), "step": marker.get("n"),
+                        "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens,
+                        "repeat": repeat}}) + b"\n")
                     for e in evs:
                         fh.write(orjson.dumps(e) + b"\n")
                 stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools)
