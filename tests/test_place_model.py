@@ -319,3 +319,14 @@ def test_gpu_check_sequence_model_side_hand_worked():
     observed["j"] = (0, 1024, None)
     rate, bad = compare(m, observed)
     assert rate == (len(m) - 1) / len(m) and bad[0].startswith("j:")
+
+
+def test_placement_package_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, sanitizer.place, sanitizer.place.replay, sanitizer.place.sweep, "
+            "sanitizer.place.gpu_check, sanitizer.commands.place, sanitizer.commands.sweep; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
