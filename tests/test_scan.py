@@ -172,11 +172,17 @@ def test_async_with_and_exit_stack(by_function):
 def test_torch_symmetric_memory_pool_is_marked_symmetric(by_function):
     s = only(by_function, "torch_symmetric_pool")
     assert s.pool == "symm_mem.get_mem_pool(device)" and s.symmetric is True
+    v = only(by_function, "torch_symmetric_pool_variable")
+    assert v.pool == "pool" and v.symmetric is True, "the variable's assignment says get_mem_pool"
+    o = only(by_function, "other_pool")
+    assert o.pool == "pool" and o.symmetric is None
+    assert only(by_function, "alloc_only").symmetric is True
 
 
 def test_contextmanager_body_is_reported_too(by_function):
     s = only(by_function, "symm_region")
-    assert s.file == "pkg/helpers.py" and s.klass == "alloc" and s.records == []
+    assert s.file == "pkg/helpers.py" and s.klass == "alloc" and s.records == [] and s.yields
+    assert not only(by_function, "alloc_only").yields
 
 
 # -- nesting and guards ------------------------------------------------------------------------
@@ -242,6 +248,26 @@ def test_scanned_code_is_never_imported(tmp_path):
     result = scan(tmp_path)
     assert not marker.exists()
     assert [s.function for s in result.scopes] == ["f"]
+
+
+def test_internal_error_in_one_scope_does_not_end_the_scan(monkeypatch):
+    from sanitizer.scan.classify import BodyClassifier
+
+    original = BodyClassifier.scope_records
+
+    def flaky(self, site):
+        if site.where.qualname == "einsum_inline":
+            raise ValueError("boom")
+        return original(self, site)
+
+    monkeypatch.setattr(BodyClassifier, "scope_records", flaky)
+    result = scan()
+    assert "einsum_inline" not in {s.function for s in result.scopes}
+    assert "combine_via_helper" in {s.function for s in result.scopes}
+    (problem,) = result.problems
+    assert problem.file == "pkg/models.py" and problem.line == line_of("pkg/models.py", "disabled=not flag")
+    assert "internal error" in problem.message and "boom" in problem.message
+    assert result.summary()["internal_errors"] == 1
 
 
 def test_undecodable_file_is_a_problem_not_a_crash(tmp_path):

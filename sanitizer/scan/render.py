@@ -97,6 +97,8 @@ def render_text(result: ScanResult) -> str:
                 lines.append(f"  pool: {s.pool}")
             if s.parent:
                 lines.append(f"  nested in the scope at line {s.parent}")
+            if s.yields:
+                lines.append("  body yields: the callers' with-blocks are reported as scopes entered through this helper")
             if s.nested:
                 lines.append(f"  holds nested scope(s) at line(s) {', '.join(map(str, s.nested))}, reported separately")
             rt = _runtime_line(s)

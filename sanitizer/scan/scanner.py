@@ -8,7 +8,7 @@ from pathlib import Path
 from sanitizer.scan.allow import AllowEntry, AllowList
 from sanitizer.scan.classify import BodyClassifier, CallRecord, region_class
 from sanitizer.scan.config import ScanConfig
-from sanitizer.scan.resolve import Resolver
+from sanitizer.scan.resolve import Resolver, own_nodes
 from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
 from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree
 
@@ -36,6 +36,7 @@ class ScopeReport:
     snippet: list[tuple[int, str]]
     body_span: tuple[int, int]
     path: Path                       # the file on disk (for matching trace sites)
+    yields: bool = False             # a @contextmanager body: its callers' blocks are the real bodies
     allowed: AllowEntry | None = None
     runtime: dict | None = None
 
@@ -51,7 +52,7 @@ class ScopeReport:
             "guard": self.guard, "disabled": self.disabled,
             "scope": self.scope, "scope_call": self.call, "entered": self.entered, "via": self.via,
             "nested": self.nested, "parent": self.parent,
-            "pool": self.pool, "symmetric": self.symmetric,
+            "pool": self.pool, "symmetric": self.symmetric, "yields": self.yields,
             "transients": [f"{r.callee} ({r.file}:{r.line})" for r in _flat(self.records) if r.transient
                            and not r.inner],
             "unresolved": sum(1 for r in _flat(self.records) if not r.resolved),
@@ -100,7 +101,9 @@ class ScanResult:
             "allowed": sum(1 for s in self.scopes if s.allowed is not None),
             "statically_disabled": sum(1 for s in self.scopes if s.disabled),
             "syntax_errors": sum(1 for p in self.problems if p.message.startswith("syntax error")),
-            "unreadable": sum(1 for p in self.problems if not p.message.startswith("syntax error")),
+            "internal_errors": sum(1 for p in self.problems if p.message.startswith("internal error")),
+            "unreadable": sum(1 for p in self.problems
+                              if not p.message.startswith(("syntax error", "internal error"))),
             "depth": self.depth, "scope_names": list(self.scope_names),
             "allow_unused": [f"{e.source}: {e.pattern}" for e in self.allow_unused],
         }
@@ -126,10 +129,18 @@ class Scanner:
         resolver = Resolver(tree)
         matcher = ScopeMatcher(resolver, self.config.scopes)
         modules = self._candidates(tree, matcher)
-        sites = self._sites(modules, matcher)
+        sites = self._sites(modules, matcher, tree)
         classifier = BodyClassifier(resolver, self.config.catalog, self.config.depth,
                                     {id(s.node) for s in sites if not isinstance(s.node, ast.Call)})
-        reports = [self._report(site, classifier) for site in sites]
+        reports = []
+        for site in sites:
+            try:
+                reports.append(self._report(site, classifier, matcher))
+            except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
+                # A construct the analysis does not handle must not end the whole scan.
+                tree.problems.append(SourceProblem(
+                    site.module.rel, site.line, f"internal error while classifying this scope "
+                    f"({type(exc).__name__}: {exc}); please report it"))
         _link_nesting(reports)
         for r in reports:
             if r.klass == "compute" and not r.disabled:
@@ -177,17 +188,24 @@ class Scanner:
         return modules
 
     @staticmethod
-    def _sites(modules: list[ModuleInfo], matcher: ScopeMatcher) -> list[ScopeSite]:
+    def _sites(modules: list[ModuleInfo], matcher: ScopeMatcher, tree: SourceTree) -> list[ScopeSite]:
         sites, seen = [], set()
         for module in modules:
-            for site in matcher.sites(module):
+            try:
+                found = matcher.sites(module)
+            except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
+                tree.problems.append(SourceProblem(
+                    module.rel, None, f"internal error while finding scopes "
+                    f"({type(exc).__name__}: {exc}); please report it"))
+                continue
+            for site in found:
                 if id(site.node) in seen:
                     continue  # `with a(), b():` both scopes: one report for the block
                 seen.add(id(site.node))
                 sites.append(site)
         return sites
 
-    def _report(self, site: ScopeSite, classifier: BodyClassifier) -> ScopeReport:
+    def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher) -> ScopeReport:
         records, nested = classifier.scope_records(site)
         m = site.match
         guard_parts, disabled = [], False
@@ -197,7 +215,7 @@ class Scanner:
                 if isinstance(kw.value, ast.Constant) and kw.value.value is True:
                     disabled = True
         guard_parts += m.conditions
-        pool, symmetric = _pool(m)
+        pool, symmetric = _pool(m, matcher, site)
         first = site.line
         last = site.body_span[1]
         snippet_end = min(last, first + SNIPPET_LINES - 1)
@@ -208,15 +226,22 @@ class Scanner:
             guard="; ".join(guard_parts) or None, disabled=disabled,
             klass=region_class(records), records=records, nested=sorted(set(nested)), parent=None,
             pool=pool, symmetric=symmetric, snippet=snippet, body_span=site.body_span,
-            path=site.module.source.path)
+            path=site.module.source.path,
+            yields=any(isinstance(n, (ast.Yield, ast.YieldFrom)) for s in site.body for n in own_nodes([s])))
 
 
-def _pool(m) -> tuple[str | None, bool | None]:
+def _pool(m, matcher: ScopeMatcher, site: ScopeSite) -> tuple[str | None, bool | None]:
+    """The pool a use_mem_pool scope enters, and whether it is known to be symmetric memory
+    (its expression, or the value assigned to the variable it names, mentions symmetric memory
+    or NCCL: `symm_mem.get_mem_pool(dev)`, `get_nccl_mem_pool()`)."""
     if "use_mem_pool" in m.scope:
         arg = m.call.args[0] if m.call.args else next(
             (k.value for k in m.call.keywords if k.arg == "pool"), None)
         text = _one_line(arg) if arg is not None else None
-        low = (text or "").lower()
+        evidence = [text or ""]
+        if isinstance(arg, ast.Name) and m.call_module is site.module and site.where.func is not None:
+            evidence += [_one_line(v) for v in matcher._assignments(site.where.func).get(arg.id, [])]
+        low = " ".join(evidence).lower()
         symmetric = True if ("symm" in low or "nccl" in low) else None
         return text, symmetric
     if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext"):
