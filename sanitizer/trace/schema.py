@@ -16,7 +16,8 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "segment_free": frozenset({"addr", "pool"}),
     "window": frozenset({"addr", "size", "comm"}),
     "window_free": frozenset({"addr", "comm"}),
-    "alloc": frozenset({"id", "addr", "size", "stream", "pool", "requested", "segment"}),
+    # token_dims: which dimensions of `shape` scale with the step's token count (hazsan sweep).
+    "alloc": frozenset({"id", "addr", "size", "stream", "pool", "requested", "segment", "token_dims"}),
     "free": frozenset({"id"}),
     "free_done": frozenset({"id"}),
     "record_stream": frozenset({"id", "stream"}),
@@ -30,7 +31,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "graph_end": frozenset({"graph", "stream"}),
     "graph_replay": frozenset({"graph", "stream"}),
     "graph_free": frozenset({"graph"}),
-    "scope": frozenset({"name", "enter", "pool", "comm"}),
+    "scope": frozenset({"name", "enter", "pool", "comm", "no_split"}),
     "step": frozenset({"n", "phase", "tokens"}),
     # Written by capture (beyond DESIGN.md): events the writer had to drop, and hook failures.
     "dropped": frozenset({"count", "reason"}),
