@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from sanitizer.scan.source import ClassInfo, ModuleInfo, SourceTree, collect_imports
+from sanitizer.scan.source import ClassInfo, ModuleInfo, SourceTree, class_info, collect_imports
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
@@ -141,8 +141,7 @@ class Resolver:
                 elif isinstance(stmt, ast.ClassDef):
                     info = module.classes.get(stmt.name) if outer is None and not prefix else None
                     if info is None or info.node is not stmt:
-                        from sanitizer.scan.source import _class_info
-                        info = _class_info(module, stmt, prefix + stmt.name)
+                        info = class_info(module, stmt, prefix + stmt.name)
                     yield from visit(stmt.body, info, prefix + stmt.name + ".", outer)
         yield from visit(module.tree.body, None, "", None)
 

@@ -63,6 +63,7 @@ class ScopeMatcher:
         self.resolver = resolver
         self.names = scope_names
         self.factories: dict[int, ScopeMatch] = {}   # id(function node) -> what it enters
+        self.factory_names: set[str] = set()         # their names: text pre-filter tokens
         self._assign_cache: dict[int, dict[str, list[ast.expr]]] = {}
         self._attr_cache: dict[int, dict[str, list[tuple[ast.expr, Func]]]] = {}
 
@@ -88,11 +89,7 @@ class ScopeMatcher:
             if not literal:
                 return set()  # a pure glob: no pre-filter possible
             tokens.add(max(literal, key=len))
-        for match_node in self.factories:
-            f = self.resolver._funcs.get(match_node)
-            if f is not None:
-                tokens.add(f.node.name)
-        return tokens
+        return tokens | self.factory_names
 
     # -- expressions ------------------------------------------------------------------------
     def match(self, expr: ast.expr, where: Where, chain: int = 0) -> ScopeMatch | None:
@@ -187,6 +184,7 @@ class ScopeMatcher:
                 m = self._factory_match(f)
                 if m is not None:
                     self.factories[id(f.node)] = m
+                    self.factory_names.add(f.node.name)
                     grew = True
         return grew
 

@@ -273,10 +273,10 @@ def _index_module(info: ModuleInfo) -> None:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             info.functions.setdefault(stmt.name, []).append(stmt)
         elif isinstance(stmt, ast.ClassDef):
-            info.classes[stmt.name] = _class_info(info, stmt, stmt.name)
+            info.classes[stmt.name] = class_info(info, stmt, stmt.name)
 
 
-def _class_info(info: ModuleInfo, node: ast.ClassDef, qualname: str) -> ClassInfo:
+def class_info(info: ModuleInfo, node: ast.ClassDef, qualname: str) -> ClassInfo:
     cls = ClassInfo(info, node, qualname)
     for stmt in _toplevel_statements(node.body):
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
