@@ -227,7 +227,7 @@ class TraceWriter:
             ev["t"] = self.t
         self.buf.append(orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE))
         self.events += 1
-        if len(self.buf) >= 65536:
+        if len(self.buf) >= 4096:   # orjson.dumps results hold ~4 KiB each while alive
             self.flush()
 
     def flush(self) -> None:
