@@ -230,3 +230,16 @@ def test_trace_text_and_truncated_trace(capsys, tmp_path):
     code, out, err = run(capsys, TREE, "--trace", str(tmp_path))
     assert "== runtime (1 trace file(s)): 0 transient(s)" in out
     assert "truncated" in out
+
+
+def test_trace_single_gzip_file_and_markdown_marks(capsys, tmp_path):
+    import gzip
+
+    src = (FIXTURES / "traces" / "rank0.jsonl").read_bytes()
+    target = tmp_path / "rank0.jsonl.gz"
+    with gzip.open(target, "wb") as f:
+        f.write(src)
+    code, out, _ = run(capsys, TREE, "--trace", str(target), "--format", "markdown")
+    section = out[out.index("### `pkg/models.py:33`"):]
+    assert section.startswith("### `pkg/models.py:33` (combine_via_helper)")
+    assert "*runtime: 1 transient(s) placed in a window, 4096 bytes" in section.split("### ")[1]
