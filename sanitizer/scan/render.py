@@ -129,6 +129,14 @@ def render_text(result: ScanResult) -> str:
             lines.append(f"  unattributed: {site}")
         for w in rt.get("warnings", [])[:10]:
             lines.append(f"  warning: {w}")
+    failing = result.failing
+    lines.append("")
+    if failing:
+        lines.append(f"FAIL: {len(failing)} compute scope(s) not on the allow-list: "
+                     + ", ".join(f"{s.file}:{s.line}" for s in failing[:8])
+                     + (f", +{len(failing) - 8} more" if len(failing) > 8 else ""))
+    else:
+        lines.append("OK: no compute scope outside the allow-list")
     return "\n".join(lines) + "\n"
 
 
