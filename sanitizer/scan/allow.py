@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import tomllib
+from sanitizer.scan import _toml as tomllib
 from dataclasses import dataclass
 from pathlib import Path
 

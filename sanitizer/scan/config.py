@@ -18,7 +18,7 @@ or, in a pyproject.toml, under ``[tool.hazsan.scan]``::
 from __future__ import annotations
 
 import json
-import tomllib
+from sanitizer.scan import _toml as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
