@@ -285,3 +285,57 @@ def test_every_reported_line_is_a_scope_entry(by_function):
             text = (TREE / s.file).read_text().splitlines()[s.line - 1]
             assert "with " in text or "enter_context" in text, (s.file, s.line, text)
             ast.parse((TREE / s.file).read_text())
+
+
+# -- module resolution across the tree ---------------------------------------------------------
+SCOPE_USER = """
+import torch
+from {module} import combine
+from sg.srt.allocator import use_symmetric_memory
+
+
+def user(g, x, w):
+    with use_symmetric_memory(g):
+        y = combine(x, w)
+    return y
+"""
+HELPER = "import torch\n\n\ndef combine(x, w):\n    return torch.einsum('ij,jk->ik', x, w)\n"
+
+
+def _user_record(root: Path, path: Path):
+    (s,) = [s for s in scan(path).scopes if s.function == "user"]
+    return s.records[0]
+
+
+@pytest.mark.parametrize("module", ["sg.srt.helpers", ".helpers"])
+def test_imports_resolve_when_path_is_a_subpackage(tmp_path, module):
+    srt = tmp_path / "sg" / "srt"
+    srt.mkdir(parents=True)
+    (tmp_path / "sg" / "__init__.py").write_text("")
+    (srt / "__init__.py").write_text("")
+    (srt / "helpers.py").write_text(HELPER)
+    (srt / "models.py").write_text(SCOPE_USER.format(module=module))
+    rec = _user_record(tmp_path, srt)      # scanned from sg/srt, imports name sg.srt.*
+    assert rec.helper == "combine (helpers.py:4)" and rec.inner[0].callee == "torch.einsum"
+
+
+@pytest.mark.parametrize("scan_from, shown", [("sg", "srt/helpers.py"), ("sg/srt", "helpers.py")])
+def test_namespace_tree_without_init_files(tmp_path, scan_from, shown):
+    srt = tmp_path / "sg" / "srt"
+    srt.mkdir(parents=True)
+    (srt / "helpers.py").write_text(HELPER)
+    (srt / "models.py").write_text(SCOPE_USER.format(module="sg.srt.helpers"))
+    rec = _user_record(tmp_path, tmp_path / scan_from)
+    assert rec.helper == f"combine ({shown}:4)"
+
+
+def test_outside_module_never_lands_on_a_same_named_scanned_file(tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "utils.py").write_text("import torch\n\n\ndef checkpoint(x):\n    return torch.empty(1)\n")
+    (app / "main.py").write_text(
+        "import torch\nfrom torch.utils import checkpoint\nfrom x import use_symmetric_memory\n\n\n"
+        "def user(g, x):\n    with use_symmetric_memory(g):\n        y = checkpoint(x)\n    return y\n")
+    (s,) = scan(app).scopes
+    (rec,) = s.records
+    assert rec.helper is None and rec.reason == "op: torch.utils.checkpoint" and s.klass == "compute"
