@@ -113,7 +113,7 @@ class SourceTree:
         if root.is_file():
             candidates, base = [root], root.parent
         else:
-            candidates, base = self._walk(root), root
+            candidates, base = self._walk(root, root), root
         for path in candidates:
             rel = path.relative_to(base).as_posix()
             if any(fnmatch.fnmatchcase(rel, pat) for pat in exclude):
@@ -127,14 +127,15 @@ class SourceTree:
             self._by_path[resolved] = sf
             self.files.append(sf)
 
-    @staticmethod
-    def _walk(root: Path):
+    def _walk(self, root: Path, base: Path):
         stack = [root]
         while stack:
             d = stack.pop()
             try:
                 entries = sorted(d.iterdir(), key=lambda p: p.name)
-            except OSError:
+            except OSError as exc:
+                rel = d.relative_to(base).as_posix() if d != base else "."
+                self.problems.append(SourceProblem(rel, None, f"cannot list directory: {exc.strerror or exc}"))
                 continue
             for p in entries:
                 if p.is_dir():
@@ -142,7 +143,6 @@ class SourceTree:
                         stack.append(p)
                 elif p.suffix == ".py":
                     yield p
-        return
 
     # -- lookup -----------------------------------------------------------------------------
     def find_module(self, dotted: str, near: SourceFile | None = None) -> SourceFile | None:
