@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     ap.add_argument("--core", type=int, default=None, help="CPU core to pin to (default: the last one allowed)")
     ap.add_argument("--peer-completion", choices=("local", "successor"), default="local")
     ap.add_argument("--csan-stack-depth", type=int, default=0, metavar="D",
-                    help="call CSAN's handlers D frames deeper (a model's forward is 30-60 deep; default 0, CSAN's best case)")
+                    help="call CSAN's handlers D frames deeper (inside a model's forward the stack is tens of frames deep; default 0, CSAN's best case)")
     ap.add_argument("--repeats", type=int, default=3, help="best of N for the in-process sample timings (default 3)")
     ap.add_argument("--profile", type=int, nargs="?", const=25, default=0, metavar="TOP",
                     help="also print a cProfile of analyze() on the sample (top functions, default 25)")
