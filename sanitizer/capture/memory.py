@@ -106,11 +106,16 @@ class BlockTable:
 
     # ------------------------------------------------------------------ allocation
     def _new(self, t, s, opname, live):
+        """Record a storage not seen before. Everything that can fail runs before the block is
+        registered, so a failing hook never leaves a block whose free would have no alloc."""
         nbytes = s.nbytes()
         real = s.data_ptr()
         if nbytes == 0 or real == 0:       # meta tensors and empty storages hold no memory
             return None
-        key = s._cdata
+        dtype = self._dtypes.get(t.dtype)
+        if dtype is None:
+            dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
+        site, frames = self.sites.where()
         stack = self.scopes.stack
         pool = "default"
         model = None
@@ -130,22 +135,19 @@ class BlockTable:
             stream = f"{dev.type}:{dev.index or 0}"
             if stack:
                 pool = stack[-1][0]
+        key = s._cdata
         bid = next(self._ids)
-        b = Block(bid, key, real, nbytes, addr, size, model)
-        b.ref = weakref.ref(s, partial(self.died, key, bid))
-        live[key] = b
-        dtype = self._dtypes.get(t.dtype)
-        if dtype is None:
-            dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
         ev = {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream, "pool": pool,
               "op": opname, "shape": list(t.shape), "dtype": dtype, "t": time_ns()}
         if model is not None:
             ev["requested"] = nbytes
-        site, frames = self.sites.where()
         if site is not None:
             ev["site"] = site
             if frames is not None:
                 ev["stack"] = frames
+        b = Block(bid, key, real, nbytes, addr, size, model)
+        b.ref = weakref.ref(s, partial(self.died, key, bid))
+        live[key] = b
         self.emit(ev)
         return b
 
