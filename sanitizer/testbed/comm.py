@@ -310,6 +310,10 @@ class SymmetricCommunicator:
         from .shm import CONTROL_BYTES_PER_RANK
         return CONTROL_BYTES_PER_RANK * (self.world_size + 1)
 
+    def step(self, n: int, phase: str | None = None, tokens: int | None = None) -> None:
+        """Decode-step marker in the trace (capture's sanitizer.step when capture is on)."""
+        self.recorder.step(n, phase, tokens)
+
     # ---- allocation ----------------------------------------------------------------------
     @contextmanager
     def scope(self, name: str = "symm"):

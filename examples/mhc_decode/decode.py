@@ -1,0 +1,251 @@
+"""The decode loop: speculative verify steps over a batch of requests, on 2-4 rank processes.
+
+Two phases, each a world of rank processes:
+
+  reference  plain tensors, torch.distributed (gloo) gathers and the testbed's arithmetic (sum of
+             the ranks' partials in rank order, in float32): no symmetric memory anywhere. It
+             decides every step's input tokens and acceptances and keeps the logits.
+  sanitised  the same decode on the symmetric-memory testbed, in the chosen mHC variant, fed the
+             reference's inputs (teacher forcing), its logits compared with the reference's bit
+             for bit. A request is corrupted when any of its rows differs on any rank.
+
+A verify step takes batch x (depth + 1) tokens: per request its last accepted token and `depth`
+draft tokens from a draft model (a fixed bigram table); acceptance is the longest prefix of
+drafts that equals the target's greedy tokens, plus the target's own next token. Each batch
+slot serves requests of `request_steps` verify steps one after the other; a new request starts
+from a synthetic prefilled context of `prompt` tokens (keys and values drawn from its id).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .model import DT, KVCache, Model, ModelConfig
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    variant: str = "stock"
+    depth: int = 4
+    batch: int = 8
+    steps: int = 16
+    request_steps: int = 4
+    prompt: int = 16
+    comm_latency_ms: float = 1.0
+    hold_partial: bool = False
+    window_mb: int = 64
+    model: ModelConfig = ModelConfig()
+
+    @property
+    def tokens_per_request(self) -> int:
+        return self.depth + 1
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.depth + 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens"] = self.tokens
+        return d
+
+    def reference_key(self, ranks: int) -> str:
+        """Identifies the reference decode (independent of variant, latency and partial lifetime)."""
+        import hashlib
+        import json
+        d = self.to_dict()
+        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb"):
+            d.pop(k)
+        d["ranks"] = ranks
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- reference comm
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class PlainComm:
+    """No symmetric memory: ordinary tensors, gloo all_gather, then the testbed's reduction."""
+
+    def __init__(self, rank: int, world: int, port: int):
+        import torch.distributed as dist
+        self.dist = dist
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+        self.world = world
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def step(self, n, phase=None, tokens=None):
+        pass
+
+    def _gather(self, t):
+        src = t.contiguous()
+        wire = src.view(torch.uint8)                     # exact bytes, any dtype
+        parts = [torch.empty_like(wire) for _ in range(self.world)]
+        self.dist.all_gather(parts, wire)
+        return [p.view(src.dtype) for p in parts]
+
+    def all_reduce(self, t, out=None):
+        acc = None
+        for part in self._gather(t):
+            part = part.to(torch.float32)
+            acc = part if acc is None else acc.add_(part)
+        (t if out is None else out).copy_(acc)
+        return _Done()
+
+    def all_gather(self, t, out):
+        for q, part in enumerate(self._gather(t)):
+            out[q].copy_(part)
+        return _Done()
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the loop
+class Requests:
+    """Which request each batch slot serves at each step, and its synthetic prefilled context."""
+
+    def __init__(self, run: RunConfig):
+        self.run = run
+
+    def id(self, slot: int, step: int) -> int:
+        return (step // self.run.request_steps) * self.run.batch + slot
+
+    def starts(self, step: int) -> bool:
+        return step % self.run.request_steps == 0
+
+    def span(self, req: int) -> tuple[int, int]:
+        j = req // self.run.batch
+        first = j * self.run.request_steps
+        return first, min(first + self.run.request_steps, self.run.steps) - 1
+
+    def prefill(self, model: Model, cache: KVCache, slot: int, req: int) -> int:
+        """Fill the slot's cache with the request's context; return its first token."""
+        cfg, run = model.cfg, self.run
+        g = torch.Generator().manual_seed(cfg.seed * 7919 + req)
+        shape = (cfg.layers, run.prompt, cfg.heads, cfg.head_dim)
+        k = torch.randn(shape, generator=g).to(DT)
+        v = torch.randn(shape, generator=g).to(DT)
+        hl = model.W.heads_local
+        heads = slice(model.rank * hl, (model.rank + 1) * hl)
+        cache.k[:, slot].zero_()
+        cache.v[:, slot].zero_()
+        cache.k[:, slot, :run.prompt] = k[:, :, heads]
+        cache.v[:, slot, :run.prompt] = v[:, :, heads]
+        cache.length[slot] = run.prompt
+        return int(torch.randint(cfg.vocab, (1,), generator=g))
+
+
+def draft_table(cfg: ModelConfig) -> torch.Tensor:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    return torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
+
+
+def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, tpr: int) -> None:
+    for li, (k, v) in enumerate(new_kv):
+        b = k.shape[0]
+        for s in range(b):
+            n = int(accepted[s]) + 1                 # the last token and the accepted drafts
+            at = int(cache.length[s])
+            cache.k[li, s, at:at + n] = k[s, :n]
+            cache.v[li, s, at:at + n] = v[s, :n]
+    cache.length += accepted + 1
+
+
+def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
+    """Run the verify steps. Without `reference`, decide inputs and acceptances (and return them
+    with the logits); with it, replay its inputs and return per-slot errors against its logits."""
+    torch.manual_seed(0)
+    cfg = model.cfg
+    B, T = run.batch, run.tokens_per_request
+    reqs = Requests(run)
+    cache = KVCache(cfg, B, model.W.heads_local)
+    table = draft_table(cfg)
+    last = torch.zeros(B, dtype=torch.long)
+    out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": []}
+    for n in range(run.steps):
+        if reqs.starts(n):
+            for s in range(B):
+                last[s] = reqs.prefill(model, cache, s, reqs.id(s, n))
+        comm.step(n, phase="verify", tokens=B * T)
+        if reference is None:
+            drafts = [last]
+            for _ in range(run.depth):
+                drafts.append(table[drafts[-1]])
+            inputs = torch.stack(drafts, 1)                       # [B, T]
+        else:
+            inputs = reference["inputs"][n]
+        with torch.inference_mode():
+            logits, new_kv = model.forward(inputs.reshape(-1), cache, T)
+        logits = logits.view(B, T, cfg.vocab)
+        if reference is None:
+            greedy = logits.argmax(-1)                            # [B, T]
+            match = (inputs[:, 1:] == greedy[:, :-1]).long()
+            accepted = match.cumprod(1).sum(1)                    # drafts accepted
+            out["inputs"].append(inputs)
+            out["accepted"].append(accepted)
+            out["logits"].append(logits.clone())
+        else:
+            accepted = reference["accepted"][n]
+            greedy = reference["logits"][n].argmax(-1)
+            diff = (logits - reference["logits"][n]).abs().nan_to_num(nan=float("inf"))
+            out["errors"].append(diff.flatten(1).amax(1))        # [B] max |error| per request
+        last = greedy[torch.arange(B), accepted]
+        _append_kv(cache, new_kv, accepted, T)
+    return out
+
+
+# ----------------------------------------------------------------------------- rank entry points
+def reference_rank(rank: int, files, run: RunConfig, port: int, path: str):
+    torch.set_num_threads(1)
+    comm = PlainComm(rank, files.world_size, port)
+    try:
+        model = Model(run.model, comm, rank, files.world_size, "fixed")
+        ref = decode(model, run, comm, None)
+    finally:
+        comm.close()
+    if rank == 0:
+        torch.save(ref, path)
+    return True
+
+
+def sanitised_rank(rank: int, files, run: RunConfig, ref_path: str, trace_dir: str):
+    torch.set_num_threads(1)
+    from sanitizer.testbed import SymmetricCommunicator
+    reference = torch.load(ref_path)
+    comm = SymmetricCommunicator(files, rank, name="tp", trace_dir=trace_dir,
+                                 read_delay=run.comm_latency_ms / 1000.0)
+    try:
+        model = Model(run.model, comm, rank, files.world_size, run.variant, run.hold_partial)
+        got = decode(model, run, comm, reference)
+        placed = comm.pool.allocations
+        colls = comm.collectives
+    finally:
+        comm.close()
+    errors = torch.stack(got["errors"]) if got["errors"] else torch.zeros(0, run.batch)
+    return {"rank": rank, "errors": errors.tolist(), "window_allocations": placed,
+            "collectives": colls, "trace": comm.recorder.path}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trace_env_dir() -> str | None:
+    """Where capture writes when HAZSAN is on (its HAZSAN_DIR default)."""
+    if os.environ.get("HAZSAN", "").strip().lower() in ("", "0", "false", "no", "off"):
+        return None
+    return os.path.abspath(os.environ.get("HAZSAN_DIR") or "hazsan-traces")

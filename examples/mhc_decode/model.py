@@ -1,0 +1,255 @@
+"""A small DeepSeek-V4-style decoder, tensor-parallel over the symmetric-memory testbed.
+
+Per layer two blocks, each wrapped in mHC (manifold-constrained hyper-connections) with
+`streams` = 4 residual streams x[m, k, h]:
+
+    coefficients   from RMSNorm(flatten(x)) @ W_phi: pre[m, k] (sigmoid), post[m, k] (2 sigmoid),
+                   comb[m, k, j] (Sinkhorn-normalised, doubly stochastic)
+    hc_pre         y[m, h] = sum_k pre[m, k] * x[m, k, h]                  (the combine)
+    block          attention (heads split over ranks) or MoE (experts split over ranks, shared
+                   expert split by intermediate size); its row-parallel output is a partial sum
+    all-reduce     out-of-place on the testbed: partial -> y (the combine's output buffer, dead
+                   after the block's first norm, is reused as the block's output)
+    hc_post        x'[m, k, h] = post[m, k] * y[m, h] + sum_j comb[m, k, j] * x[m, j, h]
+                   (the residual mixing does not need the all-reduce, so it overlaps it)
+
+The two mHC variants differ only in where their float32 einsums allocate:
+    stock   the fallback runs the einsums inside the symmetric scope, so every float32 transient
+            (upcast copies, the einsum results) is placed in the window;
+    fixed   the einsums run outside the scope; only the combine's output y is allocated inside
+            (it is a collective buffer) and filled.
+The arithmetic is identical, so with no corruption both produce bit-identical outputs.
+
+The partial handed to the all-reduce is a temporary: the caller keeps no reference to it, as
+code written for torch.distributed does (c10d's Work keeps its tensors alive). The testbed's
+collective, like an NCCL symmetric kernel, keeps none: the partial's block is free while the
+collective still reads it. That latent early free is the same in both variants; only the stock
+variant allocates in the window while the collective is in flight (the overlapped mixing), so only
+there can a transient land on the freed partial. `hold_partial=True` keeps the partial referenced
+until the wait (the discipline that removes the latent hazard as well).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+DT = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden: int = 2048
+    layers: int = 2
+    heads: int = 8
+    head_dim: int = 64
+    experts: int = 8
+    top_k: int = 2
+    expert_inter: int = 256
+    shared_inter: int = 512
+    vocab: int = 2048
+    streams: int = 4
+    sinkhorn_iters: int = 4
+    max_context: int = 256
+    seed: int = 1234
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Weights:
+    """Full weights drawn from one seed (equal on every rank), then this rank's shards."""
+
+    def __init__(self, cfg: ModelConfig, rank: int, world: int):
+        if cfg.heads % world or cfg.experts % world or cfg.shared_inter % world or cfg.vocab % world:
+            raise ValueError(f"heads, experts, shared_inter and vocab must divide by the world size {world}")
+        g = torch.Generator().manual_seed(cfg.seed)
+        h, n = cfg.hidden, cfg.streams
+
+        def w(*shape, scale=None):
+            scale = scale if scale is not None else 1.0 / math.sqrt(shape[0])
+            return (torch.randn(*shape, generator=g) * scale).to(DT)
+
+        self.embed = w(cfg.vocab, h, scale=1.0)
+        hl = cfg.heads // world
+        q0, q1 = rank * hl * cfg.head_dim, (rank + 1) * hl * cfg.head_dim
+        el = cfg.experts // world
+        sl = cfg.shared_inter // world
+        vl = cfg.vocab // world
+        self.layers = []
+        for _ in range(cfg.layers):
+            L = {}
+            for blk in ("attn", "moe"):
+                L[blk + ".phi"] = (torch.randn(n * h, 2 * n + n * n, generator=g) / math.sqrt(n * h)).float()
+                L[blk + ".b"] = (torch.randn(2 * n + n * n, generator=g) * 0.1).float()
+            L["wq"] = w(h, cfg.heads * cfg.head_dim)[:, q0:q1].contiguous()
+            L["wk"] = w(h, cfg.heads * cfg.head_dim)[:, q0:q1].contiguous()
+            L["wv"] = w(h, cfg.heads * cfg.head_dim)[:, q0:q1].contiguous()
+            L["wo"] = w(cfg.heads * cfg.head_dim, h)[q0:q1].contiguous()
+            L["router"] = w(h, cfg.experts).float()
+            w1 = w(cfg.experts, h, cfg.expert_inter, scale=1 / math.sqrt(h))
+            w3 = w(cfg.experts, h, cfg.expert_inter, scale=1 / math.sqrt(h))
+            w2 = w(cfg.experts, cfg.expert_inter, h, scale=1 / math.sqrt(cfg.expert_inter))
+            L["w1"], L["w3"], L["w2"] = (t[rank * el:(rank + 1) * el].contiguous() for t in (w1, w3, w2))
+            L["expert0"] = rank * el
+            s1, s3, s2 = w(h, cfg.shared_inter), w(h, cfg.shared_inter), w(cfg.shared_inter, h)
+            L["s1"], L["s3"] = s1[:, rank * sl:(rank + 1) * sl].contiguous(), s3[:, rank * sl:(rank + 1) * sl].contiguous()
+            L["s2"] = s2[rank * sl:(rank + 1) * sl].contiguous()
+            self.layers.append(L)
+        self.head_phi = (torch.randn(n * h, n, generator=g) / math.sqrt(n * h)).float()
+        self.lm_head = w(h, cfg.vocab)[:, rank * vl:(rank + 1) * vl].contiguous()
+        self.heads_local = hl
+
+
+class MHC:
+    """The mHC combine and post-mixing, in one of the two variants."""
+
+    def __init__(self, variant: str, comm, cfg: ModelConfig):
+        if variant not in ("stock", "fixed"):
+            raise ValueError(f"variant must be stock or fixed, not {variant!r}")
+        self.variant, self.comm, self.cfg = variant, comm, cfg
+
+    def coefficients(self, x: torch.Tensor, phi: torch.Tensor, b: torch.Tensor):
+        m, n, h = x.shape
+        d = _rms(x.reshape(m, n * h)).float() @ phi + b
+        pre = torch.sigmoid(d[:, :n])
+        post = 2.0 * torch.sigmoid(d[:, n:2 * n])
+        comb = torch.exp(d[:, 2 * n:].reshape(m, n, n).clamp(-8, 8))
+        for _ in range(self.cfg.sinkhorn_iters):
+            comb = comb / comb.sum(-1, keepdim=True)
+            comb = comb / comb.sum(-2, keepdim=True)
+        return pre, post, comb
+
+    def _scope(self):
+        return self.comm.scope() if self.variant == "stock" else contextlib.nullcontext()
+
+    def pre(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """y[m, h] = sum_k pre[m, k] x[m, k, h], as a window tensor (the all-reduce writes it)."""
+        if self.variant == "stock":
+            with self.comm.scope():
+                return torch.einsum("mk,mkh->mh", pre.float(), x.float()).to(DT)
+        y32 = torch.einsum("mk,mkh->mh", pre.float(), x.float())
+        with self.comm.scope():
+            y = torch.empty(y32.shape, dtype=DT)
+        return y.copy_(y32)
+
+    def mix(self, x: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """sum_j comb[m, k, j] x[m, j, h] in float32 (runs while the all-reduce is in flight)."""
+        with self._scope():
+            return torch.einsum("mkj,mjh->mkh", comb.float(), x.float())
+
+    @staticmethod
+    def post(mixed: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (mixed + post.unsqueeze(-1) * y.float().unsqueeze(1)).to(DT)
+
+
+class KVCache:
+    """Per layer, per batch slot: keys and values of this rank's heads."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, heads_local: int):
+        shape = (cfg.layers, batch, cfg.max_context, heads_local, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=DT)
+        self.v = torch.zeros(shape, dtype=DT)
+        self.length = torch.zeros(batch, dtype=torch.long)
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, comm, rank: int, world: int, variant: str,
+                 hold_partial: bool = False):
+        self.cfg = cfg
+        self.hold_partial = hold_partial   # keep the partial referenced until the wait (safe)
+        self.comm = comm
+        self.rank, self.world = rank, world
+        self.W = Weights(cfg, rank, world)
+        self.mhc = MHC(variant, comm, cfg)
+
+    # ---- blocks (row-parallel partial sums, allocated in the window) -----------------------
+    def _attention_partial(self, y, li, cache: KVCache, tokens_per_req: int):
+        cfg, L = self.cfg, self.W.layers[li]
+        m = y.shape[0]
+        b, t = m // tokens_per_req, tokens_per_req
+        hl, dh = self.W.heads_local, cfg.head_dim
+        n = _rms(y)
+        q = (n @ L["wq"]).view(b, t, hl, dh)
+        k = (n @ L["wk"]).view(b, t, hl, dh)
+        v = (n @ L["wv"]).view(b, t, hl, dh)
+        ctx = int(cache.length.max())
+        keys = torch.cat([cache.k[li, :, :ctx], k], 1)             # [b, ctx + t, hl, dh]
+        vals = torch.cat([cache.v[li, :, :ctx], v], 1)
+        pos = torch.arange(ctx + t)
+        valid_ctx = pos.unsqueeze(0) < cache.length.unsqueeze(1)    # [b, ctx + t]
+        valid_ctx[:, ctx:] = False
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = valid_ctx.unsqueeze(1).expand(b, t, ctx + t).clone()
+        mask[:, :, ctx:] = causal
+        scores = torch.einsum("bthd,bshd->bhts", q.float(), keys.float()) / math.sqrt(dh)
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        attn = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), vals.float()).to(DT).reshape(m, hl * dh)
+        self._new_kv = (k, v)
+        with self.comm.scope():
+            return attn @ L["wo"]
+
+    def _moe_partial(self, y, li):
+        cfg, L = self.cfg, self.W.layers[li]
+        n = _rms(y)
+        logits = n.float() @ L["router"]
+        weights, chosen = logits.softmax(-1).topk(cfg.top_k, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        acc = (F.silu(n @ L["s1"]) * (n @ L["s3"])) @ L["s2"]        # shared expert, this rank's slice
+        acc = acc.float()
+        for e in range(L["w1"].shape[0]):
+            rows, slot = (chosen == L["expert0"] + e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            xe = n[rows]
+            ye = (F.silu(xe @ L["w1"][e]) * (xe @ L["w3"][e])) @ L["w2"][e]
+            acc.index_add_(0, rows, ye.float() * weights[rows, slot].unsqueeze(-1))
+        with self.comm.scope():
+            return acc.to(DT)
+
+    # ---- one mHC-wrapped block --------------------------------------------------------------
+    def _block(self, x, li, kind, cache, tokens_per_req):
+        L = self.W.layers[li]
+        pre, post, comb = self.mhc.coefficients(x, L[kind + ".phi"], L[kind + ".b"])
+        y = self.mhc.pre(x, pre)
+        if kind == "attn":
+            partial = self._attention_partial(y, li, cache, tokens_per_req)
+        else:
+            partial = self._moe_partial(y, li)
+        # Out-of-place all-reduce into y. The partial is a temporary: after this line nothing
+        # references it, and the collective (one-sided, by offset) holds no reference either.
+        work = self.comm.all_reduce(partial, out=y)
+        if not self.hold_partial:
+            del partial
+        mixed = self.mhc.mix(x, comb)      # overlaps the all-reduce
+        work.wait()
+        return self.mhc.post(mixed, post, y)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, tokens_per_req: int):
+        """tokens [m] -> logits [m, vocab] (float32) and each layer's new keys/values."""
+        cfg = self.cfg
+        x = self.W.embed[tokens].unsqueeze(1).expand(-1, cfg.streams, -1).contiguous()
+        new_kv = []
+        for li in range(cfg.layers):
+            x = self._block(x, li, "attn", cache, tokens_per_req)
+            new_kv.append(self._new_kv)
+            x = self._block(x, li, "moe", cache, tokens_per_req)
+        m = x.shape[0]
+        head = torch.sigmoid(_rms(x.reshape(m, -1)).float() @ self.W.head_phi)
+        h = _rms(torch.einsum("mk,mkh->mh", head, x.float()).to(DT))
+        local = (h @ self.W.lm_head).float()
+        with self.comm.scope():                      # vocab-parallel head: gather the shards
+            shard = torch.empty(local.shape, dtype=torch.float32)
+            gathered = torch.empty((self.world,) + local.shape, dtype=torch.float32)
+        shard.copy_(local)
+        self.comm.all_gather(shard, gathered).wait()
+        logits = gathered.permute(1, 0, 2).reshape(m, cfg.vocab).clone()
+        return logits, new_kv

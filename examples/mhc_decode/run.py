@@ -1,0 +1,156 @@
+"""Command line: run the mHC decode example once (one variant, one draft depth).
+
+    python -m examples.mhc_decode --variant stock --depth 4 --ranks 2 --steps 24 --out runs/stock-d4
+
+Writes into --out: the rank traces (rank<R>.jsonl, from the testbed, or from hazsan capture when
+HAZSAN=1 with HAZSAN_DIR pointing there), outcomes.jsonl (one line per request, the format of
+sanitizer/proof/outcomes.py) and summary.json (configuration, counts, timings).
+Exit status 0 whether or not requests were corrupted (corruption is the measurement), 2 on errors.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+from .model import ModelConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.mhc_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=("stock", "fixed"), default="stock",
+                   help="stock: mHC float32 einsums inside the symmetric scope; fixed: outside, output only inside")
+    p.add_argument("--depth", type=int, default=4, help="speculative draft depth (verify takes depth+1 tokens per request)")
+    p.add_argument("--ranks", type=int, default=2, help="rank processes (2 to 4)")
+    p.add_argument("--steps", type=int, default=16, help="verify steps")
+    p.add_argument("--batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--request-steps", type=int, default=4, help="verify steps per request")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--comm-latency-ms", type=float, default=1.0,
+                   help="delay before a collective's loads (the time a real one is in flight)")
+    p.add_argument("--hold-partial", action="store_true",
+                   help="keep each all-reduce input referenced until its wait (removes the latent early free)")
+    p.add_argument("--reference-cache", metavar="DIR",
+                   help="reuse (or store) the reference decode here; stock and fixed runs of one shape share it")
+    p.add_argument("--out", required=True, help="directory for traces, outcomes.jsonl, summary.json")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 2 <= args.ranks <= 4:
+        print("--ranks must be 2, 3 or 4", file=sys.stderr)
+        return 2
+    if args.depth < 0 or args.steps < 1 or args.batch < 1 or args.request_steps < 1:
+        print("--depth must be >= 0; --steps, --batch, --request-steps >= 1", file=sys.stderr)
+        return 2
+    from .decode import RunConfig, free_port, reference_rank, sanitised_rank, trace_env_dir
+    from sanitizer.testbed import RankFailed, spawn
+
+    try:
+        model = ModelConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab)
+        run = RunConfig(variant=args.variant, depth=args.depth, batch=args.batch, steps=args.steps,
+                        request_steps=args.request_steps, comm_latency_ms=args.comm_latency_ms,
+                        hold_partial=args.hold_partial, model=model)
+        if model.heads % args.ranks or model.experts % args.ranks or model.vocab % args.ranks:
+            raise ValueError(f"--ranks {args.ranks} must divide heads ({model.heads}), experts ({model.experts}) and --vocab")
+        if args.request_steps * (args.depth + 1) + run.prompt > model.max_context:
+            raise ValueError("context too long: lower --request-steps or --depth")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    for old in glob.glob(os.path.join(out, "rank*.jsonl*")) + glob.glob(os.path.join(out, "pid*.jsonl*")) + \
+            [os.path.join(out, n) for n in ("outcomes.jsonl", "summary.json")]:
+        if os.path.exists(old):
+            os.unlink(old)
+    captured = trace_env_dir()
+    if captured is not None and captured != out:
+        print(f"note: capture writes the traces to {captured} (HAZSAN_DIR); outcomes go to {out}", file=sys.stderr)
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mhc-ref-") as tmp:
+        cache = args.reference_cache
+        ref_path = os.path.join(cache or tmp, f"reference-{run.reference_key(args.ranks)}.pt")
+        if not os.path.exists(ref_path):
+            if cache:
+                os.makedirs(cache, exist_ok=True)
+            saved = os.environ.pop("HAZSAN", None)       # the reference is not under capture
+            try:
+                part = ref_path + f".{os.getpid()}.part"
+                spawn(reference_rank, args.ranks, args=(run, free_port(), part), window_bytes=1 << 16)
+                os.replace(part, ref_path)
+            except RankFailed as exc:
+                print(f"reference run failed: {exc}", file=sys.stderr)
+                return 2
+            finally:
+                if saved is not None:
+                    os.environ["HAZSAN"] = saved
+        t1 = time.monotonic()
+        try:
+            results = spawn(sanitised_rank, args.ranks, args=(run, ref_path, out),
+                            window_bytes=run.window_mb << 20)
+        except RankFailed as exc:
+            print(f"sanitised run failed: {exc}", file=sys.stderr)
+            return 2
+    t2 = time.monotonic()
+
+    outcomes = outcomes_of(run, results)
+    with open(os.path.join(out, "outcomes.jsonl"), "w") as f:
+        for o in outcomes:
+            f.write(json.dumps(o) + "\n")
+    corrupted = sum(o["corrupted"] for o in outcomes)
+    summary = {
+        "config": run.to_dict(), "ranks": args.ranks, "requests": len(outcomes), "corrupted": corrupted,
+        "corrupted_rows_by_rank": {r["rank"]: sum(1 for row in r["errors"] for e in row if e != 0) for r in results},
+        "window_allocations": {r["rank"]: r["window_allocations"] for r in results},
+        "collectives": {r["rank"]: r["collectives"] for r in results},
+        "seconds": {"reference": round(t1 - t0, 2), "sanitised": round(t2 - t1, 2), "total": round(t2 - t0, 2)},
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"{args.variant} depth {args.depth}: {corrupted} of {len(outcomes)} requests corrupted "
+          f"({args.ranks} ranks, {run.tokens} tokens per step, {t2 - t0:.1f} s) -> {out}")
+    return 0
+
+
+def outcomes_of(run, results) -> list[dict]:
+    """One line per request: corrupted when any of its rows differs from the reference on any rank."""
+    from .decode import Requests
+    reqs = Requests(run)
+    per: dict[int, dict] = {}
+    for r in results:
+        for step, row in enumerate(r["errors"]):
+            for slot, err in enumerate(row):
+                req = reqs.id(slot, step)
+                o = per.get(req)
+                if o is None:
+                    first, last = reqs.span(req)
+                    o = per[req] = {"request": req, "step": last, "first_step": first, "rank": None,
+                                    "corrupted": False, "max_abs_err": 0.0, "corrupted_ranks": [],
+                                    "corrupted_steps": [], "depth": run.depth, "tokens": run.tokens,
+                                    "variant": run.variant}
+                if err != 0:
+                    o["corrupted"] = True
+                    o["max_abs_err"] = max(o["max_abs_err"], float(err) if err == err else float("inf"))
+                    if r["rank"] not in o["corrupted_ranks"]:
+                        o["corrupted_ranks"].append(r["rank"])
+                    if step not in o["corrupted_steps"]:
+                        o["corrupted_steps"].append(step)
+    for o in per.values():
+        if o["max_abs_err"] == float("inf"):
+            o["max_abs_err"] = "inf"
+        o["corrupted_steps"].sort()
+    return [per[k] for k in sorted(per)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
