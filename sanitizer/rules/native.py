@@ -1,0 +1,74 @@
+"""The C accelerator of the per-rank engine, and the choice between it and the Python one.
+
+`engine.RankAnalyzer` is the statement of the algorithm; `_fastengine` (sanitizer/rules/
+_fastengine.c, built by hatch_build.py at install time) runs the same algorithm on the same parsed
+events, several times faster, and gives identical findings, problems and counters. Only the
+per-event work moves to C: parsing stays orjson (batched, in the reader), and everything rare stays
+Python and is shared with the engine as is: findings are made by `engine.RankAnalyzer._report` and
+`._transient`, `finish` is the engine's, and the CollectiveMatcher gets the C ops through their
+`describe()`, `.line` and `.site`.
+
+Which one runs: `HAZSAN_ENGINE=python|native|auto` (default auto: native when it is built).
+`available` says whether the extension loaded; `reason` why not.
+"""
+from __future__ import annotations
+
+import os
+
+from sanitizer.rules import engine
+from sanitizer.trace.reader import TraceError
+from sanitizer.trace.schema import ACCESS_CODES
+
+ENV = "HAZSAN_ENGINE"
+CHOICES = ("auto", "native", "python")
+
+try:
+    from sanitizer.rules import _fastengine
+except ImportError as exc:  # not built (no compiler at install time) or built for another Python
+    _fastengine = None
+    available = False
+    reason = f"C engine accelerator not built ({exc}); run: python hatch_build.py"
+else:
+    try:
+        # field numbering and allowed fields per kind come from the schema tables themselves; a
+        # schema with a kind the C code does not handle is refused here, not ignored later
+        _fastengine.setup(engine._ALLOWED, TraceError, ACCESS_CODES)
+        available, reason = True, None
+    except (ValueError, TypeError) as exc:
+        available, reason = False, f"C engine accelerator does not match this schema: {exc}"
+
+
+if available:
+
+    class RankAnalyzer(_fastengine.Analyzer):
+        """engine.RankAnalyzer's interface as analyze() uses it, with the event loop in C."""
+
+        # Rare paths, shared with the Python engine so that findings are made in one place.
+        _report = engine.RankAnalyzer._report
+        _transient = engine.RankAnalyzer._transient
+        finish = engine.RankAnalyzer.finish
+        feed = engine.RankAnalyzer.feed
+
+        def __init__(self, trace, sink, matcher, peer_completion: str = engine.LOCAL):
+            super().__init__(str(trace.path), trace.rank, sink, matcher, peer_completion == engine.SUCCESSOR)
+            self.trace = trace
+
+else:
+    RankAnalyzer = None  # type: ignore[assignment,misc]
+
+
+def engine_name(choice: str | None = None) -> str:
+    """'native' or 'python': what `choice` (default: $HAZSAN_ENGINE, else auto) selects here."""
+    choice = (choice if choice is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "native" and not available:
+        raise RuntimeError(f"{ENV}=native, but {reason}")
+    if choice == "python" or not available:
+        return "python"
+    return "native"
+
+
+def analyzer_class(choice: str | None = None):
+    """The RankAnalyzer class to use: native when built (and not HAZSAN_ENGINE=python)."""
+    return RankAnalyzer if engine_name(choice) == "native" else engine.RankAnalyzer
