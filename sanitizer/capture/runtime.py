@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 
@@ -127,8 +128,19 @@ class Capture:
             self.writer.discard_after_fork()
             if self.blocks is not None:
                 self.blocks.redeclare_after_fork()
+            # multiprocessing's fork children end with os._exit (no atexit): flush from its exit
+            # hook instead, after every other finalizer. Process._bootstrap clears the finalizer
+            # registry before running after-fork callbacks, so register from one of those.
+            mp_util = sys.modules.get("multiprocessing.util")
+            if mp_util is not None:
+                mp_util.register_after_fork(self, _close_at_multiprocessing_exit)
         except Exception as exc:
             self.failed("fork", exc)
+
+
+def _close_at_multiprocessing_exit(cap: "Capture") -> None:
+    import multiprocessing.util as mp_util
+    mp_util.Finalize(cap, Capture.close, args=(cap,), exitpriority=-1000)
 
 
 def comm_name(comm) -> str:
