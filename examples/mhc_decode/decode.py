@@ -97,7 +97,7 @@ class PlainComm:
     def all_reduce(self, t, out=None):
         acc = None
         for part in self._gather(t):
-            part = part.to(torch.float32)
+            part = part.to(torch.float32, copy=True)
             acc = part if acc is None else acc.add_(part)
         (t if out is None else out).copy_(acc)
         return _Done()
