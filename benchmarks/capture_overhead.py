@@ -14,7 +14,10 @@ torch thread count; the figure is the median time per decode step after warm-up 
 --rounds interleaved rounds (bare, noop, hazsan, bare, ...) to spread out machine noise. A second,
 small configuration (--small-tokens tokens) shows the per-op overhead where ops are cheap.
 
-    python benchmarks/capture_overhead.py            # prints a table and the ratios
+Before that, interpreter start-up is timed with and without the .pth bootstrap line (HAZSAN
+unset), which must cost nothing measurable.
+
+    python benchmarks/capture_overhead.py            # prints the tables and the ratios
 """
 from __future__ import annotations
 
@@ -145,6 +148,61 @@ def measure(args, label) -> dict:
     return med
 
 
+def startup(runs: int, rounds: int) -> None:
+    """Interpreter start-up with and without the bootstrap line, HAZSAN unset (and set, no torch).
+
+    A scratch venv (no pip) gets the repository on its path; the only difference between the
+    "without" and "with" runs is hazsan_capture.pth in its site-packages.
+    """
+    import venv
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    line = open(os.path.join(root, "hooks", "hazsan_capture.pth")).read()
+    with tempfile.TemporaryDirectory(prefix="hazsan-startup-") as d:
+        venv.create(d, with_pip=False)
+        exe = os.path.join(d, "bin", "python")
+        sp = subprocess.run([exe, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+        import sysconfig
+        with open(os.path.join(sp, "_hazsan_repo.pth"), "w") as f:
+            # the repository and this environment's packages (orjson, wrapt), as plain path lines:
+            # this environment's own .pth files (the real bootstrap among them) are not processed
+            f.write(root + "\n" + sysconfig.get_paths()["purelib"] + "\n")
+        pth = os.path.join(sp, "zz_hazsan_capture.pth")   # after every other .pth, like the real one
+        env_off = {k: v for k, v in os.environ.items() if k != "HAZSAN"}
+        env_on = dict(env_off, HAZSAN="1", HAZSAN_DIR=os.path.join(d, "traces"))
+        times = {"without .pth": [], "with .pth, HAZSAN unset": [], "with .pth, HAZSAN=1 (no torch)": []}
+        for _ in range(rounds):
+            for label, present, env in (("without .pth", False, env_off),
+                                        ("with .pth, HAZSAN unset", True, env_off),
+                                        ("with .pth, HAZSAN=1 (no torch)", True, env_on)):
+                if present:
+                    with open(pth, "w") as f:
+                        f.write(line)
+                elif os.path.exists(pth):
+                    os.unlink(pth)
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    subprocess.run([exe, "-c", "pass"], env=env, check=True)
+                    times[label].append(time.perf_counter() - t0)
+    code = compile(line, "hazsan_capture.pth", "exec")
+    saved = os.environ.pop("HAZSAN", None)
+    n = 200000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        exec(code, {})
+    line_cost = (time.perf_counter() - t0) / n
+    if saved is not None:
+        os.environ["HAZSAN"] = saved
+    base = statistics.median(times["without .pth"])
+    print(f"\ninterpreter start-up (python -c pass), {rounds} x {runs} runs each, interleaved")
+    print(f"  {'':<32}{'median ms':>10}{'vs without':>12}")
+    for label, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  {label:<32}{m * 1e3:>10.2f}{(m - base) * 1e3:>+11.2f}ms")
+    print(f"  the .pth line itself with HAZSAN unset: {line_cost * 1e6:.2f} us "
+          f"({line_cost / base * 100:.4f}% of start-up)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", choices=VARIANTS, dest="variant", help=argparse.SUPPRESS)
@@ -159,10 +217,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--small-tokens", type=int, default=4,
                    help="tokens of the second, op-overhead-bound configuration (0: skip it)")
+    p.add_argument("--startup-runs", type=int, default=15,
+                   help="python -c pass runs per variant and round for the start-up figure (0: skip)")
     args = p.parse_args()
     if args.variant:
         child(args)
         return
+    if args.startup_runs:
+        startup(args.startup_runs, rounds=3)
     big = measure(args, "realistic decode step")
     verdict = "meets" if big["hazsan"] / big["bare"] <= 1.5 else "MISSES"
     print(f"  target: HAZSAN=1 at most 1.5x bare -> {verdict} ({big['hazsan'] / big['bare']:.3f}x)")

@@ -12,18 +12,18 @@ import signal
 import sys
 import threading
 
-from sanitizer.capture import runtime
-from sanitizer.capture.config import Settings
-
 SGLANG_ALLOCATOR = "sglang.srt.distributed.device_communicators.pynccl_allocator"
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 def activate(environ=os.environ):
     """Start capture in this process (idempotent). Returns the Capture, or None on failure."""
-    if runtime._active is not None:
-        return runtime._active
     try:
+        # imported here, inside the try: a broken install must not break the program's start-up
+        from sanitizer.capture import runtime
+        from sanitizer.capture.config import Settings
+        if runtime._active is not None:
+            return runtime._active
         settings, problems = Settings.from_env(environ)
         cap = runtime.Capture(settings)
         runtime._active = cap
