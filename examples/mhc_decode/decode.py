@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -220,11 +221,35 @@ def reference_rank(rank: int, files, run: RunConfig, port: int, path: str):
 
 
 def sanitised_rank(rank: int, files, run: RunConfig, ref_path: str, trace_dir: str):
+    """One sanitised run in its own world (the reference comes from a file)."""
     torch.set_num_threads(1)
+    return _sanitised(rank, files, run, torch.load(ref_path), trace_dir)
+
+
+def world_rank(rank: int, files, plan: list, port: int):
+    """Several runs in one world (no capture): each run's reference decode (computed once per
+    shape) and its sanitised decode on a fresh communicator writing to its own trace_dir."""
+    torch.set_num_threads(1)
+    plain = PlainComm(rank, files.world_size, port)
+    results, key, reference = [], None, None
+    try:
+        for run, trace_dir in plan:
+            k = run.reference_key(files.world_size)
+            if k != key:
+                key, reference = k, None
+                model = Model(run.model, plain, rank, files.world_size, "fixed")
+                reference = decode(model, run, plain, None)
+            results.append(_sanitised(rank, files, run, reference, trace_dir))
+    finally:
+        plain.close()
+    return results
+
+
+def _sanitised(rank: int, files, run: RunConfig, reference: dict, trace_dir: str) -> dict:
     from sanitizer.testbed import SymmetricCommunicator
-    reference = torch.load(ref_path)
     comm = SymmetricCommunicator(files, rank, name="tp", trace_dir=trace_dir,
                                  read_delay=run.comm_latency_ms / 1000.0)
+    t0 = time.monotonic()
     try:
         model = Model(run.model, comm, rank, files.world_size, run.variant, run.hold_partial)
         got = decode(model, run, comm, reference)
@@ -234,7 +259,7 @@ def sanitised_rank(rank: int, files, run: RunConfig, ref_path: str, trace_dir: s
         comm.close()
     errors = torch.stack(got["errors"]) if got["errors"] else torch.zeros(0, run.batch)
     return {"rank": rank, "errors": errors.tolist(), "window_allocations": placed,
-            "collectives": colls, "trace": comm.recorder.path}
+            "collectives": colls, "trace": comm.recorder.path, "seconds": time.monotonic() - t0}
 
 
 def free_port() -> int:

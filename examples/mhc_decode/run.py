@@ -50,8 +50,7 @@ def main(argv=None) -> int:
     if args.depth < 0 or args.steps < 1 or args.batch < 1 or args.request_steps < 1:
         print("--depth must be >= 0; --steps, --batch, --request-steps >= 1", file=sys.stderr)
         return 2
-    from .decode import RunConfig, free_port, reference_rank, sanitised_rank, trace_env_dir
-    from sanitizer.testbed import RankFailed, spawn
+    from .decode import RunConfig
 
     try:
         model = ModelConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab)
@@ -66,60 +65,103 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    out = os.path.abspath(args.out)
+    try:
+        summaries = execute([(run, args.out)], args.ranks, args.reference_cache)
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    s = summaries[0]
+    print(f"{args.variant} depth {args.depth}: {s['corrupted']} of {s['requests']} requests corrupted "
+          f"({args.ranks} ranks, {run.tokens} tokens per step, {s['seconds']['total']:.1f} s) -> {s['out']}")
+    return 0
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _prepare(out: str) -> str:
+    out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     for old in glob.glob(os.path.join(out, "rank*.jsonl*")) + glob.glob(os.path.join(out, "pid*.jsonl*")) + \
             [os.path.join(out, n) for n in ("outcomes.jsonl", "summary.json")]:
         if os.path.exists(old):
             os.unlink(old)
+    return out
+
+
+def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
+    """Run each (RunConfig, out_dir) of the plan; write outcomes.jsonl and summary.json into each
+    out_dir; return the summaries. Without capture the whole plan runs in one world of rank
+    processes; with capture (HAZSAN=1) each run gets its own world, so that each run's trace
+    files hold that run only (capture writes one file per process)."""
+    from sanitizer.testbed import RankFailed, spawn
+
+    from .decode import free_port, reference_rank, sanitised_rank, trace_env_dir, world_rank
+    plan = [(run, _prepare(out)) for run, out in plan]
+    window = max(run.window_mb for run, _ in plan) << 20
+    summaries = []
     captured = trace_env_dir()
-    if captured is not None and captured != out:
-        print(f"note: capture writes the traces to {captured} (HAZSAN_DIR); outcomes go to {out}", file=sys.stderr)
-
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="mhc-ref-") as tmp:
-        cache = args.reference_cache
-        ref_path = os.path.join(cache or tmp, f"reference-{run.reference_key(args.ranks)}.pt")
-        if not os.path.exists(ref_path):
-            if cache:
-                os.makedirs(cache, exist_ok=True)
-            saved = os.environ.pop("HAZSAN", None)       # the reference is not under capture
-            try:
-                part = ref_path + f".{os.getpid()}.part"
-                spawn(reference_rank, args.ranks, args=(run, free_port(), part), window_bytes=1 << 16)
-                os.replace(part, ref_path)
-            except RankFailed as exc:
-                print(f"reference run failed: {exc}", file=sys.stderr)
-                return 2
-            finally:
-                if saved is not None:
-                    os.environ["HAZSAN"] = saved
-        t1 = time.monotonic()
+    if captured is None:
+        t0 = time.monotonic()
         try:
-            results = spawn(sanitised_rank, args.ranks, args=(run, ref_path, out),
-                            window_bytes=run.window_mb << 20)
+            per_rank = spawn(world_rank, ranks, args=(plan, free_port()), window_bytes=window)
         except RankFailed as exc:
-            print(f"sanitised run failed: {exc}", file=sys.stderr)
-            return 2
-    t2 = time.monotonic()
+            raise RunFailed(f"decode failed: {exc}") from None
+        elapsed = time.monotonic() - t0
+        for i, (run, out) in enumerate(plan):
+            results = [per_rank[r][i] for r in range(ranks)]
+            sanitised = max(r["seconds"] for r in results)
+            summaries.append(_write(run, out, ranks, results,
+                                    {"sanitised": round(sanitised, 2), "world_total": round(elapsed, 2),
+                                     "total": round(elapsed / len(plan), 2)}))
+        return summaries
+    for run, out in plan:
+        if captured != out:
+            print(f"note: capture writes the traces to {captured} (HAZSAN_DIR); outcomes go to {out}", file=sys.stderr)
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="mhc-ref-") as tmp:
+            ref_path = os.path.join(reference_cache or tmp, f"reference-{run.reference_key(ranks)}.pt")
+            if not os.path.exists(ref_path):
+                if reference_cache:
+                    os.makedirs(reference_cache, exist_ok=True)
+                saved = os.environ.pop("HAZSAN", None)       # the reference is not under capture
+                try:
+                    part = ref_path + f".{os.getpid()}.part"
+                    spawn(reference_rank, ranks, args=(run, free_port(), part), window_bytes=1 << 16)
+                    os.replace(part, ref_path)
+                except RankFailed as exc:
+                    raise RunFailed(f"reference run failed: {exc}") from None
+                finally:
+                    if saved is not None:
+                        os.environ["HAZSAN"] = saved
+            t1 = time.monotonic()
+            try:
+                results = spawn(sanitised_rank, ranks, args=(run, ref_path, out), window_bytes=window)
+            except RankFailed as exc:
+                raise RunFailed(f"sanitised run failed: {exc}") from None
+        t2 = time.monotonic()
+        summaries.append(_write(run, out, ranks, results, {"reference": round(t1 - t0, 2),
+                                                            "sanitised": round(t2 - t1, 2), "total": round(t2 - t0, 2)}))
+    return summaries
 
+
+def _write(run, out, ranks, results, seconds) -> dict:
     outcomes = outcomes_of(run, results)
     with open(os.path.join(out, "outcomes.jsonl"), "w") as f:
         for o in outcomes:
             f.write(json.dumps(o) + "\n")
-    corrupted = sum(o["corrupted"] for o in outcomes)
     summary = {
-        "config": run.to_dict(), "ranks": args.ranks, "requests": len(outcomes), "corrupted": corrupted,
+        "out": out, "config": run.to_dict(), "ranks": ranks, "requests": len(outcomes),
+        "corrupted": sum(o["corrupted"] for o in outcomes),
         "corrupted_rows_by_rank": {r["rank"]: sum(1 for row in r["errors"] for e in row if e != 0) for r in results},
         "window_allocations": {r["rank"]: r["window_allocations"] for r in results},
         "collectives": {r["rank"]: r["collectives"] for r in results},
-        "seconds": {"reference": round(t1 - t0, 2), "sanitised": round(t2 - t1, 2), "total": round(t2 - t0, 2)},
+        "seconds": seconds,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"{args.variant} depth {args.depth}: {corrupted} of {len(outcomes)} requests corrupted "
-          f"({args.ranks} ranks, {run.tokens} tokens per step, {t2 - t0:.1f} s) -> {out}")
-    return 0
+    return summary
 
 
 def outcomes_of(run, results) -> list[dict]:

@@ -33,24 +33,30 @@ def main(argv=None) -> int:
     args, rest = p.parse_known_args(argv)
     from tabulate import tabulate
 
-    from .run import main as run_main
-    rows = []
-    cache = os.path.join(args.out, "reference-cache")
-    for d in parse_depths(args.depths):
-        row = {"depth": d}
-        for v in args.variants.split(","):
-            out = os.path.join(args.out, f"{v}-d{d}")
-            t = time.monotonic()
-            rc = run_main(["--variant", v, "--depth", str(d), "--out", out, "--reference-cache", cache] + rest)
-            if rc != 0:
-                return rc
-            with open(os.path.join(out, "summary.json")) as f:
-                s = json.load(f)
-            row[f"{v} corrupted"] = f"{s['corrupted']}/{s['requests']}"
-            row[f"{v} s"] = round(time.monotonic() - t, 1)
-            row["tokens"] = s["config"]["tokens"]
-        rows.append(row)
-    print(tabulate(rows, headers="keys"))
+    from .decode import RunConfig
+    from .run import RunFailed, build_parser, execute
+    from .model import ModelConfig
+    base = build_parser().parse_args(rest + ["--out", args.out])
+    model = ModelConfig(hidden=base.hidden, layers=base.layers, vocab=base.vocab)
+    depths, variants = parse_depths(args.depths), args.variants.split(",")
+    plan = [(RunConfig(variant=v, depth=d, batch=base.batch, steps=base.steps, request_steps=base.request_steps,
+                       comm_latency_ms=base.comm_latency_ms, hold_partial=base.hold_partial, model=model),
+             os.path.join(args.out, f"{v}-d{d}")) for d in depths for v in variants]
+    t = time.monotonic()
+    try:
+        summaries = execute(plan, base.ranks, os.path.join(args.out, "reference-cache"))
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = {}
+    for (run, _), s in zip(plan, summaries):
+        row = rows.setdefault(run.depth, {"depth": run.depth, "tokens": run.tokens})
+        row[f"{run.variant} corrupted"] = f"{s['corrupted']}/{s['requests']}"
+        row[f"{run.variant} s"] = s["seconds"]["sanitised"]
+    print(tabulate(list(rows.values()), headers="keys"))
+    print(f"total {time.monotonic() - t:.1f} s")
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump({"rows": list(rows.values()), "summaries": summaries}, f, indent=1)
     return 0
 
 
