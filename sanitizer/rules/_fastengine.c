@@ -1406,6 +1406,16 @@ static int capture(Analyzer *a, Op *op, PyObject *stream)
     return 0;
 }
 
+/* dict.pop(key, None)'s lookup: CPython answers an empty dict without hashing the key, so an
+ * unhashable key is not an error there (engine.py pops live, pending_free, colls_in_flight and
+ * graphs). Borrowed reference, or NULL (error set or not). */
+static inline PyObject *pop_lookup(PyObject *d, PyObject *key)
+{
+    if (PyDict_GET_SIZE(d) == 0)
+        return NULL;
+    return PyDict_GetItemWithError(d, key);
+}
+
 /* ---------------------------------------------------------------- memory events */
 
 static int h_alloc(Analyzer *a, Ev *e)
@@ -1499,7 +1509,7 @@ done:
 static int h_free(Analyzer *a, Ev *e)
 {
     REQ(bid, F_ID)
-    PyObject *found = PyDict_GetItemWithError(a->live, bid);
+    PyObject *found = pop_lookup(a->live, bid);
     if (found == NULL) {
         if (PyErr_Occurred())
             return -1;
@@ -1580,7 +1590,7 @@ done:
 static int h_free_done(Analyzer *a, Ev *e)
 {
     REQ(bid, F_ID)
-    PyObject *snaps = PyDict_GetItemWithError(a->pending_free, bid);
+    PyObject *snaps = pop_lookup(a->pending_free, bid);
     if (snaps == NULL) {
         if (PyErr_Occurred())
             return -1;
@@ -2081,7 +2091,7 @@ done:
 static int h_coll_done(Analyzer *a, Ev *e)
 {
     REQ(cid, F_CID)
-    PyObject *found = PyDict_GetItemWithError(a->colls_in_flight, cid);
+    PyObject *found = pop_lookup(a->colls_in_flight, cid);
     if (found == NULL) {
         if (PyErr_Occurred())
             return -1;
@@ -2260,7 +2270,7 @@ static int h_graph_replay(Analyzer *a, Ev *e)
 static int h_graph_free(Analyzer *a, Ev *e)
 {
     REQ(gid, F_GRAPH)
-    PyObject *found = PyDict_GetItemWithError(a->graphs, gid);
+    PyObject *found = pop_lookup(a->graphs, gid);
     if (found == NULL) {
         if (PyErr_Occurred())
             return -1;
