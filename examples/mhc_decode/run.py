@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=8, help="attention heads (split over ranks)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts (split over ranks)")
+    p.add_argument("--shared-inter", type=int, default=512, help="shared expert size (split over ranks); "
+                   "3 ranks need e.g. --heads 6 --experts 6 --shared-inter 384 --vocab 1536")
     p.add_argument("--comm-latency-ms", type=float, default=1.0,
                    help="delay before a collective's loads (the time a real one is in flight)")
     p.add_argument("--hold-partial", action="store_true",
@@ -40,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse (or store) the reference decode here; stock and fixed runs of one shape share it")
     p.add_argument("--out", required=True, help="directory for traces, outcomes.jsonl, summary.json")
     return p
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=args.heads,
+                       experts=args.experts, shared_inter=args.shared_inter)
 
 
 def main(argv=None) -> int:
@@ -53,12 +62,14 @@ def main(argv=None) -> int:
     from .decode import RunConfig
 
     try:
-        model = ModelConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab)
+        model = model_config(args)
         run = RunConfig(variant=args.variant, depth=args.depth, batch=args.batch, steps=args.steps,
                         request_steps=args.request_steps, comm_latency_ms=args.comm_latency_ms,
                         hold_partial=args.hold_partial, model=model)
-        if model.heads % args.ranks or model.experts % args.ranks or model.vocab % args.ranks:
-            raise ValueError(f"--ranks {args.ranks} must divide heads ({model.heads}), experts ({model.experts}) and --vocab")
+        if model.heads % args.ranks or model.experts % args.ranks or model.vocab % args.ranks \
+                or model.shared_inter % args.ranks:
+            raise ValueError(f"--ranks {args.ranks} must divide --heads ({model.heads}), --experts ({model.experts}), "
+                             f"--shared-inter ({model.shared_inter}) and --vocab ({model.vocab})")
         if args.request_steps * (args.depth + 1) + run.prompt > model.max_context:
             raise ValueError("context too long: lower --request-steps or --depth")
     except ValueError as exc:

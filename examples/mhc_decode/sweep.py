@@ -34,10 +34,12 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     from .decode import RunConfig
-    from .run import RunFailed, build_parser, execute
-    from .model import ModelConfig
+    from .run import RunFailed, build_parser, execute, model_config
     base = build_parser().parse_args(rest + ["--out", args.out])
-    model = ModelConfig(hidden=base.hidden, layers=base.layers, vocab=base.vocab)
+    model = model_config(base)
+    if any(x % base.ranks for x in (model.heads, model.experts, model.shared_inter, model.vocab)):
+        print(f"error: --ranks {base.ranks} must divide --heads, --experts, --shared-inter and --vocab", file=sys.stderr)
+        return 2
     depths, variants = parse_depths(args.depths), args.variants.split(",")
     plan = [(RunConfig(variant=v, depth=d, batch=base.batch, steps=base.steps, request_steps=base.request_steps,
                        comm_latency_ms=base.comm_latency_ms, hold_partial=base.hold_partial, model=model),
