@@ -84,6 +84,7 @@ static PyObject *TraceErrorType = NULL;
 /* kind lookup by (length, first, last, middle char) */
 #define KT_SIZE 128
 static int8_t kind_table[KT_SIZE];
+static Py_ssize_t kind_len[N_KINDS];
 
 static inline unsigned kind_hash(const char *s, Py_ssize_t n)
 {
@@ -2359,8 +2360,7 @@ static int kind_of(PyObject *kind)
             int k = kind_table[(h + probe) & (KT_SIZE - 1)];
             if (k < 0)
                 return -1;
-            const char *name = KIND_NAMES[k];
-            if ((Py_ssize_t)strlen(name) == n && memcmp(name, s, (size_t)n) == 0)
+            if (kind_len[k] == n && memcmp(KIND_NAMES[k], s, (size_t)n) == 0)
                 return k;
         }
         return -1;
@@ -2978,7 +2978,8 @@ PyMODINIT_FUNC PyInit__fastengine(void)
     memset(kind_table, -1, sizeof(kind_table));
     for (int k = 0; k < N_KINDS; k++) {
         const char *s = KIND_NAMES[k];
-        unsigned h = kind_hash(s, (Py_ssize_t)strlen(s));
+        kind_len[k] = (Py_ssize_t)strlen(s);
+        unsigned h = kind_hash(s, kind_len[k]);
         while (kind_table[h] >= 0)
             h = (h + 1) & (KT_SIZE - 1);
         kind_table[h] = (int8_t)k;
