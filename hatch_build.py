@@ -11,6 +11,8 @@ pure-Python engine (sanitizer/rules/engine.py), with the same findings, about 4x
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shlex
 import subprocess
@@ -34,6 +36,11 @@ def extension_path(root: Path = ROOT) -> Path:
     return root / SOURCE.parent / ("_fastengine" + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
+def source_digest(root: Path = ROOT) -> str:
+    """Compiled into the extension; native.py refuses a build whose source has changed since."""
+    return hashlib.sha256((Path(root) / SOURCE).read_bytes()).hexdigest()[:16]
+
+
 def _run(cmd: list[str]) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -48,18 +55,23 @@ def build(root: Path = ROOT, out: Path | None = None, extra_cflags: list[str] | 
     out = Path(out) if out is not None else extension_path(root)
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     ldshared = shlex.split(sysconfig.get_config_var("LDSHARED") or f"{cc[0]} -shared")
+    if os.environ.get("CC"):  # the usual override; the link step follows it
+        env_cc = shlex.split(os.environ["CC"])
+        ldshared = env_cc + (ldshared[len(cc):] if ldshared[:len(cc)] == cc else ["-shared"])
+        cc = env_cc
     ccshared = shlex.split(sysconfig.get_config_var("CCSHARED") or "-fPIC")
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise NativeBuildError(f"no Python.h in {include} (install the Python development headers)")
     flags = ["-g", "-O0", "-UNDEBUG"] if debug else [*OPT_FLAGS, "-DNDEBUG"]
     flags += list(extra_cflags or ())
+    flags.append(f'-DHAZSAN_SOURCE_DIGEST="{source_digest(root)}"')
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         obj = Path(tmp) / "_fastengine.o"
         lib = Path(tmp) / out.name
         _run([*cc, *ccshared, *flags, "-std=gnu11", "-Wall", "-I", include, "-c", str(src), "-o", str(obj)])
-        _run([*ldshared, *(f for f in flags if f.startswith("-f") or f == "-g" or f.startswith("-fsan")),
+        _run([*ldshared, *(f for f in flags if f.startswith("-f") or f == "-g"),
               str(obj), "-o", str(lib)])
         # it must import and configure, in a fresh interpreter, before it replaces anything
         check = ("import importlib.util, sys; "
@@ -103,6 +115,9 @@ class NativeEngineBuildHook(BuildHookInterface):  # type: ignore[misc,valid-type
             out = build(Path(self.root))
         except Exception as exc:  # noqa: BLE001 - any failure means: go on without it
             warn(exc)
+            # an older build left in the tree would not match the source: the Python engine runs
+            with contextlib.suppress(OSError):
+                extension_path(Path(self.root)).unlink()
             return
         rel = out.relative_to(Path(self.root)).as_posix()
         if version != "editable":

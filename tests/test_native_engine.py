@@ -619,6 +619,20 @@ def test_without_the_extension_native_py_falls_back(tmp_path):
     assert "refused: HAZSAN_ENGINE=native, but C engine accelerator not built" in r.stdout
 
 
+def test_a_stale_build_is_refused():
+    """An extension built from another _fastengine.c (an old build left in a checkout) is not
+    used: native.py compares the source digest compiled into it."""
+    code = (
+        "import sys, types\n"
+        "sys.modules['sanitizer.rules._fastengine'] = types.SimpleNamespace(SOURCE_DIGEST='0' * 16)\n"
+        "from sanitizer.rules import native, engine\n"
+        "assert not native.available and 'older _fastengine.c' in native.reason, native.reason\n"
+        "assert native.analyzer_class() is engine.RankAnalyzer\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_build_hook_failure_is_a_warning_not_an_error(tmp_path, capsys):
     """hatch_build.build raises NativeBuildError on a compile error; the hook turns any failure
     into a warning and leaves build_data alone (the install goes on with the Python engine)."""

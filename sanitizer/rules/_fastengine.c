@@ -3027,7 +3027,11 @@ PyMODINIT_FUNC PyInit__fastengine(void)
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "Analyzer", (PyObject *)&AnalyzerType) < 0 ||
+#ifndef HAZSAN_SOURCE_DIGEST
+#define HAZSAN_SOURCE_DIGEST ""
+#endif
+    if (PyModule_AddStringConstant(m, "SOURCE_DIGEST", HAZSAN_SOURCE_DIGEST) < 0 ||
+        PyModule_AddObjectRef(m, "Analyzer", (PyObject *)&AnalyzerType) < 0 ||
         PyModule_AddObjectRef(m, "Op", (PyObject *)&OpType) < 0 ||
         PyModule_AddObjectRef(m, "Block", (PyObject *)&BlockType) < 0 ||
         PyModule_AddObjectRef(m, "Window", (PyObject *)&WindowType) < 0 ||

@@ -13,7 +13,9 @@ Which one runs: `HAZSAN_ENGINE=python|native|auto` (default auto: native when it
 """
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 from sanitizer.rules import engine
 from sanitizer.trace.reader import TraceError
@@ -21,6 +23,23 @@ from sanitizer.trace.schema import ACCESS_CODES
 
 ENV = "HAZSAN_ENGINE"
 CHOICES = ("auto", "native", "python")
+
+class _Stale(Exception):
+    pass
+
+
+def _check_source(module) -> None:
+    """A checkout can keep an extension built from an older _fastengine.c: refuse it (the digest
+    of the source is compiled in). Installed wheels ship the source beside it, so this holds there
+    too; without the source there is nothing to compare."""
+    src = Path(__file__).with_name("_fastengine.c")
+    try:
+        digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return
+    if getattr(module, "SOURCE_DIGEST", None) != digest:
+        raise _Stale(f"C engine accelerator was built from an older {src.name}; rebuild: python hatch_build.py")
+
 
 try:
     from sanitizer.rules import _fastengine
@@ -30,10 +49,13 @@ except ImportError as exc:  # not built (no compiler at install time) or built f
     reason = f"C engine accelerator not built ({exc}); run: python hatch_build.py"
 else:
     try:
+        _check_source(_fastengine)
         # field numbering and allowed fields per kind come from the schema tables themselves; a
         # schema with a kind the C code does not handle is refused here, not ignored later
         _fastengine.setup(engine._ALLOWED, TraceError, ACCESS_CODES)
         available, reason = True, None
+    except _Stale as exc:
+        available, reason = False, str(exc)
     except (ValueError, TypeError) as exc:
         available, reason = False, f"C engine accelerator does not match this schema: {exc}"
 
