@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from examples.mhc_decode.decode import RunConfig, Schedule  # noqa: E402
+from examples.mhc_decode.model import ModelConfig  # noqa: E402
 from examples.mhc_decode.sweep import main as sweep_main  # noqa: E402
 from sanitizer.proof.outcomes import read_outcomes  # noqa: E402
 from sanitizer.rules.engine import analyze  # noqa: E402
@@ -31,27 +33,37 @@ def _outcomes(d):
     return read_outcomes(d / "outcomes.jsonl")
 
 
+def _schedule(d):
+    cfg = json.loads((d / "summary.json").read_text())["config"]
+    cfg.pop("tokens")
+    return Schedule(RunConfig(**{**cfg, "model": ModelConfig(**cfg["model"])}))
+
+
 def test_fixed_variant_is_never_corrupted(runs):
     outs = _outcomes(runs["fixed"])
-    assert len(outs) == 8                                 # batch 4 x (4 steps / 2 per request)
+    assert len(outs) == len(_schedule(runs["fixed"]).requests) >= 4
     assert not any(o.corrupted for o in outs)
     assert all(o.extra["max_abs_err"] == 0.0 for o in outs)
 
 
 def test_stock_variant_really_corrupts_requests(runs):
     outs = _outcomes(runs["stock"])
-    assert len(outs) == 8
+    sched = _schedule(runs["stock"])
+    assert len(outs) == len(sched.requests)
     bad = [o for o in outs if o.corrupted]
     assert bad, "the stock combine's transients should land on the freed all-reduce input"
     summary = json.loads((runs["stock"] / "summary.json").read_text())
     assert summary["corrupted"] == len(bad)
-    assert sum(summary["corrupted_rows_by_rank"].values()) > 0
-    assert {o.steps for o in outs} == {(0, 1), (2, 3)}
+    assert sum(summary["corrupted_request_steps_by_rank"].values()) > 0
+    assert all(o.steps == sched.span(o.request) for o in outs)
+    for o in bad:                                         # corruption is placed in the request's own steps
+        assert o.extra["corrupted_steps"] and all(o.steps[0] <= n <= o.steps[1] for n in o.extra["corrupted_steps"])
 
 
 @pytest.mark.parametrize("variant", ["stock", "fixed"])
 def test_traces_parse_and_hold_window_scope_and_collectives(runs, variant):
     files = sorted(runs[variant].glob("rank*.jsonl"))
+    sched = _schedule(runs[variant])
     assert [f.name for f in files] == ["rank0.jsonl", "rank1.jsonl"]
     for f in files:
         tf = open_trace(f)
@@ -62,10 +74,11 @@ def test_traces_parse_and_hold_window_scope_and_collectives(runs, variant):
         assert len(kinds["window"]) == 1 and kinds["window"][0]["comm"] == "tp"
         assert kinds["scope"] and kinds["alloc"] and kinds["free"]
         # per step: 2 all-reduces (attention, MoE) on 1 layer + the logits all-gather
+        running = [n for n, a in enumerate(sched.active) if a]
         assert [c["op"] for c in kinds["coll"][:3]] == ["all_reduce", "all_reduce", "all_gather"]
-        assert len(kinds["coll"]) == 4 * 3 and len(kinds["coll_done"]) == 12
-        assert [s["n"] for s in kinds["step"]] == [0, 1, 2, 3]
-        assert all(s["tokens"] == 8 for s in kinds["step"])
+        assert len(kinds["coll"]) == 3 * len(running) == len(kinds["coll_done"])
+        assert [s["n"] for s in kinds["step"]] == running
+        assert [s["tokens"] for s in kinds["step"]] == [2 * len(sched.active[n]) for n in running]
         lo, hi = kinds["window"][0]["addr"], kinds["window"][0]["addr"] + kinds["window"][0]["size"]
         assert all(lo <= a["addr"] < hi for a in kinds["alloc"])
 

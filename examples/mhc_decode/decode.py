@@ -9,11 +9,10 @@ Two phases, each a world of rank processes:
              reference's inputs (teacher forcing), its logits compared with the reference's bit
              for bit. A request is corrupted when any of its rows differs on any rank.
 
-A verify step takes batch x (depth + 1) tokens: per request its last accepted token and `depth`
-draft tokens from a draft model (a fixed bigram table); acceptance is the longest prefix of
-drafts that equals the target's greedy tokens, plus the target's own next token. Each batch
-slot serves requests of `request_steps` verify steps one after the other; a new request starts
-from a synthetic prefilled context of `prompt` tokens (keys and values drawn from its id).
+A verify step takes (running requests) x (depth + 1) tokens: per request its last accepted token
+and `depth` draft tokens from a draft model (a fixed bigram table); acceptance is the longest
+prefix of drafts that equals the target's greedy tokens, plus the target's own next token. The
+batch changes from step to step (continuous batching, see Schedule), so the verify shape does.
 """
 from __future__ import annotations
 
@@ -46,6 +45,7 @@ class RunConfig:
 
     @property
     def tokens(self) -> int:
+        """Tokens of a verify step with every batch slot running."""
         return self.batch * (self.depth + 1)
 
     def to_dict(self) -> dict:
@@ -113,22 +113,42 @@ class PlainComm:
 
 
 # ----------------------------------------------------------------------------- the loop
-class Requests:
-    """Which request each batch slot serves at each step, and its synthetic prefilled context."""
+class Schedule:
+    """Continuous batching: which request each batch slot serves at each step.
+
+    Each slot serves requests one after the other; a request lasts between half and 1.5 times
+    `request_steps` verify steps, and a slot sometimes idles for a step between two requests, so
+    the number of running requests (and the tokens of a verify step) changes from step to step,
+    as in a serving engine. Drawn from the model seed: equal on every rank and in every run of
+    the same shape. A new request starts from a synthetic prefilled context of `prompt` tokens.
+    """
 
     def __init__(self, run: RunConfig):
+        import random
         self.run = run
-
-    def id(self, slot: int, step: int) -> int:
-        return (step // self.run.request_steps) * self.run.batch + slot
-
-    def starts(self, step: int) -> bool:
-        return step % self.run.request_steps == 0
+        g = random.Random(run.model.seed * 31 + run.batch * 7 + run.request_steps)
+        lo, hi = max(1, run.request_steps // 2), max(1, (3 * run.request_steps) // 2)
+        spans = []
+        for slot in range(run.batch):
+            t = g.randrange(0, max(1, run.request_steps // 2))
+            while t < run.steps:
+                n = g.randint(lo, hi)
+                spans.append((t, slot, min(t + n, run.steps) - 1))
+                t += n + (1 if g.random() < 0.25 else 0)
+        spans.sort()
+        self.requests = {i: (slot, first, last) for i, (first, slot, last) in enumerate(spans)}
+        self.active: list[list[tuple[int, int]]] = [[] for _ in range(run.steps)]   # step -> [(slot, req)]
+        self.starting: list[set] = [set() for _ in range(run.steps)]
+        for req, (slot, first, last) in self.requests.items():
+            self.starting[first].add(slot)
+            for n in range(first, last + 1):
+                self.active[n].append((slot, req))
+        for a in self.active:
+            a.sort()
 
     def span(self, req: int) -> tuple[int, int]:
-        j = req // self.run.batch
-        first = j * self.run.request_steps
-        return first, min(first + self.run.request_steps, self.run.steps) - 1
+        _, first, last = self.requests[req]
+        return first, last
 
     def prefill(self, model: Model, cache: KVCache, slot: int, req: int) -> int:
         """Fill the slot's cache with the request's context; return its first token."""
@@ -152,45 +172,54 @@ def draft_table(cfg: ModelConfig) -> torch.Tensor:
     return torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
 
 
-def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, tpr: int) -> None:
+def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, slots: list) -> None:
     for li, (k, v) in enumerate(new_kv):
-        b = k.shape[0]
-        for s in range(b):
-            n = int(accepted[s]) + 1                 # the last token and the accepted drafts
+        for i, s in enumerate(slots):
+            n = int(accepted[i]) + 1                 # the last token and the accepted drafts
             at = int(cache.length[s])
-            cache.k[li, s, at:at + n] = k[s, :n]
-            cache.v[li, s, at:at + n] = v[s, :n]
-    cache.length += accepted + 1
+            cache.k[li, s, at:at + n] = k[i, :n]
+            cache.v[li, s, at:at + n] = v[i, :n]
+    for i, s in enumerate(slots):
+        cache.length[s] += int(accepted[i]) + 1
 
 
 def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
     """Run the verify steps. Without `reference`, decide inputs and acceptances (and return them
-    with the logits); with it, replay its inputs and return per-slot errors against its logits."""
+    with the logits); with it, replay its inputs and return, per step, each running request's
+    largest |error| against the reference logits."""
     torch.manual_seed(0)
     cfg = model.cfg
     B, T = run.batch, run.tokens_per_request
-    reqs = Requests(run)
+    sched = Schedule(run)
     cache = KVCache(cfg, B, model.W.heads_local)
     table = draft_table(cfg)
     last = torch.zeros(B, dtype=torch.long)
     out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": []}
     for n in range(run.steps):
-        if reqs.starts(n):
-            for s in range(B):
-                last[s] = reqs.prefill(model, cache, s, reqs.id(s, n))
-        comm.step(n, phase="verify", tokens=B * T)
+        running = sched.active[n]
+        if not running:
+            if reference is None:
+                out["inputs"].append(None), out["accepted"].append(None), out["logits"].append(None)
+            else:
+                out["errors"].append([])
+            continue
+        for s in sorted(sched.starting[n]):
+            last[s] = sched.prefill(model, cache, s, dict(running)[s])
+        slots = [s for s, _ in running]
+        active = torch.tensor(slots, dtype=torch.long)
+        comm.step(n, phase="verify", tokens=len(slots) * T)
         if reference is None:
-            drafts = [last]
+            drafts = [last[active]]
             for _ in range(run.depth):
                 drafts.append(table[drafts[-1]])
-            inputs = torch.stack(drafts, 1)                       # [B, T]
+            inputs = torch.stack(drafts, 1)                       # [b, T]
         else:
             inputs = reference["inputs"][n]
         with torch.inference_mode():
-            logits, new_kv = model.forward(inputs.reshape(-1), cache, T)
-        logits = logits.view(B, T, cfg.vocab)
+            logits, new_kv = model.forward(inputs.reshape(-1), cache, T, active)
+        logits = logits.view(len(slots), T, cfg.vocab)
         if reference is None:
-            greedy = logits.argmax(-1)                            # [B, T]
+            greedy = logits.argmax(-1)                            # [b, T]
             match = (inputs[:, 1:] == greedy[:, :-1]).long()
             accepted = match.cumprod(1).sum(1)                    # drafts accepted
             out["inputs"].append(inputs)
@@ -200,9 +229,10 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
             accepted = reference["accepted"][n]
             greedy = reference["logits"][n].argmax(-1)
             diff = (logits - reference["logits"][n]).abs().nan_to_num(nan=float("inf"))
-            out["errors"].append(diff.flatten(1).amax(1))        # [B] max |error| per request
-        last = greedy[torch.arange(B), accepted]
-        _append_kv(cache, new_kv, accepted, T)
+            errs = diff.flatten(1).amax(1).tolist()
+            out["errors"].append([(req, e) for (_, req), e in zip(running, errs)])
+        last[active] = greedy[torch.arange(len(slots)), accepted]
+        _append_kv(cache, new_kv, accepted, slots)
     return out
 
 
@@ -257,8 +287,7 @@ def _sanitised(rank: int, files, run: RunConfig, reference: dict, trace_dir: str
         colls = comm.collectives
     finally:
         comm.close()
-    errors = torch.stack(got["errors"]) if got["errors"] else torch.zeros(0, run.batch)
-    return {"rank": rank, "errors": errors.tolist(), "window_allocations": placed,
+    return {"rank": rank, "errors": got["errors"], "window_allocations": placed,
             "collectives": colls, "trace": comm.recorder.path, "seconds": time.monotonic() - t0}
 
 

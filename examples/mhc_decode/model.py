@@ -181,11 +181,13 @@ class Model:
         q = (n @ L["wq"]).view(b, t, hl, dh)
         k = (n @ L["wk"]).view(b, t, hl, dh)
         v = (n @ L["wv"]).view(b, t, hl, dh)
-        ctx = int(cache.length.max())
-        keys = torch.cat([cache.k[li, :, :ctx], k], 1)             # [b, ctx + t, hl, dh]
-        vals = torch.cat([cache.v[li, :, :ctx], v], 1)
+        active = self._active
+        lengths = cache.length[active]
+        ctx = int(lengths.max())
+        keys = torch.cat([cache.k[li, active, :ctx], k], 1)         # [b, ctx + t, hl, dh]
+        vals = torch.cat([cache.v[li, active, :ctx], v], 1)
         pos = torch.arange(ctx + t)
-        valid_ctx = pos.unsqueeze(0) < cache.length.unsqueeze(1)    # [b, ctx + t]
+        valid_ctx = pos.unsqueeze(0) < lengths.unsqueeze(1)         # [b, ctx + t]
         valid_ctx[:, ctx:] = False
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         mask = valid_ctx.unsqueeze(1).expand(b, t, ctx + t).clone()
@@ -233,9 +235,11 @@ class Model:
         work.wait()
         return self.mhc.post(mixed, post, y)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, tokens_per_req: int):
-        """tokens [m] -> logits [m, vocab] (float32) and each layer's new keys/values."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, tokens_per_req: int, active: torch.Tensor):
+        """tokens [m] of the batch slots `active` -> logits [m, vocab] (float32) and each layer's
+        new keys/values."""
         cfg = self.cfg
+        self._active = active
         x = self.W.embed[tokens].unsqueeze(1).expand(-1, cfg.streams, -1).contiguous()
         new_kv = []
         for li in range(cfg.layers):

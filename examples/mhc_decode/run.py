@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4, help="speculative draft depth (verify takes depth+1 tokens per request)")
     p.add_argument("--ranks", type=int, default=2, help="rank processes (2 to 4)")
     p.add_argument("--steps", type=int, default=16, help="verify steps")
-    p.add_argument("--batch", type=int, default=8, help="requests decoded together")
-    p.add_argument("--request-steps", type=int, default=4, help="verify steps per request")
+    p.add_argument("--batch", type=int, default=8, help="batch slots (most requests decoded together)")
+    p.add_argument("--request-steps", type=int, default=4, help="mean verify steps per request")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                 or model.shared_inter % args.ranks:
             raise ValueError(f"--ranks {args.ranks} must divide --heads ({model.heads}), --experts ({model.experts}), "
                              f"--shared-inter ({model.shared_inter}) and --vocab ({model.vocab})")
-        if args.request_steps * (args.depth + 1) + run.prompt > model.max_context:
+        if max(1, 3 * args.request_steps // 2) * (args.depth + 1) + run.prompt > model.max_context:
             raise ValueError("context too long: lower --request-steps or --depth")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         return 2
     s = summaries[0]
     print(f"{args.variant} depth {args.depth}: {s['corrupted']} of {s['requests']} requests corrupted "
-          f"({args.ranks} ranks, {run.tokens} tokens per step, {s['seconds']['total']:.1f} s) -> {s['out']}")
+          f"({args.ranks} ranks, up to {run.tokens} tokens per step, {s['seconds']['total']:.1f} s) -> {s['out']}")
     return 0
 
 
@@ -165,7 +165,9 @@ def _write(run, out, ranks, results, seconds) -> dict:
     summary = {
         "out": out, "config": run.to_dict(), "ranks": ranks, "requests": len(outcomes),
         "corrupted": sum(o["corrupted"] for o in outcomes),
-        "corrupted_rows_by_rank": {r["rank"]: sum(1 for row in r["errors"] for e in row if e != 0) for r in results},
+        "corrupted_request_steps_by_rank": {r["rank"]: sum(1 for row in r["errors"] for _, e in row if e != 0)
+                                            for r in results},
+        "corrupted_steps": sorted({n for o in outcomes for n in o["corrupted_steps"]}),
         "window_allocations": {r["rank"]: r["window_allocations"] for r in results},
         "collectives": {r["rank"]: r["collectives"] for r in results},
         "seconds": seconds,
@@ -177,20 +179,18 @@ def _write(run, out, ranks, results, seconds) -> dict:
 
 def outcomes_of(run, results) -> list[dict]:
     """One line per request: corrupted when any of its rows differs from the reference on any rank."""
-    from .decode import Requests
-    reqs = Requests(run)
+    from .decode import Schedule
+    sched = Schedule(run)
     per: dict[int, dict] = {}
+    for req in sched.requests:
+        first, last = sched.span(req)
+        per[req] = {"request": req, "step": last, "first_step": first, "rank": None, "corrupted": False,
+                    "max_abs_err": 0.0, "corrupted_ranks": [], "corrupted_steps": [], "depth": run.depth,
+                    "variant": run.variant}
     for r in results:
         for step, row in enumerate(r["errors"]):
-            for slot, err in enumerate(row):
-                req = reqs.id(slot, step)
-                o = per.get(req)
-                if o is None:
-                    first, last = reqs.span(req)
-                    o = per[req] = {"request": req, "step": last, "first_step": first, "rank": None,
-                                    "corrupted": False, "max_abs_err": 0.0, "corrupted_ranks": [],
-                                    "corrupted_steps": [], "depth": run.depth, "tokens": run.tokens,
-                                    "variant": run.variant}
+            for req, err in row:
+                o = per[req]
                 if err != 0:
                     o["corrupted"] = True
                     o["max_abs_err"] = max(o["max_abs_err"], float(err) if err == err else float("inf"))
@@ -201,6 +201,7 @@ def outcomes_of(run, results) -> list[dict]:
     for o in per.values():
         if o["max_abs_err"] == float("inf"):
             o["max_abs_err"] = "inf"
+        o["corrupted_ranks"].sort()
         o["corrupted_steps"].sort()
     return [per[k] for k in sorted(per)]
 

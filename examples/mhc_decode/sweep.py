@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         return 2
     rows = {}
     for (run, _), s in zip(plan, summaries):
-        row = rows.setdefault(run.depth, {"depth": run.depth, "tokens": run.tokens})
+        row = rows.setdefault(run.depth, {"depth": run.depth, "max tokens": run.tokens})
         row[f"{run.variant} corrupted"] = f"{s['corrupted']}/{s['requests']}"
         row[f"{run.variant} s"] = s["seconds"]["sanitised"]
     print(tabulate(list(rows.values()), headers="keys"))
