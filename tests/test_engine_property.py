@@ -120,7 +120,7 @@ class RankTraceBuilder:
                 "stream": stream, "bufs": bufs}
 
     def available(self) -> list[str]:
-        kinds = ["alloc"] * 4 + ["launch"] * 3 + ["coll"] * 3 + ["record", "sync", "capture", "noise"]
+        kinds = ["alloc"] * 4 + ["launch"] * 3 + ["coll"] * 3 + ["handoff"] * 2 + ["record", "sync", "capture", "noise"]
         if self.live_ids:
             kinds += ["free"] * 4 + ["record_stream"] * 2
         if self.pending_ids:
@@ -175,6 +175,11 @@ class RankTraceBuilder:
             event = self.draw(st.sampled_from(["e0", "e1", "e2"]))
             self.recorded.add(event)
             emit({"ev": "record", "event": event, "stream": self.stream()})
+        elif kind == "handoff":  # the usual cross-stream ordering: record on one, wait on another
+            event = self.draw(st.sampled_from(["e0", "e1", "e2"]))
+            self.recorded.add(event)
+            emit({"ev": "record", "event": event, "stream": self.stream()})
+            emit({"ev": "wait", "event": event, "stream": self.stream()})
         elif kind == "wait":
             event = self.draw(st.sampled_from(sorted(self.recorded)))
             emit({"ev": "wait", "event": event, "stream": self.stream()})
