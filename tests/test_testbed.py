@@ -113,6 +113,12 @@ def test_buffers_outside_the_window_are_refused(solo):
         solo.all_reduce(x.t())
 
 
+def test_a_full_window_says_so(solo):
+    with pytest.raises(TestbedError, match="larger window_bytes"):
+        with solo.scope():
+            torch.empty(16 << 20, dtype=torch.uint8)
+
+
 def test_missing_peer_times_out_instead_of_hanging(tmp_path):
     files = WindowFiles.create(2, 4 << 20, directory=str(tmp_path))
     comm = SymmetricCommunicator(files, 0, timeout=0.5)
@@ -163,6 +169,20 @@ def _collectives_and_corruption(rank, files, trace_root):
         work.wait()
         out["corrupted"] = int((y != 3.0).sum())      # expected 1 + 2 everywhere
         out["transient_overwritten"] = int((t != 100.0).sum())
+    # 3. a barrier-less kernel: rank 1 is slow, rank 0 completes without waiting for it and frees
+    #    its input only after its own wait (fine by local completion), then writes a transient there
+    with SymmetricCommunicator(files, rank, name="tp", trace_dir=os.path.join(trace_root, "barrierless"),
+                               end_barrier=False, read_delay=0.3 if rank == 1 else 0.0) as comm:
+        with comm.scope():
+            x = torch.full((4096,), float(rank + 1))
+            y = torch.empty(4096)
+        work = comm.all_reduce(x, out=y)
+        work.wait()
+        if rank == 0:
+            del x
+            with comm.scope():
+                t = torch.full((4096,), 100.0)        # rank 1 is still loading this range
+        out["barrierless_corrupted"] = int((y != 3.0).sum())
     return out
 
 
@@ -199,3 +219,15 @@ def test_early_free_then_transient_really_corrupts_and_is_flagged(two_ranks):
     rules = analysis.summary["by_rule"]
     assert rules.get("free-in-flight") == 2 and rules.get("reuse-in-flight") == 2, rules
     assert analysis.exit_code() == 1
+
+
+def test_barrierless_kernel_peer_reads_after_local_completion(two_ranks):
+    root, results = two_ranks
+    # rank 0 finished before rank 1 loaded its input: its own sum is right, rank 1's is not
+    assert results[0]["barrierless_corrupted"] == 0
+    assert results[1]["barrierless_corrupted"] == 4096
+    # by local completion (NCCL's contract) nothing is wrong on rank 0; by successor semantics
+    # (for barrier-less kernels) the transient overlaps a collective buffer peers may still use
+    assert analyze([str(root / "barrierless")]).summary["by_rule"] == {}
+    strict = analyze([str(root / "barrierless")], peer_completion="successor").summary["by_rule"]
+    assert strict.get("reuse-in-flight") == 1, strict

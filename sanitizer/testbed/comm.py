@@ -36,7 +36,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sanitizer.place import AllocatorConfig, Arena, CachingAllocator
+from sanitizer.place import AllocatorConfig, Arena, CachingAllocator, OutOfMemory
 
 from . import record as _record
 from .shm import Mapping, WindowFiles
@@ -137,7 +137,10 @@ class WindowPool:
         rec = self.recorder
         with self._lock:
             self._release_finished()
-            model = self.allocator.malloc(nbytes, stream=HOST_STREAM, pool=self.pool)
+            try:
+                model = self.allocator.malloc(nbytes, stream=HOST_STREAM, pool=self.pool)
+            except OutOfMemory as exc:
+                raise TestbedError(f"{exc}; create the world with a larger window_bytes") from None
             bid = rec.next_id()
             off = model.addr - self.mapping.base
             u8 = self.mapping.bytes_at(off, nbytes)
