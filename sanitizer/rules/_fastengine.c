@@ -2446,112 +2446,195 @@ static int exception_problem(PyObject *problems, long long line, int kid)
     return r < 0 ? -1 : 1;
 }
 
+/* One parsed line (engine.RankAnalyzer.feed_batch's loop body): 0 done (applied, or turned into a
+ * problem), -1 an error that feed_batch does not catch. */
+static int feed_one(Analyzer *a, PyObject *ev, long long line, PyObject *problems)
+{
+    if (!PyDict_CheckExact(ev)) {
+        if (ev == Py_None)
+            return 0;
+        int is_te = PyObject_IsInstance(ev, TraceErrorType);
+        if (is_te < 0)
+            return -1;
+        return is_te ? add_problem(problems, line, ev) : add_problem_str(problems, line, "an event must be a JSON object");
+    }
+    /* one pass over the dict: field values by number */
+    Ev e;
+    e.present = 0;
+    e.dict = ev;
+    e.line = line;
+    int unknown_key = 0;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(ev, &pos, &k, &v)) {
+        int f = key_field(k);
+        if (f < 0) {
+            unknown_key = 1;
+            continue;
+        }
+        e.v[f] = v;
+        e.present |= (uint64_t)1 << f;
+    }
+    PyObject *kind = ev_get(&e, F_EV);
+    if (kind == NULL || kind == Py_None)
+        return add_problem_str(problems, line, "missing field 'ev'");
+    int kid = kind_of(kind);
+    if (kid == -2)
+        return -1;  /* an unhashable kind: engine.py's handlers.get raises too */
+    if (kid < 0) {
+        PyObject *name = PyObject_Str(kind);
+        int r = name ? count_key(a->unknown_kinds, name) : -1;
+        Py_XDECREF(name);
+        return r;
+    }
+    e.kid = kid;
+    if (unknown_key || (e.present & ~kind_allowed[kid])) {
+        pos = 0;
+        while (PyDict_Next(ev, &pos, &k, &v)) {
+            int f = key_field(k);
+            if ((f < 0 || !((kind_allowed[kid] >> f) & 1)) && count_key(a->unknown_fields, k) < 0)
+                return -1;
+        }
+    }
+    a->line = line;
+    int r = HANDLERS[kid](a, &e);
+    if (r == 0) {
+        a->events++;
+        return 0;
+    }
+    if (r == MALFORMED) {
+        int p = add_problem(problems, line, a->malformed);
+        Py_CLEAR(a->malformed);
+        return p;
+    }
+    return exception_problem(problems, line, kid) > 0 ? 0 : -1;
+}
+
+static int enter(Analyzer *a)
+{
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "_fastengine.setup() was not called");
+        return -1;
+    }
+    if (a->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "feed_batch re-entered on the same analyzer");
+        return -1;
+    }
+    a->busy = 1;
+    return 0;
+}
+
 static PyObject *an_feed_batch(Analyzer *a, PyObject *args)
 {
     long long first;
     PyObject *items, *problems;
     if (!PyArg_ParseTuple(args, "LOO!:feed_batch", &first, &items, &PyList_Type, &problems))
         return NULL;
-    if (!configured) {
-        PyErr_SetString(PyExc_RuntimeError, "_fastengine.setup() was not called");
-        return NULL;
-    }
-    if (a->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "feed_batch re-entered on the same analyzer");
-        return NULL;
-    }
     PyObject *seq = PySequence_Fast(items, "items must be a sequence");
     if (seq == NULL)
         return NULL;
-    a->busy = 1;
+    if (enter(a) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     PyObject **arr = PySequence_Fast_ITEMS(seq);
     long long line = first - 1;
-    Ev e;
-    PyObject *ret = NULL;
+    PyObject *ret = Py_None;
     for (Py_ssize_t idx = 0; idx < count; idx++) {
         PyObject *ev = arr[idx];
-        line++;
-        if (!PyDict_CheckExact(ev)) {
-            if (ev == Py_None)
-                continue;
-            int is_te = PyObject_IsInstance(ev, TraceErrorType);
-            if (is_te < 0)
-                goto out;
-            if (is_te ? add_problem(problems, line, ev) < 0
-                      : add_problem_str(problems, line, "an event must be a JSON object") < 0)
-                goto out;
-            continue;
-        }
-        /* one pass over the dict: field values by number */
         Py_INCREF(ev);
-        e.present = 0;
-        e.dict = ev;
-        e.line = line;
-        int unknown_key = 0;
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(ev, &pos, &k, &v)) {
-            int f = key_field(k);
-            if (f < 0) {
-                unknown_key = 1;
-                continue;
-            }
-            e.v[f] = v;
-            e.present |= (uint64_t)1 << f;
-        }
-        PyObject *kind = ev_get(&e, F_EV);
-        int kid = (kind == NULL || kind == Py_None) ? -1 : kind_of(kind);
-        if (kid == -2) {
-            Py_DECREF(ev);
-            goto out;
-        }
-        if (kid < 0) {
-            int r = (kind == NULL || kind == Py_None)
-                        ? add_problem_str(problems, line, "missing field 'ev'")
-                        : 0;
-            if (r == 0 && kind != NULL && kind != Py_None) {
-                PyObject *name = PyObject_Str(kind);
-                r = name ? count_key(a->unknown_kinds, name) : -1;
-                Py_XDECREF(name);
-            }
-            Py_DECREF(ev);
-            if (r < 0)
-                goto out;
-            continue;
-        }
-        e.kid = kid;
-        if (unknown_key || (e.present & ~kind_allowed[kid])) {
-            pos = 0;
-            while (PyDict_Next(ev, &pos, &k, &v)) {
-                int f = key_field(k);
-                if ((f < 0 || !((kind_allowed[kid] >> f) & 1)) && count_key(a->unknown_fields, k) < 0) {
-                    Py_DECREF(ev);
-                    goto out;
-                }
-            }
-        }
-        a->line = line;
-        int r = HANDLERS[kid](a, &e);
+        int r = feed_one(a, ev, ++line, problems);
         Py_DECREF(ev);
-        if (r == 0) {
-            a->events++;
-        } else if (r == MALFORMED) {
-            int p = add_problem(problems, line, a->malformed);
-            Py_CLEAR(a->malformed);
-            if (p < 0)
-                goto out;
-        } else {
-            int p = exception_problem(problems, line, kid);
-            if (p <= 0)
-                goto out;
+        if (r < 0) {
+            ret = NULL;
+            break;
         }
     }
-    ret = Py_NewRef(Py_None);
-out:
     a->busy = 0;
     Py_DECREF(seq);
-    return ret;
+    return Py_XNewRef(ret);
+}
+
+/* _feed_lines(first, raws, problems, loads, decode_error, path) -> None, or the line number of a
+ * last line cut short. Parses each raw line and applies it at once, so that no batch of parsed
+ * events stays alive (the cyclic GC then has nothing young to walk). Same outcome as
+ * TraceFile.batches() followed by feed_batch: a line that is not JSON is a TraceError problem
+ * ("not JSON: ..."), a blank one is skipped, and one without its newline that does not parse ends
+ * the batch (the caller records the truncation). */
+static PyObject *an_feed_lines(Analyzer *a, PyObject *args)
+{
+    long long first;
+    PyObject *raws, *problems, *loads, *decode_error, *path;
+    if (!PyArg_ParseTuple(args, "LOO!OOO:_feed_lines", &first, &raws, &PyList_Type, &problems, &loads,
+                          &decode_error, &path))
+        return NULL;
+    if (!PyList_CheckExact(raws)) {
+        PyErr_SetString(PyExc_TypeError, "raws must be a list of bytes");
+        return NULL;
+    }
+    if (enter(a) < 0)
+        return NULL;
+    Py_INCREF(raws);
+    vectorcallfunc call = PyVectorcall_Function(loads);
+    long long line = first - 1;
+    PyObject *ret = Py_None;
+    for (Py_ssize_t idx = 0; idx < PyList_GET_SIZE(raws); idx++) {
+        PyObject *raw = PyList_GET_ITEM(raws, idx);
+        line++;
+        Py_INCREF(raw);
+        PyObject *argv[1] = {raw};
+        PyObject *ev = call ? call(loads, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)
+                            : PyObject_CallOneArg(loads, raw);
+        int r = 0;
+        if (ev != NULL) {
+            r = feed_one(a, ev, line, problems);
+            Py_DECREF(ev);
+        } else if (!PyErr_ExceptionMatches(decode_error)) {
+            r = -1;
+        } else {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            const char *bytes = PyBytes_Check(raw) ? PyBytes_AS_STRING(raw) : NULL;
+            Py_ssize_t n = bytes ? PyBytes_GET_SIZE(raw) : 0;
+            if (bytes == NULL) {
+                PyErr_SetString(PyExc_TypeError, "raws must be a list of bytes");
+                r = -1;
+            } else if (n == 0 || bytes[n - 1] != '\n') {
+                ret = PyLong_FromLongLong(line);  /* cut short: the batch ends here */
+                if (ret == NULL)
+                    r = -1;
+            } else {
+                int blank = 1;
+                for (Py_ssize_t i = 0; i < n && blank; i++)  /* bytes.strip()'s whitespace */
+                    blank = bytes[i] == ' ' || bytes[i] == '\t' || bytes[i] == '\n' || bytes[i] == '\r' ||
+                            bytes[i] == '\x0b' || bytes[i] == '\x0c';
+                if (!blank) {
+                    PyObject *msg = PyUnicode_FromFormat("not JSON: %S", value ? value : Py_None);
+                    PyObject *te = msg ? PyObject_CallFunction(TraceErrorType, "OLO", path, line, msg) : NULL;
+                    r = te ? add_problem(problems, line, te) : -1;
+                    Py_XDECREF(msg);
+                    Py_XDECREF(te);
+                }
+            }
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        Py_DECREF(raw);
+        if (r < 0) {
+            if (ret != Py_None)
+                Py_XDECREF(ret);
+            ret = NULL;
+            break;
+        }
+        if (ret != Py_None)
+            break;
+    }
+    a->busy = 0;
+    Py_DECREF(raws);
+    return ret == Py_None ? Py_NewRef(Py_None) : ret;
 }
 
 /* ---------------------------------------------------------------- other methods */
@@ -2658,6 +2741,9 @@ static PyMemberDef Analyzer_members[] = {
 static PyMethodDef Analyzer_methods[] = {
     {"feed_batch", (PyCFunction)an_feed_batch, METH_VARARGS,
      "feed_batch(first, items, problems): apply parsed lines (engine.RankAnalyzer.feed_batch)."},
+    {"_feed_lines", (PyCFunction)an_feed_lines, METH_VARARGS,
+     "_feed_lines(first, raws, problems, loads, decode_error, path): parse and apply raw lines; "
+     "returns the line number of a last line cut short, else None."},
     {"_block_at", (PyCFunction)an_block_at, METH_VARARGS,
      "_block_at(lo, hi): describe() of the first live block overlapping [lo, hi), or None."},
     {"_stats", (PyCFunction)an_stats, METH_NOARGS, "Sizes of the internal state (tests, memory checks)."},
