@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from .shm import CONTROL_BYTES_PER_RANK
 
 _WORDS = CONTROL_BYTES_PER_RANK // 8
@@ -27,7 +25,7 @@ class PeerFailure(RuntimeError):
 
 class Counters:
     def __init__(self, mapping, world_size: int, rank: int):
-        self.words = np.frombuffer(mapping.mm, dtype=np.int64)
+        self.words = memoryview(mapping.mm).cast("q")     # aligned int64 words, plain loads/stores
         self.world_size = world_size
         self.rank = rank
         self.passed = int(self.words[rank * _WORDS])   # barriers this rank has entered so far
