@@ -494,6 +494,43 @@ def test_feed_batch_items_that_are_not_events(native, tmp_path):
     assert results[0][0][0] == (3, err)
 
 
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("tail", ["cut", "cut-in-batch", "no-newline", "blank-lines", "not-json"])
+def test_file_level_problems_match(native, tmp_path, gz, tail):
+    """What the reader decides per line (blank, not JSON, a last line cut short, a gzip stream
+    ending early, a complete last line without its newline), through both native paths."""
+    import gzip as gzip_mod
+
+    events = [orjson.dumps(ev) for ev in random_ranks(3, 300, 1)[0] if not isinstance(ev, bytes)]
+    body = b"\n".join([orjson.dumps({"hazsan": 1, "rank": 0}), *events])
+    if tail == "cut":
+        data = body[:-7]  # the last line loses its end and its newline
+    elif tail == "cut-in-batch":
+        data = b"\n".join([orjson.dumps({"hazsan": 1, "rank": 0}), *events[:10]]) + b'\n{"ev": "sync", "str'
+    elif tail == "no-newline":
+        data = body  # complete, parses: an ordinary event
+    elif tail == "blank-lines":
+        data = body.replace(b"\n", b"\n\n  \t\n", 5) + b"\n\n"
+    else:
+        lines = body.split(b"\n")
+        lines[4] = b"{oops"
+        lines[9] = b"[1, 2"
+        data = b"\n".join(lines) + b"\n"
+    path = tmp_path / ("rank0.jsonl.gz" if gz else "rank0.jsonl")
+    if gz:
+        packed = gzip_mod.compress(data)
+        path.write_bytes(packed[: len(packed) - 9] if tail.startswith("cut") else packed)
+    else:
+        path.write_bytes(data)
+    for lenient in (True, False):
+        want, got = both(native, [path], lenient=lenient)
+        assert got == want
+    if tail.startswith("cut"):
+        assert any("truncated" in w for w in want["warnings"])
+    if tail == "not-json":
+        assert sum("not JSON" in e for e in want["errors"]) == 2
+
+
 def test_unhashable_values_give_the_same_messages(native, tmp_path):
     """Each handler hashes ids, streams, events, comms and graphs at its own point: lists and
     dicts there are 'mistyped field (unhashable type: ...)' problems, with the same text."""
