@@ -8,9 +8,14 @@ its CPU seconds inside analyze() (best of --repeats; CPU time does not count tim
 descheduled, so it is the steadier figure on a shared machine) and its peak RSS. The runs
 alternate between backends so that a change in machine load hits both.
 
+The C engine runs twice: fed parsed batches (TraceFile.batches, what analyze() gives any
+analyzer today) and fed raw lines (native.RankAnalyzer.read_batches: each line parsed by orjson
+inside the C loop and dropped once applied).
+
 It also prints:
-  - the parse floor: the reader alone (lines read, orjson.loads on each, nothing analysed), which
-    no backend can beat; `engine us/event` is a run's time minus that floor;
+  - the parse floor: the reader alone (lines read, orjson.loads on each, nothing analysed);
+    `engine us/event` is a run's time minus that floor (the raw-line run: minus the GC-off floor,
+    since it leaves the collector nothing to walk);
   - the same runs with Python's cyclic GC switched off for the duration (`--gc-off` column): the
     parsed events are short-lived containers, and the collector's passes over them are a large
     share of the native run;
@@ -49,11 +54,28 @@ spec = json.loads(sys.argv[1])
 os.environ["HAZSAN_ENGINE"] = spec["engine"] if spec["engine"] != "parse" else "python"
 import orjson
 from sanitizer.rules import engine
-if spec["engine"] == "native":
+if spec["engine"].startswith("native"):
     from sanitizer.rules import native
     if not native.available:
         print(json.dumps({"error": native.reason})); sys.exit(0)
-    engine.RankAnalyzer = native.RankAnalyzer   # also what HAZSAN_ENGINE=native selects
+    cls = native.RankAnalyzer   # also what HAZSAN_ENGINE=native selects
+    if spec["engine"] == "native-lines":
+        # analyze() reads trace.batches(); hand it the native raw-line batches instead (what it
+        # does itself once it calls read_batches on analyzers that have it)
+        class RawLines:
+            def __init__(self, trace, analyzer):
+                self._t, self._a = trace, analyzer
+            def batches(self, size=4096):
+                return native._line_batches(self._t, size)
+            def __getattr__(self, name):
+                return getattr(self._t, name)
+        class LinesAnalyzer(native.RankAnalyzer):
+            def __init__(self, trace, *a, **kw):
+                super().__init__(trace, *a, **kw)
+                self.trace = RawLines(trace, self)
+                self.read_batches = lambda size=4096: native._line_batches(trace, size)
+        cls = LinesAnalyzer
+    engine.RankAnalyzer = cls
 if spec["gc_off"]:
     gc.disable()
 out = {}
@@ -169,7 +191,7 @@ def main() -> int:
     print(f"trace: {trace} ({len(paths)} file(s), {size_mb:,.0f} MiB, {args.events:,} events per rank), "
           f"--peer-completion {args.peer_completion}")
 
-    variants = [("parse", False), ("python", False), ("native", False)]
+    variants = [("parse", False), ("python", False), ("native", False), ("native-lines", False)]
     if not args.skip_gc_off:
         variants += [("parse", True), ("python", True), ("native", True)]
     best: dict = {}
@@ -179,24 +201,29 @@ def main() -> int:
             key = (engine, gc_off)
             if key not in best or r["cpu"] < best[key]["cpu"]:
                 best[key] = r
-            print(f"  run {rep + 1}/{args.repeats} {engine:6s}{' gc-off' if gc_off else '       '} "
+            print(f"  run {rep + 1}/{args.repeats} {engine:12s}{' gc-off' if gc_off else '       '} "
                   f"{r['events'] / r['cpu']:>12,.0f} events/s  {r['peak_rss_mb']:6.0f} MB", flush=True)
 
     from tabulate import tabulate
 
+    names = {"parse": "reader only (floor)", "python": "Python engine", "native": "C engine, parsed batches",
+             "native-lines": "C engine, raw lines"}
     rows = []
     for gc_off in ([False, True] if not args.skip_gc_off else [False]):
         floor = best[("parse", gc_off)]
         py = best[("python", gc_off)]
-        for engine in ("parse", "python", "native"):
+        for engine in ("parse", "python", "native", "native-lines"):
+            if (engine, gc_off) not in best:
+                continue
             r = best[(engine, gc_off)]
             n = r["events"]
             us = r["cpu"] / n * 1e6
+            # the raw-line path leaves no parsed batches for the GC: its floor is the GC-off one
+            base = best.get(("parse", True), floor) if engine == "native-lines" else floor
             rows.append([
-                {"parse": "reader only (floor)", "python": "Python engine", "native": "C engine"}[engine]
-                + (" [GC off]" if gc_off else ""),
+                names[engine] + (" [GC off]" if gc_off else ""),
                 f"{n:,}", f"{r['cpu']:.2f}", f"{n / r['cpu']:,.0f}", f"{us:.3f}",
-                "" if engine == "parse" else f"{us - floor['cpu'] / floor['events'] * 1e6:.3f}",
+                "" if engine == "parse" else f"{us - base['cpu'] / base['events'] * 1e6:.3f}",
                 "" if engine == "parse" else f"{py['cpu'] / r['cpu']:.2f}x",
                 f"{r['peak_rss_mb']:.0f}",
             ])
@@ -204,8 +231,8 @@ def main() -> int:
     print(tabulate(rows, headers=["analyze() with", "events", "CPU s", "events/s", "us/event",
                                   "engine us/event", "vs Python", "peak RSS MB"], disable_numparse=True))
     print(f"\nload average {loadavg()} (after)")
-    same = all(best[("python", g)]["digest"] == best[("native", g)]["digest"]
-               for g in ([False, True] if not args.skip_gc_off else [False]))
+    same = all(best[("python", g)]["digest"] == best[(e, g)]["digest"]
+               for (e, g) in best if e != "parse")
     print(f"findings: {best[('python', False)]['by_rule'] or 'none'}; malformed lines: {best[('python', False)]['errors']}")
     print(f"identical findings and summary from both backends: {'yes' if same else 'NO'}")
     return 0 if same else 1
