@@ -15,6 +15,13 @@ builds the same on CPU, for real (not a model), so users can test their own allo
   * everything is recorded as schema-1 events: into hazsan capture's trace when HAZSAN=1, else into
     `trace_dir/rank<R>.jsonl` when trace_dir is given (record.py).
 
+Knobs of SymmetricCommunicator: `end_barrier` (default True: a rank completes only when every
+peer is done with its window, NCCL's documented contract; False: a barrier-less kernel, peers may
+still load my input after my completion), `read_delay` (seconds a rank's comm thread waits before
+loading: the time a collective is in flight, or one slow peer), `timeout` (a missing or failed
+peer raises PeerFailure instead of hanging). `comm.record_stream(t)` holds t's block until the comm
+work queued so far is done, as the CUDA caching allocator does.
+
     from sanitizer.testbed import SymmetricCommunicator, spawn
 
     def worker(rank, files):
