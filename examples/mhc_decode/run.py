@@ -3,7 +3,7 @@
     python -m examples.mhc_decode --variant stock --depth 4 --ranks 2 --steps 24 --out runs/stock-d4
 
 Writes into --out: the rank traces (rank<R>.jsonl, from the testbed, or from hazsan capture when
-HAZSAN=1 with HAZSAN_DIR pointing there), outcomes.jsonl (one line per request, the format of
+HAZSAN=1: the rank processes get HAZSAN_DIR=--out), outcomes.jsonl (one line per request, the format of
 sanitizer/proof/outcomes.py) and summary.json (configuration, counts, timings).
 Exit status 0 whether or not requests were corrupted (corruption is the measurement), 2 on errors.
 """
@@ -104,8 +104,9 @@ def _prepare(out: str) -> str:
 def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
     """Run each (RunConfig, out_dir) of the plan; write outcomes.jsonl and summary.json into each
     out_dir; return the summaries. Without capture the whole plan runs in one world of rank
-    processes; with capture (HAZSAN=1) each run gets its own world, so that each run's trace
-    files hold that run only (capture writes one file per process)."""
+    processes; with capture (HAZSAN=1) each run gets its own world, with HAZSAN_DIR set to its
+    out_dir, so that each run's trace files hold that run only (capture writes one file per
+    process); the reference decodes then run in worlds of their own, without capture."""
     from sanitizer.testbed import RankFailed, spawn
 
     from .decode import free_port, reference_rank, sanitised_rank, trace_env_dir, world_rank
@@ -128,8 +129,6 @@ def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
                                      "total": round(elapsed / len(plan), 2)}))
         return summaries
     for run, out in plan:
-        if captured != out:
-            print(f"note: capture writes the traces to {captured} (HAZSAN_DIR); outcomes go to {out}", file=sys.stderr)
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="mhc-ref-") as tmp:
             ref_path = os.path.join(reference_cache or tmp, f"reference-{run.reference_key(ranks)}.pt")
@@ -147,10 +146,17 @@ def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
                     if saved is not None:
                         os.environ["HAZSAN"] = saved
             t1 = time.monotonic()
+            saved_dir = os.environ.get("HAZSAN_DIR")
+            os.environ["HAZSAN_DIR"] = out               # each run's rank traces beside its outcomes
             try:
                 results = spawn(sanitised_rank, ranks, args=(run, ref_path, out), window_bytes=window)
             except RankFailed as exc:
                 raise RunFailed(f"sanitised run failed: {exc}") from None
+            finally:
+                if saved_dir is None:
+                    os.environ.pop("HAZSAN_DIR", None)
+                else:
+                    os.environ["HAZSAN_DIR"] = saved_dir
         t2 = time.monotonic()
         summaries.append(_write(run, out, ranks, results, {"reference": round(t1 - t0, 2),
                                                             "sanitised": round(t2 - t1, 2), "total": round(t2 - t0, 2)}))
