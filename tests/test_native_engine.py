@@ -690,7 +690,8 @@ def test_without_the_extension_native_py_falls_back(tmp_path):
         "assert native.analyzer_class() is engine.RankAnalyzer\n"
         "try:\n    native.analyzer_class('native')\nexcept RuntimeError as e:\n    print('refused:', e)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "HAZSAN_ENGINE"}  # auto
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "refused: HAZSAN_ENGINE=native, but C engine accelerator not built" in r.stdout
 
@@ -705,7 +706,8 @@ def test_a_stale_build_is_refused():
         "assert not native.available and 'older _fastengine.c' in native.reason, native.reason\n"
         "assert native.analyzer_class() is engine.RankAnalyzer\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "HAZSAN_ENGINE"}  # auto
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
 
 
