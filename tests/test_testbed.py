@@ -111,6 +111,10 @@ def test_buffers_outside_the_window_are_refused(solo):
         x = torch.ones(16, 4)
     with pytest.raises(TestbedError, match="contiguous"):
         solo.all_reduce(x.t())
+    with pytest.raises(TestbedError, match="outside"):
+        solo.all_reduce_at(solo.window.size - 8, 16, torch.float32)
+    with pytest.raises(TestbedError, match="multiples"):
+        solo.all_reduce_at(2, 16, torch.float32)
 
 
 def test_a_full_window_says_so(solo):
@@ -154,6 +158,9 @@ def _collectives_and_corruption(rank, files, trace_root):
         out["input_untouched"] = bool(torch.equal(b, torch.full((1024,), float(rank + 1), dtype=torch.bfloat16)))
         out["gather"] = bool(torch.equal(g, torch.cat([a, a])))
         out["offsets"] = [comm.offset(t) for t in (a, b, o, g)]
+        # the same by offsets alone, as a symmetric kernel is called
+        comm.all_reduce_at(comm.offset(b), b.numel() * 2, torch.bfloat16).wait()
+        out["by_offset"] = bool(torch.equal(b, torch.full((1024,), 3.0, dtype=torch.bfloat16)))
     # 2. the hazard: the input's last reference dropped before the wait, then a transient
     with SymmetricCommunicator(files, rank, name="tp", trace_dir=os.path.join(trace_root, "early"),
                                read_delay=0.3) as comm:
@@ -196,7 +203,7 @@ def two_ranks(tmp_path_factory):
 def test_collectives_sum_and_gather_across_two_ranks(two_ranks):
     root, results = two_ranks
     for r in results:
-        assert r["sum"] and r["sum_bf16"] and r["input_untouched"] and r["gather"], r
+        assert r["sum"] and r["sum_bf16"] and r["input_untouched"] and r["gather"] and r["by_offset"], r
     assert results[0]["offsets"] == results[1]["offsets"]      # symmetric placement
     analysis = analyze([str(root / "clean")])
     assert analysis.errors == []
@@ -204,7 +211,8 @@ def test_collectives_sum_and_gather_across_two_ranks(two_ranks):
     assert analysis.summary["ranks"] == 2
     _, evs = _events(root / "clean" / "rank1.jsonl")
     colls = [e for e in evs if e["ev"] == "coll"]
-    assert [(c["op"], c["seq"]) for c in colls] == [("all_reduce", 1), ("all_reduce", 2), ("all_gather", 3)]
+    assert [(c["op"], c["seq"]) for c in colls] == [("all_reduce", 1), ("all_reduce", 2), ("all_gather", 3),
+                                                    ("all_reduce", 4)]
     assert colls[1]["bufs"][0]["access"] == "r" and colls[1]["bufs"][1]["access"] == "w"
     assert {e["cid"] for e in evs if e["ev"] == "coll_done"} == {c["cid"] for c in colls}
 

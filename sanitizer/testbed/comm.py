@@ -367,20 +367,15 @@ class SymmetricCommunicator:
 
     # ---- collectives ---------------------------------------------------------------------
     def all_reduce(self, tensor, out=None) -> Work:
-        """Sum `tensor` over ranks into `out` (default: in place). Asynchronous."""
+        """Sum `tensor` over ranks into `out` (default: in place). Asynchronous; the collective
+        is given the buffers' window offsets only, never the tensors."""
         in_off, nbytes = self._locate(tensor, "all_reduce")
-        if out is None:
-            out_off = in_off
-            bufs = [{"addr": self.window.base + in_off, "size": nbytes, "access": "rw"}]
-        else:
+        out_off = None
+        if out is not None:
             if out.dtype != tensor.dtype or out.numel() != tensor.numel():
                 raise TestbedError("all_reduce: out must have the input's dtype and number of elements")
             out_off, _ = self._locate(out, "all_reduce out")
-            if abs(out_off - in_off) < nbytes:
-                raise TestbedError("all_reduce: out overlaps the input without being the same buffer")
-            bufs = [{"addr": self.window.base + in_off, "size": nbytes, "access": "r"},
-                    {"addr": self.window.base + out_off, "size": nbytes, "access": "w"}]
-        return self._enqueue("all_reduce", in_off, nbytes, tensor.dtype, out_off, bufs)
+        return self.all_reduce_at(in_off, nbytes, tensor.dtype, out_off)
 
     def all_gather(self, tensor, out) -> Work:
         """Concatenate every rank's `tensor` into `out` (world_size times its size). Asynchronous."""
@@ -388,11 +383,43 @@ class SymmetricCommunicator:
         out_off, out_bytes = self._locate(out, "all_gather out")
         if out.dtype != tensor.dtype or out_bytes != nbytes * self.world_size:
             raise TestbedError("all_gather: out must be world_size times the input, same dtype")
-        if in_off < out_off + out_bytes and out_off < in_off + nbytes:
+        return self.all_gather_at(in_off, nbytes, tensor.dtype, out_off)
+
+    def all_reduce_at(self, offset: int, nbytes: int, dtype, out_offset: int | None = None) -> Work:
+        """The symmetric kernel's view: sum [offset, offset+nbytes) of every rank's window, as
+        `dtype`, into [out_offset, ...) of mine (default: in place)."""
+        self._check_range(offset, nbytes, dtype, "all_reduce")
+        base = self.window.base
+        if out_offset is None or out_offset == offset:
+            out_offset = offset
+            bufs = [{"addr": base + offset, "size": nbytes, "access": "rw"}]
+        else:
+            self._check_range(out_offset, nbytes, dtype, "all_reduce out")
+            if abs(out_offset - offset) < nbytes:
+                raise TestbedError("all_reduce: out overlaps the input without being the same buffer")
+            bufs = [{"addr": base + offset, "size": nbytes, "access": "r"},
+                    {"addr": base + out_offset, "size": nbytes, "access": "w"}]
+        return self._enqueue("all_reduce", offset, nbytes, dtype, out_offset, bufs)
+
+    def all_gather_at(self, offset: int, nbytes: int, dtype, out_offset: int) -> Work:
+        """Every rank's [offset, offset+nbytes) into [out_offset + q*nbytes, ...) of mine."""
+        out_bytes = nbytes * self.world_size
+        self._check_range(offset, nbytes, dtype, "all_gather")
+        self._check_range(out_offset, out_bytes, dtype, "all_gather out")
+        if offset < out_offset + out_bytes and out_offset < offset + nbytes:
             raise TestbedError("all_gather: in-place all_gather is not supported")
-        bufs = [{"addr": self.window.base + in_off, "size": nbytes, "access": "r"},
-                {"addr": self.window.base + out_off, "size": out_bytes, "access": "w"}]
-        return self._enqueue("all_gather", in_off, nbytes, tensor.dtype, out_off, bufs)
+        base = self.window.base
+        bufs = [{"addr": base + offset, "size": nbytes, "access": "r"},
+                {"addr": base + out_offset, "size": out_bytes, "access": "w"}]
+        return self._enqueue("all_gather", offset, nbytes, dtype, out_offset, bufs)
+
+    def _check_range(self, offset: int, nbytes: int, dtype, what: str) -> None:
+        import torch
+        item = torch.empty(0, dtype=dtype).element_size()
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.window.size:
+            raise TestbedError(f"{what}: [{offset}, {offset + nbytes}) is outside the {self.window.size}-byte window")
+        if nbytes % item or offset % item:
+            raise TestbedError(f"{what}: offset and size must be multiples of the {item}-byte {dtype}")
 
     def _enqueue(self, op, in_off, nbytes, dtype, out_off, bufs) -> Work:
         if self._closed:
