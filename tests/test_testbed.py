@@ -179,7 +179,7 @@ def _collectives_and_corruption(rank, files, trace_root):
     # 3. a barrier-less kernel: rank 1 is slow, rank 0 completes without waiting for it and frees
     #    its input only after its own wait (fine by local completion), then writes a transient there
     with SymmetricCommunicator(files, rank, name="tp", trace_dir=os.path.join(trace_root, "barrierless"),
-                               end_barrier=False, read_delay=0.3 if rank == 1 else 0.0) as comm:
+                               end_barrier=False, read_delay=0.6 if rank == 1 else 0.0) as comm:
         with comm.scope():
             x = torch.full((4096,), float(rank + 1))
             y = torch.empty(4096)
