@@ -80,7 +80,13 @@ PROGRAM = textwrap.dedent(r'''
     del s1
     with sanitizer.symmetric_scope("tp", pool="symm"):
         s2 = torch.empty(1000)              # the cached block of s1 (same size) again
-    sanitizer.step(13)
+    sanitizer.step(13)                      # adopted inside a scope: it was not placed there
+    with _disable_current_modes():
+        old = torch.ones(7)
+    ptr["old"] = old.untyped_storage().data_ptr()
+    with sanitizer.symmetric_scope("tp", pool="symm"):
+        new = old + 1
+    sanitizer.step(14)
     print(json.dumps(ptr))
 ''')
 
@@ -216,3 +222,33 @@ def test_trace_is_clean_for_the_engine(run, tmp_path):
     assert not a.errors
     # the transient made inside the scope and freed without a collective is the only finding
     assert {f.rule for f in a.findings} == {"transient-in-window"}
+
+
+def test_storage_adopted_inside_scope_keeps_its_real_address(run):
+    _, events, steps, ptr = run
+    (window,) = kinds(events, "window")
+    old, new = kinds(steps[13], "alloc")
+    assert (old["op"], old["addr"], old["pool"]) == ("adopted", ptr["old"], "default")
+    assert new["op"] == "aten.add.Tensor" and new["pool"] == "symm"
+    assert window["addr"] <= new["addr"] < window["addr"] + window["size"]
+
+
+def test_full_stacks_innermost_first(tmp_path):
+    code = textwrap.dedent("""
+        import torch
+        def inner():
+            return torch.ones(3)
+        def outer():
+            return inner()
+        x = outer()
+    """)
+    (tmp_path / "deep.py").write_text(code)
+    env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(tmp_path / "t"), HAZSAN_STACKS="full")
+    out = subprocess.run([sys.executable, "deep.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (path,) = (tmp_path / "t").iterdir()
+    _, events = _events(path)
+    (a,) = [e for e in events if e["ev"] == "alloc" and e.get("shape") == [3]]
+    assert [f.rsplit(":", 1)[1] for f in a["stack"]] == ["inner", "outer", "<module>"]
+    assert a["site"] == a["stack"][0] == "deep.py:4:inner"

@@ -38,6 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
+# Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
+# the plain tensors inside them are recorded when they are made or first used.
+_PLAIN = frozenset(c for c in (torch.Tensor, torch.nn.Parameter,
+                               getattr(torch.nn.parameter, "Buffer", None)) if c is not None)
 
 
 class Block:
@@ -70,20 +74,22 @@ class BlockTable:
     def on_op(self, func, args, out) -> None:
         try:
             live = self.live
+            plain = _PLAIN
             for a in args:
-                if isinstance(a, _Tensor) and a.layout == _STRIDED:
+                if type(a) in plain and a.layout == _STRIDED:
                     s = a.untyped_storage()
                     if s._cdata not in live:
-                        self._new(a, s, "adopted", live)
-            if type(out) is _Tensor or isinstance(out, _Tensor):
+                        self._new(a, s, "adopted", live, False)
+            t = type(out)
+            if t in plain:
                 self._output(out, func, live)
-            elif type(out) is tuple or type(out) is list:
+            elif t is tuple or t is list:
                 for o in out:
-                    if isinstance(o, _Tensor):
+                    if type(o) in plain:
                         self._output(o, func, live)
                     elif type(o) is list or type(o) is tuple:
                         for p in o:
-                            if isinstance(p, _Tensor):
+                            if type(p) in plain:
                                 self._output(p, func, live)
         except Exception as exc:
             self.capture.failed("dispatch", exc)
@@ -105,7 +111,7 @@ class BlockTable:
             self._new(t, s, str(func), live)
 
     # ------------------------------------------------------------------ allocation
-    def _new(self, t, s, opname, live):
+    def _new(self, t, s, opname, live, placed_by_scope=True):
         """Record a storage not seen before. Everything that can fail runs before the block is
         registered, so a failing hook never leaves a block whose free would have no alloc."""
         nbytes = s.nbytes()
@@ -116,7 +122,8 @@ class BlockTable:
         if dtype is None:
             dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
         site, frames = self.sites.where()
-        stack = self.scopes.stack
+        # an adopted storage existed before this moment: a scope entered now did not place it
+        stack = self.scopes.stack if placed_by_scope else None
         pool = "default"
         model = None
         addr, size = real, nbytes
@@ -170,12 +177,12 @@ class BlockTable:
     # ------------------------------------------------------------------ lookups for collectives
     def buffer(self, t) -> tuple[int, int] | None:
         """The trace range [addr, size] of tensor t's elements (adopting an unknown storage)."""
-        if t.layout != _STRIDED:
+        if type(t) not in _PLAIN or t.layout != _STRIDED:
             return None
         s = t.untyped_storage()
         b = self.live.get(s._cdata)
         if b is None:
-            b = self._new(t, s, "adopted", self.live)
+            b = self._new(t, s, "adopted", self.live, False)
             if b is None:
                 return None
         base = b.addr + (t.data_ptr() - s.data_ptr())

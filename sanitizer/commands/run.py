@@ -4,7 +4,8 @@ CMD and everything it spawns run with HAZSAN=1 and HAZSAN_DIR=D (the .pth bootst
 hazsan turns capture on in every Python interpreter of this environment that sees them). When CMD
 ends, the traces in D are analysed exactly as `hazsan check D` would, and the exit code is check's:
 0 clean, 1 findings at or above --fail-on, 2 unusable input (including: no trace was written).
-CMD's own exit status is reported on stderr.
+CMD's own exit status is reported on stderr. With --format json or sarif, CMD's standard output is
+sent to stderr, so that stdout holds the report alone.
 """
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def _prepare_dir(args) -> str | None:
     return os.path.abspath(d)
 
 
-def _run(cmd: list[str], env: dict) -> int:
+def _run(cmd: list[str], env: dict, stdout=None) -> int:
     try:
-        proc = subprocess.Popen(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout)
     except OSError as exc:
         print(f"hazsan run: cannot start {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return -1
@@ -89,7 +90,8 @@ def run(args) -> int:
         env["HAZSAN_STACKS"] = args.stacks
     if args.max_events:
         env["HAZSAN_MAX_EVENTS"] = str(args.max_events)
-    status = _run(cmd, env)
+    # With a machine-readable report, stdout carries the report alone: CMD's output goes to stderr.
+    status = _run(cmd, env, stdout=None if args.format == "text" else sys.stderr.fileno())
     if status < 0 and status != -1:
         why = f"killed by signal {-status}"
     else:

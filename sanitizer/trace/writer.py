@@ -47,7 +47,9 @@ class TraceWriter:
         self.path: str | None = None
         self._fd: int | None = None
         self._buf: list = []
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
+        self._buf_lock = threading.RLock()  # the buffer append/swap only
+        self._flushing = False
         self._written = 0            # events accepted into the file (header excluded)
         self._dropped = 0            # dropped since the last `dropped` record
         self._drop_reason = None
@@ -63,10 +65,17 @@ class TraceWriter:
 
     # ------------------------------------------------------------------ hot path
     def emit(self, ev: dict) -> None:
-        """Queue one event. Flushes when the buffer is full or the flush interval passed."""
-        buf = self._buf
-        buf.append(ev)
-        if len(buf) >= self.buffer_events:
+        """Queue one event. Flushes when the buffer is full or the flush interval passed.
+
+        Called from any thread (frees arrive on whichever thread drops a storage): the append and
+        the swap in flush() share a lock, so no event can land in a batch already written."""
+        with self._buf_lock:
+            buf = self._buf
+            buf.append(ev)
+            n = len(buf)
+        if self._flushing:        # a free fired by GC inside flush() on this thread: next time
+            return
+        if n >= self.buffer_events:
             self.flush()
         else:
             self._tick += 1
@@ -147,34 +156,43 @@ class TraceWriter:
     def flush(self) -> None:
         """Write everything buffered as whole lines. Never raises."""
         with self._lock:
-            self._last_flush = time.monotonic()
-            batch, self._buf = self._buf, []
-            if self.closed:
-                if batch:
-                    self.count_drop(len(batch), "after-close")
-                return
-            room = self.max_events - self._written
-            if len(batch) > room:
-                self.count_drop(len(batch) - max(room, 0), "max-events")
-                batch = batch[:max(room, 0)]
-            if self._hook_errors:
-                for hook, (count, error) in self._hook_errors.items():
-                    batch.append({"ev": "hook_error", "hook": hook, "count": count, "error": error})
-                self._hook_errors = {}
-            if self._dropped:
-                batch.append({"ev": "dropped", "count": self._dropped, "reason": self._drop_reason})
-                self._dropped = 0
-            if not batch:
-                return
+            self._flushing = True
             try:
-                data = b"".join([_dumps(ev) for ev in batch])
-                if self._fd is None:
-                    self._open()
-                _write_all(self._fd, data)
-                self._written += len(batch)
-            except Exception as exc:   # disk full, unserialisable field, directory gone
-                self.count_drop(len(batch), f"write-failed: {type(exc).__name__}")
-                self.hook_failed("writer.flush", exc)
+                self._flush_locked()
+            finally:
+                self._flushing = False
+
+    def _flush_locked(self) -> None:
+        self._last_flush = time.monotonic()
+        fresh = []                      # allocated outside the lock: an allocation may run GC,
+        with self._buf_lock:            # whose storage finalizers emit (and take this lock)
+            batch, self._buf = self._buf, fresh
+        if self.closed:
+            if batch:
+                self.count_drop(len(batch), "after-close")
+            return
+        room = self.max_events - self._written
+        if len(batch) > room:
+            self.count_drop(len(batch) - max(room, 0), "max-events")
+            batch = batch[:max(room, 0)]
+        if self._hook_errors:
+            for hook, (count, error) in self._hook_errors.items():
+                batch.append({"ev": "hook_error", "hook": hook, "count": count, "error": error})
+            self._hook_errors = {}
+        if self._dropped:
+            batch.append({"ev": "dropped", "count": self._dropped, "reason": self._drop_reason})
+            self._dropped = 0
+        if not batch:
+            return
+        try:
+            data = b"".join([_dumps(ev) for ev in batch])
+            if self._fd is None:
+                self._open()
+            _write_all(self._fd, data)
+            self._written += len(batch)
+        except Exception as exc:   # disk full, unserialisable field, directory gone
+            self.count_drop(len(batch), f"write-failed: {type(exc).__name__}")
+            self.hook_failed("writer.flush", exc)
 
     def close(self) -> None:
         with self._lock:
@@ -192,6 +210,8 @@ class TraceWriter:
     def discard_after_fork(self) -> None:
         """In a forked child: forget the parent's buffer and file (they belong to the parent)."""
         self._lock = threading.RLock()
+        self._buf_lock = threading.RLock()
+        self._flushing = False
         self._buf = []
         self._fd = None
         self.path = None
