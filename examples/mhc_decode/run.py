@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 
-from .model import ModelConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_config(args) -> ModelConfig:
+def model_config(args):
+    from .model import ModelConfig
     return ModelConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=args.heads,
                        experts=args.experts, shared_inter=args.shared_inter)
 
@@ -213,4 +213,8 @@ def outcomes_of(run, results) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if not __package__:        # run as a script: examples/mhc_decode/run.py
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from examples.mhc_decode.run import main as _main
+        sys.exit(_main())
     sys.exit(main())
