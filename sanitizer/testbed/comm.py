@@ -149,7 +149,7 @@ class WindowPool:
             self.live[bid] = _Live(model, key, nbytes)
             self.by_key[key] = bid
             self.allocations += 1
-            weakref.finalize(storage, self._died, bid)
+            weakref.finalize(storage, self._died, bid).atexit = False   # nothing to release at exit
         if rec.active:
             ev = {"ev": "alloc", "id": bid, "addr": model.addr, "size": model.size, "requested": nbytes,
                   "stream": HOST_STREAM, "pool": self.pool, "op": op}
