@@ -3,9 +3,10 @@
 Written against SGLang 0.5.23 (see shared/REFERENCES.md); every attribute is looked up defensively
 and a missing one is a counted hook failure, never an error in the server.
   * pynccl_allocator.SymmetricMemoryContext.__enter__/__exit__ -> `scope` events (pool "symm",
-    comm = the group coordinator's unique_name, else its device group's group_name).
-  * Scheduler.run_batch(batch) -> a `step` event per batch (phase = forward mode, tokens = batch
-    size where known) and a flush: SGLang's decode-step boundary.
+    comm = runtime.comm_name(group coordinator): its device group's group_name, which is what
+    torch.distributed collectives on that group record, else its group_name, else unique_name).
+  * Scheduler.run_batch(batch) -> a `step` event per batch (phase = forward mode, tokens =
+    len(batch.reqs) where known) and a flush: SGLang's decode-step boundary.
 """
 from __future__ import annotations
 

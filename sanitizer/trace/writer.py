@@ -28,7 +28,7 @@ import time
 
 import orjson
 
-SCHEMA_VERSION = 1
+from sanitizer.trace.schema import SCHEMA_VERSION
 
 
 class TraceWriter:
