@@ -123,6 +123,11 @@ def test_malformed_line_exits_2_naming_file_and_line(tmp_path, capsys):
     ('{"ev": "alloc", "id": 1, "addr": 0, "size": 1, "stream": "s0", "pool": 0}', "which is live"),
     ('{"ev": "launch"}', "missing field 'stream'"),
     ('{"t": 5}', "missing field 'ev'"),
+    ('{"ev": ["alloc"]}', "field 'ev' must be a string"),
+    ('{"ev": "coll", "cid": 9, "comm": "tp", "seq": 2, "op": "x", "stream": "c", "bufs": []}\n'
+     '{"ev": "coll", "cid": 8, "comm": "tp", "seq": 3, "op": "x", "stream": "c", "bufs": []}\n'
+     '{"ev": "coll", "cid": 2, "comm": "tp", "seq": 4, "op": "x", "stream": "c", "bufs": []}\n'
+     '{"ev": "coll", "cid": 9, "comm": "tp", "seq": 5, "op": "x", "stream": "c", "bufs": []}', "duplicate cid 9"),
     ('{"ev": "launch", "stream": "s0", "reads": [[1]]}', "lists of [addr, size]"),
 ])
 def test_contract_violations_are_malformed(tmp_path, capsys, body, needle):
@@ -133,7 +138,7 @@ def test_contract_violations_are_malformed(tmp_path, capsys, body, needle):
     p.write_text(p.read_text() + body + "\n")
     a = analyze([p])
     assert a.exit_code() == 2
-    assert [(e.line, needle in e.message) for e in a.errors] == [(4, True)], [str(e) for e in a.errors]
+    assert [(e.line, needle in e.message) for e in a.errors] == [(4 + body.count("\n"), True)], [str(e) for e in a.errors]
 
 
 def test_unknown_kinds_and_fields_are_counted_warnings(tmp_path):

@@ -1860,6 +1860,9 @@ static int cids_add(Analyzer *a, PyObject *key)
             return -1;
         if (r == 0) {
             if (a->cids_has_range && k == a->cids_hi + 1) {
+                int dup = PySet_GET_SIZE(a->cids_other) ? PySet_Contains(a->cids_other, key) : 0;
+                if (dup)
+                    return dup < 0 ? -1 : 0;  /* seen before, out of order */
                 a->cids_hi = k;
                 return 1;
             }
@@ -2478,9 +2481,11 @@ static int feed_one(Analyzer *a, PyObject *ev, long long line, PyObject *problem
     PyObject *kind = ev_get(&e, F_EV);
     if (kind == NULL || kind == Py_None)
         return add_problem_str(problems, line, "missing field 'ev'");
+    if (!PyUnicode_Check(kind))
+        return add_problem_str(problems, line, "field 'ev' must be a string");
     int kid = kind_of(kind);
     if (kid == -2)
-        return -1;  /* an unhashable kind: engine.py's handlers.get raises too */
+        return -1;
     if (kid < 0) {
         PyObject *name = PyObject_Str(kind);
         int r = name ? count_key(a->unknown_kinds, name) : -1;
