@@ -20,7 +20,7 @@ class SiteFinder:
                 dirs.append(os.path.abspath(d) + os.sep)
         self.prefixes = tuple(dirs)
         self.cwd = os.getcwd() + os.sep
-        self._names: dict = {}   # code object -> display file name, or None when internal
+        self._names: dict = {}   # id(code) -> (code, display file name or None when internal)
 
     def add_internal(self, module) -> None:
         """Treat every file under `module`'s package directory as internal (torch, wrapt, ...)."""
@@ -30,17 +30,18 @@ class SiteFinder:
             self._names.clear()
 
     def _name(self, code):
-        names = self._names
-        try:
-            return names[code]
-        except KeyError:
-            fn = code.co_filename
-            if fn.startswith("<frozen") or fn.startswith(self.prefixes) or fn.endswith(("contextlib.py", "threading.py")):
-                name = None
-            else:
-                name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn
-            names[code] = name
-            return name
+        # Keyed by id(code): hashing a code object hashes its bytecode and constants on every
+        # lookup. The entry keeps the code object, so an id reused after the code died is noticed.
+        entry = self._names.get(id(code))
+        if entry is not None and entry[0] is code:
+            return entry[1]
+        fn = code.co_filename
+        if fn.startswith("<frozen") or fn.startswith(self.prefixes) or fn.endswith(("contextlib.py", "threading.py")):
+            name = None
+        else:
+            name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn
+        self._names[id(code)] = (code, name)
+        return name
 
     def where(self) -> tuple[str | None, list | None]:
         """(site, stack) of the innermost external frame; stack only in "full" mode."""
