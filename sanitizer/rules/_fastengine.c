@@ -1097,20 +1097,23 @@ static int not_done(Analyzer *a, int32_t x, i128 lo, i128 hi, int access,
             }
         }
     }
-    if (a->nstrict && (access & WRITE)) {
-        /* Successor mode covers reuse and writes: peers may still read my window. */
+    if (a->nstrict) {
+        /* Successor mode: reuse and writes wait for a later collective (peers may still read my
+         * window); a read needs the collective locally complete only (engine._not_done). */
+        int write = access & WRITE;
         for (Py_ssize_t c = 0; c < a->nstrict; c++) {
             StrictComm *sc = &a->strict_comms[c];
             int have_done = 0;
             i128 done_seq = 0;
             for (Py_ssize_t i = sc->n - 1; i >= 0; i--) {
                 Op *op = sc->colls[i];
-                if (have_done && done_seq > op->seq) {
+                if (write && have_done && done_seq > op->seq) {
                     if (sc->monotone)
                         break;
                     continue;
                 }
-                if (op->nwbufs && !(nprot && in_set(prot, nprot, op->sidx))) {
+                int local = knows(a, x, op->sidx) >= op->epoch;
+                if (op->nwbufs && (write || !local) && !(nprot && in_set(prot, nprot, op->sidx))) {
                     const Buf *b = op->bufs + op->nbufs;
                     for (Py_ssize_t j = 0; j < op->nwbufs; j++) {
                         if (b[j].lo < hi && lo < b[j].hi && ((b[j].acc | access) & WRITE)) {
@@ -1119,7 +1122,7 @@ static int not_done(Analyzer *a, int32_t x, i128 lo, i128 hi, int access,
                         }
                     }
                 }
-                if (knows(a, x, op->sidx) >= op->epoch) {
+                if (local) {
                     if (!have_done || op->seq > done_seq) {
                         done_seq = op->seq;
                         have_done = 1;
@@ -1129,6 +1132,20 @@ static int not_done(Analyzer *a, int32_t x, i128 lo, i128 hi, int access,
         }
     }
     return 0;
+}
+
+/* engine._mark_coll_touched: live window blocks overlapping any of `bufs`. */
+static void mark_coll_touched(Analyzer *a, const Buf *bufs, Py_ssize_t n)
+{
+    if (a->window_blocks.n == 0)
+        return;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t q, end;
+        ri_range(&a->window_blocks, bufs[i].lo, bufs[i].hi, &q, &end);
+        for (; q < end; q++)
+            if (a->window_blocks.items[q].hi > bufs[i].lo)
+                ((Block *)a->window_blocks.items[q].item)->coll_touched = 1;
+    }
 }
 
 /* Captured ops of live graphs whose buffers overlap [lo, hi) (engine._graph_hits). */
@@ -1975,7 +1992,9 @@ static int h_coll(Analyzer *a, Ev *e)
     op->comm = Py_NewRef(comm);
     op->seq_obj = Py_NewRef(seq_o);
     op->seq = seq;
-    /* Window buffers: for transient-in-window, asymmetric-offset and successor mode. */
+    /* A window block is a collective buffer once any buffer touches part of it (DESIGN 4). */
+    mark_coll_touched(a, op->bufs, n);
+    /* Window buffers: for asymmetric-offset and successor mode. */
     Py_ssize_t nown = 0;
     if (a->nwindows && n) {
         win = PyMem_Calloc((size_t)n, sizeof(Window *));
@@ -1990,11 +2009,6 @@ static int h_coll(Analyzer *a, Ev *e)
                 Window *w = a->windows[j];
                 if (w->addr < b->hi && b->lo < w->end) {
                     win[i] = (Window *)Py_NewRef((PyObject *)w);
-                    Py_ssize_t q, end;
-                    ri_range(&a->window_blocks, b->lo, b->hi, &q, &end);
-                    for (; q < end; q++)
-                        if (a->window_blocks.items[q].hi > b->lo)
-                            ((Block *)a->window_blocks.items[q].item)->coll_touched = 1;
                     break;
                 }
             }
@@ -2264,6 +2278,8 @@ static int h_graph_replay(Analyzer *a, Ev *e)
             rc = -1;
             break;
         }
+        if (r->kind == 1)
+            mark_coll_touched(a, r->bufs, r->nbufs + r->nwbufs);
         rc = enqueue(a, r, e->line);
         Py_DECREF((PyObject *)r);
     }

@@ -382,23 +382,26 @@ class RankAnalyzer:
                         if hits is None:
                             hits = {}
                         _widen(hits, op, max(lo, blo), min(hi, bhi))
-        if self.strict_comms and access & WRITE:
-            # Successor mode covers reuse and writes: peers may still read my window. A read of
-            # a locally complete collective's result is ordered by the local kernel itself.
+        if self.strict_comms:
+            # Successor mode: reuse and writes wait for a later collective (peers may still read
+            # my window); a read of the result needs the collective locally complete only, the
+            # local kernel itself wrote it.
+            write = access & WRITE
             for comm, sc in self.strict_comms.items():
                 done_seq = None  # highest seq among later collectives done for `stream`
                 for op in reversed(sc.colls):
-                    if done_seq is not None and done_seq > op.seq:
+                    if write and done_seq is not None and done_seq > op.seq:
                         if sc.monotone:
                             break
                         continue
-                    if op.window_bufs and not (protected and op.stream in protected):
+                    local = clocks.knows(stream, op.stream) >= op.epoch
+                    if op.window_bufs and (write or not local) and not (protected and op.stream in protected):
                         for blo, bhi, bacc in op.window_bufs:
                             if blo < hi and lo < bhi and (bacc | access) & WRITE:
                                 if hits is None:
                                     hits = {}
                                 _widen(hits, op, max(lo, blo), min(hi, bhi))
-                    if clocks.knows(stream, op.stream) >= op.epoch:
+                    if local:
                         if done_seq is None or op.seq > done_seq:
                             done_seq = op.seq
         return hits
@@ -573,15 +576,14 @@ class RankAnalyzer:
             bufs.append((addr, addr + size, acc))
         op = Op("coll", stream, bufs, line, self.step, ev)
         op.name, op.cid, op.comm, op.seq = name, cid, comm, seq
-        # Window buffers: for transient-in-window, asymmetric-offset and successor mode.
+        self._mark_coll_touched(bufs)
+        # Window buffers: for asymmetric-offset and successor mode.
         in_window = []
         if self.windows:
             for b in bufs:
                 for w in self.windows:
                     if w.addr < b[1] and b[0] < w.end:
                         in_window.append((b, w))
-                        for _, _, blk in self.window_blocks.overlapping(b[0], b[1]):
-                            blk.coll_touched = True
                         break
         own = [(b, w) for b, w in in_window if w.comm == comm]
         self.matcher.submit(self, comm, seq, op,
@@ -595,6 +597,13 @@ class RankAnalyzer:
         self._enqueue(op)
         op.clock = self.clocks.snapshot(stream)
         self.colls_in_flight[cid] = op
+
+    def _mark_coll_touched(self, bufs) -> None:
+        """A window block is a collective buffer once any collective touches part of it."""
+        if self.window_blocks:
+            for lo, hi, _ in bufs:
+                for _, _, blk in self.window_blocks.overlapping(lo, hi):
+                    blk.coll_touched = True
 
     def _enqueue(self, op: Op) -> None:
         stream = op.stream
@@ -725,6 +734,8 @@ class RankAnalyzer:
             raise Malformed(f"graph_replay of graph {gid!r}, which is not a captured, live graph")
         for op in g.ops:
             replay = op.replay(stream, line, self.step)
+            if replay.kind == "coll":
+                self._mark_coll_touched((*replay.bufs, *replay.window_bufs))
             if replay.window_bufs:
                 # A replay carries no new seq: in successor mode its window buffers follow the
                 # local rule (they are reserved for the graph's life anyway).
@@ -817,16 +828,22 @@ def _widen(hits: dict, op, lo, hi) -> None:
 class CollectiveMatcher:
     """asymmetric-offset: the same (comm, seq) must use the same window offsets on every rank.
 
-    Signatures are compared against the first rank to report; the lowest rank's signature is
-    the reference. An entry is dropped once every rank known to use the communicator has
-    reported, so memory stays bounded by how far the ranks are apart in the round-robin read.
+    The lowest rank's signature is the reference. Ranks are read round-robin, a batch each; an
+    entry is settled at the end of a round once every rank known to use the communicator has
+    reported it (a rank that first uses it later in the same round is known by then). Settled
+    references are kept for `keep_rounds` more rounds for ranks that lag behind, then dropped:
+    memory stays bounded by how far the ranks drift apart, and a rank later than that is counted
+    as unmatched (a warning), never silently passed.
     """
 
-    def __init__(self, sink: FindingSink, enabled: bool):
+    def __init__(self, sink: FindingSink, enabled: bool, keep_rounds: int = 4):
         self.sink = sink
         self.enabled = enabled
+        self.keep_rounds = keep_rounds
         self.pending: dict[tuple, dict] = {}
+        self.settled: dict[tuple, tuple] = {}  # key -> (round, reference rank, its entry value)
         self.members: dict[object, set] = {}
+        self.round = 0
         self.unmatched = 0
 
     def submit(self, analyzer: RankAnalyzer, comm, seq, op: Op, sig: tuple) -> None:
@@ -837,30 +854,49 @@ class CollectiveMatcher:
             members = self.members[comm] = set()
         members.add(analyzer.rank)
         key = (comm, seq)
+        value = (sig, analyzer, op, analyzer.step)
+        done = self.settled.get(key)
+        if done is not None:
+            _, ref_rank, ref_value = done
+            self._compare(key, ref_rank, ref_value, analyzer.rank, value)
+            return
         entry = self.pending.get(key)
         if entry is None:
-            self.pending[key] = {analyzer.rank: (sig, analyzer, op, analyzer.step)}
-            return
-        entry[analyzer.rank] = (sig, analyzer, op, analyzer.step)
-        if len(entry) >= len(members):
-            self._settle(key, entry)
-            del self.pending[key]
+            self.pending[key] = {analyzer.rank: value}
+        else:
+            entry[analyzer.rank] = value
+
+    def end_round(self) -> None:
+        """Settle complete entries; forget references older than `keep_rounds` rounds."""
+        self.round += 1
+        for key in [k for k, e in self.pending.items() if len(e) >= len(self.members[k[0]])]:
+            self._settle(key, self.pending.pop(key))
+        if self.settled:
+            horizon = self.round - self.keep_rounds
+            for key in [k for k, v in self.settled.items() if v[0] < horizon]:
+                del self.settled[key]
 
     def _settle(self, key, entry) -> None:
         ranks = sorted(entry)
-        ref_sig, ref_an, ref_op, _ = entry[ranks[0]]
+        ref_value = entry[ranks[0]]
         for r in ranks[1:]:
-            sig, an, op, step = entry[r]
-            if sig != ref_sig:
-                ref = ref_op.describe()
-                ref.update(rank=ranks[0], file=ref_an.file, window_bufs=_sig_dict(ref_sig))
-                mine = op.describe()
-                mine.update(window_bufs=_sig_dict(sig))
-                self.sink.add(Finding(
-                    rule="asymmetric-offset", severity=ERROR, rank=r, step=step, file=an.file,
-                    line=op.line, block=mine, op=ref, overlap=None, site=op.site,
-                    detail=(f"{key[0]!r} seq {key[1]}: rank {r} uses window (ordinal, offset, size) "
-                            f"{list(sig)}, rank {ranks[0]} uses {list(ref_sig)}")))
+            self._compare(key, ranks[0], ref_value, r, entry[r])
+        self.settled[key] = (self.round, ranks[0], ref_value)
+
+    def _compare(self, key, ref_rank, ref_value, rank, value) -> None:
+        ref_sig, ref_an, ref_op, _ = ref_value
+        sig, an, op, step = value
+        if sig == ref_sig:
+            return
+        ref = ref_op.describe()
+        ref.update(rank=ref_rank, file=ref_an.file, window_bufs=_sig_dict(ref_sig))
+        mine = op.describe()
+        mine.update(window_bufs=_sig_dict(sig))
+        self.sink.add(Finding(
+            rule="asymmetric-offset", severity=ERROR, rank=rank, step=step, file=an.file,
+            line=op.line, block=mine, op=ref, overlap=None, site=op.site,
+            detail=(f"{key[0]!r} seq {key[1]}: rank {rank} uses window (ordinal, offset, size) "
+                    f"{list(sig)}, rank {ref_rank} uses {list(ref_sig)}")))
 
     def finish(self) -> None:
         for key, entry in list(self.pending.items()):
@@ -868,6 +904,7 @@ class CollectiveMatcher:
                 self._settle(key, entry)
             self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
         self.pending.clear()
+        self.settled.clear()
 
 
 def _sig_dict(sig):
@@ -964,6 +1001,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors) -> Anal
                     errors.append(problem if isinstance(problem, TraceError) else TraceError(a.file, line, problem))
             still.append((a, batches))
         readers = still
+        matcher.end_round()
     matcher.finish()
     events = 0
     drops = hook_errors = 0
