@@ -16,7 +16,9 @@ Decisions taken where DESIGN.md is silent (agreed with the lead, see the issue-2
   and that captured op (and all its replays) no free-in-flight / reuse-in-flight is reported.
 - Strict peer completion (`successor`) applies, per buffer, wherever "done" is asked: a coll's
   buffer that lies inside a live window of the coll's own comm (at enqueue time) is done for X only
-  once a later (program order) coll with a higher seq on that comm is locally complete for X.
+  when the coll is locally complete for X *and* a later (program order) coll with a higher seq on
+  that comm is locally complete for X ("only when" adds a condition: strict never reports less
+  than local). Reads may be exempted from the second condition (see Semantics).
   A replayed coll carries no seq of its own: its buffers follow the local rule, and it is nobody's
   successor (DESIGN is silent; the engine's choice).
 - `record_stream` to the block's own stream is a no-op, as in PyTorch.
@@ -134,13 +136,10 @@ class Semantics:
     strict_reads: in successor mode a *read* of a window buffer whose collective is not yet
         peer-complete is unordered too (DESIGN 1: "peers read and write my window"; my local
         completion "says nothing about peers finishing theirs", so their writes may still land).
-        False: only writes (and reuse) get the successor rule, reads the local one.
-    transient_touch: "any" = any collective buffer overlapping the block during its life counts
-        (DESIGN 4: "if any collective used part of it"); "in-window" = only coll lines whose
-        buffer overlaps a live window at that moment, replays not counted.
+        False (the lead's decision on issue 2): only writes and reuse get the successor rule; a
+        read needs the collective locally complete, as in local mode.
     """
     strict_reads: bool = True
-    transient_touch: str = "any"
 
 
 DESIGN_SEMANTICS = Semantics()
@@ -177,14 +176,19 @@ class RankReference:
         return seen >= op.epoch
 
     def _buf_done(self, op: Op, buf: Buf, x, *, reading: bool = False) -> bool:
-        if self.strict and op.is_coll and buf.in_own_window and not (reading and not self.semantics.strict_reads):
-            return any(
-                later.is_coll and later.captured is None and later.comm == op.comm
-                and later.position > op.position
-                and later.seq > op.seq and self._locally_complete(later, x)
-                for later in self.ops
-            )
-        return self._locally_complete(op, x)
+        local = self._locally_complete(op, x)
+        if not (self.strict and op.is_coll and buf.in_own_window):
+            return local
+        successor_done = any(
+            later.is_coll and later.captured is None and later.comm == op.comm
+            and later.position > op.position
+            and later.seq > op.seq and self._locally_complete(later, x)
+            for later in self.ops
+        )
+        if reading and not self.semantics.strict_reads:
+            return local
+        # "Only when" adds a condition to the local rule: strict never reports less than local.
+        return local and successor_done
 
     def _in_window_of(self, comm, lo, hi) -> bool:
         return self._window_of(comm, lo, hi) is not None
@@ -245,15 +249,11 @@ class RankReference:
                 bufs=bufs, is_coll=is_coll, comm=comm, seq=seq, captured=captured)
         self.ops.append(op)
         if is_coll:
-            self._note_coll_use(bufs, replay=captured is not None)
+            self._note_coll_use(bufs)
         return op
 
-    def _note_coll_use(self, bufs, *, replay: bool) -> None:
-        for b in bufs:
-            if self.semantics.transient_touch == "in-window" and (
-                    replay or not any(_intersection(b.lo, b.hi, w[1], w[2]) for w in self.windows)):
-                continue
-            self.coll_uses.append((self.position, b.lo, b.hi))
+    def _note_coll_use(self, bufs) -> None:
+        self.coll_uses.extend((self.position, b.lo, b.hi) for b in bufs)
 
     # ---- the event loop ----
     def feed(self, line: int, ev: dict) -> None:
@@ -306,7 +306,7 @@ class RankReference:
         if self.capturing is not None:
             self.graphs[self.capturing].append(CapturedOp(line, ev))
             self.position += 1
-            self._note_coll_use(_bufs_of(ev), replay=False)
+            self._note_coll_use(_bufs_of(ev))
             return
         op = self._enqueue(line, ev["stream"], _bufs_of(ev), is_coll=True, comm=ev["comm"], seq=ev["seq"])
         self.coll_clock[ev["cid"]] = op.clock
