@@ -9,7 +9,9 @@ in one of them: DESIGN.md decides which.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -276,16 +278,43 @@ def overlaps_by_identity(findings) -> dict:
     return out
 
 
-def analyze_scenario(scenario: Scenario):
+def _backends() -> list:
+    """Both per-rank engines where the C one is built (HAZSAN_ENGINE selects), else analyze()'s."""
+    try:
+        from sanitizer.rules import native
+    except ImportError:
+        return [None]
+    return ["python", "native"] if native.available else ["python"]
+
+
+BACKENDS = _backends()
+
+
+@contextlib.contextmanager
+def engine_backend(name):
+    saved = os.environ.get("HAZSAN_ENGINE")
+    if name is not None:
+        os.environ["HAZSAN_ENGINE"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HAZSAN_ENGINE", None)
+        else:
+            os.environ["HAZSAN_ENGINE"] = saved
+
+
+def analyze_scenario(scenario: Scenario, backend=None):
     from sanitizer.rules.engine import analyze
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, engine_backend(backend):
         paths = write_traces(Path(tmp), scenario)
-        return analyze([str(p) for p in paths], peer_completion=scenario.peer_completion)
+        # max_per_group=0: list every finding (the default keeps 100 per rule and call site).
+        return analyze([str(p) for p in paths], peer_completion=scenario.peer_completion, max_per_group=0)
 
 
-def check_against_reference(scenario: Scenario, semantics: Semantics = SEMANTICS) -> None:
-    result = analyze_scenario(scenario)
+def check_against_reference(scenario: Scenario, semantics: Semantics = SEMANTICS, backend=None) -> None:
+    result = analyze_scenario(scenario, backend)
     expected = reference_findings(scenario.ranks, peer_completion=scenario.peer_completion,
                                   semantics=semantics)
 
@@ -301,10 +330,10 @@ def check_against_reference(scenario: Scenario, semantics: Semantics = SEMANTICS
         if len(want) == 1 and len(got_ov[key]) == 1:
             assert got_ov[key][0] == want[0], (key, got_ov[key][0], want[0])
     summary = result.summary
-    assert summary["ranks"] == len(scenario.ranks)
-    assert summary["events"] == sum(len(events) for events in scenario.ranks)
-    assert dict(summary["by_rule"]) == dict(Counter(f.rule for f in result.findings))
-    assert not result.errors and not summary.get("errors") and not summary.get("malformed")
+    assert not result.errors and not summary.get("errors") and not summary.get("malformed"), result.errors
+    assert summary["ranks"] == len(scenario.ranks), summary
+    assert summary["events"] == sum(len(events) for events in scenario.ranks), summary
+    assert dict(summary["by_rule"]) == dict(Counter(f.rule for f in result.findings)), summary
 
 
 # ---------------------------------------------------------------- hand-picked cases
@@ -464,11 +493,13 @@ REPORTED_CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(REPORTED_CASES))
-def test_engine_on_reported_cases(name):
-    check_against_reference(REPORTED_CASES[name])
+def test_engine_on_reported_cases(name, backend):
+    check_against_reference(REPORTED_CASES[name], backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=300, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -486,8 +517,8 @@ def test_engine_on_reported_cases(name):
 @example(Scenario([TRANSIENT_TOUCHED_BEFORE_WINDOW], "local"))
 @example(Scenario([SUCCESSOR_NOT_WEAKER], "successor"))
 @example(Scenario([SUCCESSOR_READ_AFTER_UNRELATED_SYNC], "successor"))
-def test_engine_matches_brute_force_reference(scenario):
-    check_against_reference(scenario)
+def test_engine_matches_brute_force_reference(backend, scenario):
+    check_against_reference(scenario, backend=backend)
 
 
 # ---------------------------------------------------------------- the reference itself
