@@ -827,7 +827,7 @@ typedef struct {
     Py_ssize_t nstrict, capstrict;
     /* memory */
     PyObject *live;               /* id -> Block */
-    RangeIndex window_blocks;
+    RangeIndex window_blocks;     /* every live block by range (engine.live_ranges) */
     Window **windows;
     Py_ssize_t nwindows, capwindows;
     PyObject *window_ordinals;
@@ -1107,13 +1107,10 @@ static int not_done(Analyzer *a, int32_t x, i128 lo, i128 hi, int access,
             i128 done_seq = 0;
             for (Py_ssize_t i = sc->n - 1; i >= 0; i--) {
                 Op *op = sc->colls[i];
-                if (write && have_done && done_seq > op->seq) {
-                    if (sc->monotone)
-                        break;
-                    continue;
-                }
                 int local = knows(a, x, op->sidx) >= op->epoch;
-                if (op->nwbufs && (write || !local) && !(nprot && in_set(prot, nprot, op->sidx))) {
+                /* done for a write: locally complete AND a later collective done (DESIGN 3.1) */
+                int not_done = write ? !(local && have_done && done_seq > op->seq) : !local;
+                if (op->nwbufs && not_done && !(nprot && in_set(prot, nprot, op->sidx))) {
                     const Buf *b = op->bufs + op->nbufs;
                     for (Py_ssize_t j = 0; j < op->nwbufs; j++) {
                         if (b[j].lo < hi && lo < b[j].hi && ((b[j].acc | access) & WRITE)) {
@@ -1234,33 +1231,48 @@ static int retire(Analyzer *a)
     }
     for (Py_ssize_t c = 0; c < a->nstrict; c++) {
         StrictComm *sc = &a->strict_comms[c];
+        /* engine._retire: a collective leaves once it is done for the host itself (locally
+         * complete and a later one done); the others stay, in order. */
         int have_done = 0;
         i128 done_seq = 0;
-        Py_ssize_t keep_from = 0;
+        char *gone = sc->n ? PyMem_Calloc((size_t)sc->n, 1) : NULL;
+        if (sc->n && gone == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        Py_ssize_t ngone = 0;
         for (Py_ssize_t i = sc->n - 1; i >= 0; i--) {
             Op *op = sc->colls[i];
-            if (have_done && done_seq > op->seq && sc->monotone) {
-                keep_from = i + 1;
-                break;
+            int local = clk_get(vh, op->sidx) >= op->epoch;
+            if (local && have_done && done_seq > op->seq) {
+                gone[i] = 1;
+                ngone++;
             }
-            if (clk_get(vh, op->sidx) >= op->epoch && (!have_done || op->seq > done_seq)) {
+            if (local && (!have_done || op->seq > done_seq)) {
                 done_seq = op->seq;
                 have_done = 1;
             }
         }
-        if (keep_from) {
-            Op **gone = PyMem_Malloc((size_t)keep_from * sizeof(Op *));
-            if (gone == NULL) {
+        if (ngone) {
+            Op **dead = PyMem_Malloc((size_t)ngone * sizeof(Op *));
+            if (dead == NULL) {
+                PyMem_Free(gone);
                 PyErr_NoMemory();
                 return -1;
             }
-            memcpy(gone, sc->colls, (size_t)keep_from * sizeof(Op *));
-            memmove(sc->colls, sc->colls + keep_from, (size_t)(sc->n - keep_from) * sizeof(Op *));
-            sc->n -= keep_from;
-            for (Py_ssize_t i = 0; i < keep_from; i++)
-                Py_DECREF((PyObject *)gone[i]);
-            PyMem_Free(gone);
+            Py_ssize_t w = 0, d = 0;
+            for (Py_ssize_t i = 0; i < sc->n; i++) {
+                if (gone[i])
+                    dead[d++] = sc->colls[i];
+                else
+                    sc->colls[w++] = sc->colls[i];
+            }
+            sc->n = w;
+            for (Py_ssize_t i = 0; i < d; i++)
+                Py_DECREF((PyObject *)dead[i]);
+            PyMem_Free(dead);
         }
+        PyMem_Free(gone);
     }
     return 0;
 }
@@ -1514,7 +1526,7 @@ static int h_alloc(Analyzer *a, Ev *e)
     }
     if (PyDict_SetItem(a->live, bid, (PyObject *)b) < 0)
         goto done;
-    if (b->window != NULL && ri_add(&a->window_blocks, addr, end, (PyObject *)b) < 0)
+    if (ri_add(&a->window_blocks, addr, end, (PyObject *)b) < 0)  /* every live block */
         goto done;
     rc = 0;
 done:
@@ -1584,8 +1596,8 @@ static int h_free(Analyzer *a, Ev *e)
         if (r < 0)
             goto done;
     }
+    ri_remove(&a->window_blocks, b->addr, (PyObject *)b);
     if (b->window != NULL) {
-        ri_remove(&a->window_blocks, b->addr, (PyObject *)b);
         if (!b->coll_touched) {
             PyObject *pline = PyLong_FromLongLong(e->line);
             if (pline == NULL)
@@ -1721,11 +1733,8 @@ static int h_window(Analyzer *a, Ev *e)
     PyObject *k, *v;
     while (PyDict_Next(a->live, &pos, &k, &v)) {
         Block *b = (Block *)v;
-        if (b->window == NULL && b->addr < w->end && w->addr < b->end) {
+        if (b->window == NULL && b->addr < w->end && w->addr < b->end)
             b->window = (Window *)Py_NewRef((PyObject *)w);
-            if (ri_add(&a->window_blocks, b->addr, b->end, v) < 0)
-                return -1;
-        }
     }
     return 0;
 }

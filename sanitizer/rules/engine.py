@@ -209,11 +209,10 @@ class _InFlight:
 class _StrictComm:
     """Successor mode: every collective on one communicator, in program order."""
 
-    __slots__ = ("colls", "monotone")
+    __slots__ = ("colls",)
 
     def __init__(self):
         self.colls: list[Op] = []
-        self.monotone = True
 
 
 class SeenIds:
@@ -274,7 +273,7 @@ class RankAnalyzer:
         self.inflight: dict[object, _InFlight] = {}
         self.strict_comms: dict[object, _StrictComm] = {}
         self.live: dict[object, Block] = {}
-        self.window_blocks = RangeIndex()
+        self.live_ranges = RangeIndex()  # every live block, for collective-buffer marking
         self.windows: list[Window] = []
         self.window_ordinals: dict[object, int] = {}
         self.pending_free: dict[object, list[dict]] = {}
@@ -390,12 +389,10 @@ class RankAnalyzer:
             for comm, sc in self.strict_comms.items():
                 done_seq = None  # highest seq among later collectives done for `stream`
                 for op in reversed(sc.colls):
-                    if write and done_seq is not None and done_seq > op.seq:
-                        if sc.monotone:
-                            break
-                        continue
                     local = clocks.knows(stream, op.stream) >= op.epoch
-                    if op.window_bufs and (write or not local) and not (protected and op.stream in protected):
+                    # done for a write: locally complete AND a later collective done (3.1)
+                    not_done = not (local and done_seq is not None and done_seq > op.seq) if write else not local
+                    if op.window_bufs and not_done and not (protected and op.stream in protected):
                         for blo, bhi, bacc in op.window_bufs:
                             if blo < hi and lo < bhi and (bacc | access) & WRITE:
                                 if hits is None:
@@ -446,8 +443,7 @@ class RankAnalyzer:
                     continue
                 self._report("reuse-in-flight", line, block, op, ov)
         self.live[bid] = block
-        if block.window is not None:
-            self.window_blocks.add(addr, end, block)
+        self.live_ranges.add(addr, end, block)
 
     def on_free(self, ev, line):
         bid = ev["id"]
@@ -471,8 +467,8 @@ class RankAnalyzer:
             # Until free_done the allocator holds the block; then the host knows these streams
             # as they were now (DESIGN 3.1).
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
+        self.live_ranges.remove(addr, block)
         if block.window is not None:
-            self.window_blocks.remove(addr, block)
             if not block.coll_touched:
                 self._transient(block, line)
 
@@ -512,7 +508,6 @@ class RankAnalyzer:
         for block in self.live.values():
             if block.window is None and block.addr < w.end and w.addr < block.end:
                 block.window = w
-                self.window_blocks.add(block.addr, block.end, block)
 
     def on_window_free(self, ev, line):
         addr = _int(ev, "addr")
@@ -599,11 +594,11 @@ class RankAnalyzer:
         self.colls_in_flight[cid] = op
 
     def _mark_coll_touched(self, bufs) -> None:
-        """A window block is a collective buffer once any collective touches part of it."""
-        if self.window_blocks:
-            for lo, hi, _ in bufs:
-                for _, _, blk in self.window_blocks.overlapping(lo, hi):
-                    blk.coll_touched = True
+        """A block is a collective buffer once any collective touches part of it (even before a
+        window is registered over it)."""
+        for lo, hi, _ in bufs:
+            for _, _, blk in self.live_ranges.overlapping(lo, hi):
+                blk.coll_touched = True
 
     def _enqueue(self, op: Op) -> None:
         stream = op.stream
@@ -632,8 +627,6 @@ class RankAnalyzer:
             sc = self.strict_comms.get(op.comm)
             if sc is None:
                 sc = self.strict_comms[op.comm] = _StrictComm()
-            if sc.colls and sc.colls[-1].seq >= op.seq:
-                sc.monotone = False
             sc.colls.append(op)
 
     def on_coll_done(self, ev, line):
@@ -680,19 +673,19 @@ class RankAnalyzer:
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
         if self.strict_comms:
+            # A collective leaves once it is done for the host itself: locally complete and a
+            # later one done. The others stay, in order (they may still serve as successors).
             for sc in self.strict_comms.values():
-                colls = sc.colls
                 done_seq = None
-                keep_from = 0
-                for i in range(len(colls) - 1, -1, -1):
-                    op = colls[i]
-                    if done_seq is not None and done_seq > op.seq and sc.monotone:
-                        keep_from = i + 1
-                        break
-                    if vh.get(op.stream, 0) >= op.epoch and (done_seq is None or op.seq > done_seq):
+                gone = set()
+                for op in reversed(sc.colls):
+                    local = vh.get(op.stream, 0) >= op.epoch
+                    if local and done_seq is not None and done_seq > op.seq:
+                        gone.add(op)
+                    if local and (done_seq is None or op.seq > done_seq):
                         done_seq = op.seq
-                if keep_from:
-                    del colls[:keep_from]
+                if gone:
+                    sc.colls = [op for op in sc.colls if op not in gone]
 
     # ------------------------------------------------------------------ graphs
 
