@@ -51,6 +51,29 @@ class TraceFile:
                 if item is not None:
                     yield line_no, item
 
+    def line_batches(self, size: int = 4096) -> Iterator[tuple[int, list[bytes]]]:
+        """Yield (line_no of the first line, [raw line, ...]) in file order, unparsed.
+
+        A gzip stream cut short (a killed writer) ends the iteration with a truncation warning.
+        """
+        stream = self._stream
+        if stream is None:
+            raise RuntimeError("trace already consumed")
+        self._stream = None
+        lines = _tolerant_lines(self, stream) if isinstance(stream, gzip.GzipFile) else stream
+        first = 2
+        try:
+            while True:
+                raws = list(islice(lines, size))
+                if not raws:
+                    return
+                yield first, raws
+                first += len(raws)
+        except OSError as exc:
+            raise TraceError(self.path, first, f"read error: {exc}") from exc
+        finally:
+            stream.close()
+
     def batches(self, size: int = 4096) -> Iterator[tuple[int, list]]:
         """Yield (line_no of the first item, [parsed event or TraceError, ...]) in file order.
 
@@ -59,39 +82,24 @@ class TraceFile:
         process leaves: it becomes a warning (`truncated`), never an error. Blank lines are skipped
         but keep their line numbers (an item `None`).
         """
-        stream = self._stream
-        if stream is None:
-            raise RuntimeError("trace already consumed")
-        self._stream = None
         loads = orjson.loads
-        lines = _tolerant_lines(self, stream) if isinstance(stream, gzip.GzipFile) else stream
-        first = 2
-        try:
-            while True:
-                raws = list(islice(lines, size))
-                if not raws:
-                    return
-                try:
-                    items = [loads(raw) for raw in raws]
-                except orjson.JSONDecodeError:
-                    items = []
-                    for i, raw in enumerate(raws):
-                        try:
-                            items.append(loads(raw))
-                        except orjson.JSONDecodeError as exc:
-                            if not raw.endswith(b"\n"):
-                                self._truncate(first + i)
-                                break
-                            if raw.strip():
-                                items.append(TraceError(self.path, first + i, f"not JSON: {exc}"))
-                            else:
-                                items.append(None)
-                yield first, items
-                first += len(raws)
-        except OSError as exc:
-            raise TraceError(self.path, first, f"read error: {exc}") from exc
-        finally:
-            stream.close()
+        for first, raws in self.line_batches(size):
+            try:
+                items = [loads(raw) for raw in raws]
+            except orjson.JSONDecodeError:
+                items = []
+                for i, raw in enumerate(raws):
+                    try:
+                        items.append(loads(raw))
+                    except orjson.JSONDecodeError as exc:
+                        if not raw.endswith(b"\n"):
+                            self._truncate(first + i)
+                            break
+                        if raw.strip():
+                            items.append(TraceError(self.path, first + i, f"not JSON: {exc}"))
+                        else:
+                            items.append(None)
+            yield first, items
 
     def _truncate(self, line_no: int, why: str = "last line cut short") -> None:
         self.truncated = True
