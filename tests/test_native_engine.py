@@ -136,18 +136,36 @@ def _analyze(paths, **kw) -> dict:
         return {"raised": type(exc).__name__, "message": str(exc)}
 
 
+@contextlib.contextmanager
+def line_scanner(native_mod, enabled: bool):
+    """The C line scanner (raw lines read straight into the engine, orjson only for the lines it
+    leaves) switched on or off for the duration."""
+    was = native_mod._fastengine._scanner()[0]
+    native_mod._fastengine._scanner(enabled)
+    try:
+        yield
+    finally:
+        native_mod._fastengine._scanner(was)
+
+
+def scan_counts(native_mod) -> tuple[int, int]:
+    """(lines the C scanner took, lines it left to orjson) so far in this process."""
+    return native_mod._fastengine._scanner()[1:]
+
+
 def both(native_mod, paths, **kw):
-    """(Python outcome, native outcome); the native one from parsed events and from raw lines,
-    which must agree too."""
+    """(Python outcome, native outcome); the native one from parsed events, from raw lines through
+    the C line scanner and from raw lines through orjson alone, which must all agree too."""
     with use_engine("python", native_mod):
         want = _analyze(paths, **kw)
     got = []
-    for raw in (False, True):
+    for raw, scanner in ((False, False), (True, True), (True, False)):
         spy = Spy(native_mod, raw)
-        with use_engine("native", native_mod, spy.cls):
+        with use_engine("native", native_mod, spy.cls), line_scanner(native_mod, scanner):
             got.append(_analyze(paths, **kw))
         assert spy.made, "the native backend did not run"
-    assert got[0] == got[1], "native: parsed events and raw lines disagree"
+    assert got[0] == got[2], "native: parsed events and raw lines disagree"
+    assert got[1] == got[2], "native: raw lines with and without the C line scanner disagree"
     return want, got[0]
 
 
@@ -571,6 +589,214 @@ def test_unhashable_values_give_the_same_messages(native, tmp_path):
         assert sum("unhashable" in e for e in want["errors"]) >= 10
 
 
+# ------------------------------------------------------------------ the C line scanner
+
+# Raw lines aimed at the scanner's edges: each is either taken by it (and must then mean exactly what
+# orjson + feed_one make of it) or left to orjson (and must then come out as before).
+_ALLOC = b'"id":%d,"addr":%d,"size":64,"stream":"s0","pool":"default"'
+TAKEN = 20
+SCANNER_LINES = [
+    # plain forms the scanner takes (the first TAKEN lines)
+    b'{"ev":"alloc",' + _ALLOC % (1, 65536) + b'}',
+    b'{"ev":"launch","stream":"s1","reads":[[65536,64]],"writes":[],"site":"a.py:1:f","stack":["a.py:1:f","b.py:2:g"]}',
+    b'{"stream":"s1","ev":"launch","writes":[[65536,32],[65600,8]],"op":"gemm"}',  # key order
+    b'{"ev":"free","id":1,"t":5,"step":null,"shape":[[[1,2],[3]],[]],"dtype":"bf16"}',  # nested arrays, unread fields
+    b'{"ev":"coll","cid":1,"comm":"c0","seq":0,"op":"ar","stream":"c","bufs":[{"addr":65536,"size":64,"access":"rw"}]}',
+    b'{"ev":"coll","cid":2,"comm":"c0","seq":1,"op":"ar","stream":"c","bufs":[{"access":"r","size":64,"addr":65536}]}',
+    b'{"ev":"coll_done","cid":1}',
+    b'{"ev":"alloc",' + _ALLOC % (2, -65536) + b'}',  # negative address
+    b'{"ev":"alloc",' + _ALLOC % (3, 999999999999999999) + b'}',  # 18 digits
+    b'{"ev":"alloc","id":-0,"addr":0,"size":0,"stream":0,"pool":"p"}',  # -0 is the integer 0
+    b'{"ev":"scope","name":"symm","enter":true}',
+    b'{"ev":"scope","name":"symm","enter":false,"pool":"\x7f"}',  # DEL needs no escape
+    b'{"ev":"step","n":7}',
+    b'{"ev":"dropped","count":3}',
+    b'{"ev":"hook_error","count":2,"site":"x"}',
+    b'{"ev":"sync"}',
+    b'{"ev":"sync","stream":"s0","site":""}',  # empty string
+    b'{"ev":"coll","cid":4,"comm":"c0","seq":3,"op":"ar","stream":"c","bufs":[{"addr":65536,"size":64,"access":"w","x":[]}]}',
+    b'{"ev":"launch","stream":{"s":1}}',  # objects where none belong: built, then the handler says no
+    b'{"ev":"free_done","id":{"a":{"b":[1,{"c":null}]}}}',
+    # left to orjson
+    b'{"ev":"scope","name":"symm","enter":nul}',  # literal cut short: not JSON
+    b'{"ev":"scope","name":"symm","enter":truex}',
+    b'{"ev":"alloc",' + _ALLOC % (4, 9223372036854775807) + b'}',  # 19 digits
+    b'{"ev":"alloc",' + _ALLOC % (5, -9223372036854775808) + b'}',
+    b'{"ev":"alloc",' + _ALLOC % (6, 18446744073709551615) + b'}',
+    b'{"ev":"alloc",' + _ALLOC % (7, 18446744073709551616) + b'}',  # orjson: a float
+    b'{"ev":"alloc",' + _ALLOC % (8, 10**30) + b'}',
+    b'{"ev":"free","id":1.0}',
+    b'{"ev":"free","id":1e0}',
+    b'{"ev":"free","id":1E+2}',
+    b'{"ev":"free","id":01}',  # not JSON
+    b'{"ev":"free","id":-}',
+    b'{"ev":"free","id":1.}',
+    b'{"ev":"free","id":+1}',
+    b'{"ev":"alloc","id":9,"addr":65536,"size":64,"stream":"s\\u0030","pool":"p"}',  # escape: stream "s0"
+    b'{"ev":"alloc","id":10,"addr":65600,"size":64,"stream":"s0","pool":"p\\"q\\\\r\\n\\t\\/"}',
+    b'{"ev":"sync","stream":"\xc3\xbc"}',  # UTF-8
+    b'{"ev":"sync","stream":"\\u00fc"}',  # the same stream, escaped
+    b'{"ev":"sync","site":"\\ud83d\\ude00"}',  # surrogate pair
+    b'{"ev":"sync","site":"\\ud800"}',  # lone surrogate
+    b'{"ev":"sync","site":"\xff\xfe"}',  # not UTF-8
+    b'{"ev":"sync","site":"a\tb"}',  # raw control character
+    b'{"\\u0065v":"sync"}',  # escaped key
+    b'{"ev":"sync","ev":"sync"}',  # duplicate keys
+    b'{"ev":"free","id":11,"id":12}',
+    b'{"ev":"coll","cid":3,"comm":"c0","seq":2,"op":"ar","stream":"c","bufs":[{"addr":65536,"addr":1,"size":64,"access":"w"}]}',
+    b'{"ev":"sync","extra":1}',  # unknown field: counted
+    b'{"ev":"sync","addr":1}',  # a field the kind does not allow: counted
+    b'{"ev":"nonsense","id":1}',  # unknown kind: counted
+    b'{"ev":"Sync"}',
+    b'{"ev":""}',
+    b'{"ev":1}',
+    b'{"ev":null}',
+    b'{"ev":["sync"]}',
+    b'{"id":1}',
+    b'{}',
+    b'{ }',
+    b'[]',
+    b'null',
+    b'"sync"',
+    b'{"ev":"sync"}x',  # trailing garbage
+    b'{"ev":"sync"}}',
+    b'{"ev":"sync"},',
+    b'{"ev":"sync"} ',  # whitespace variants
+    b' {"ev":"sync"}',
+    b'{ "ev":"sync"}',
+    b'{"ev" :"sync"}',
+    b'{"ev": "sync"}',
+    b'{"ev":"sync" }',
+    b'{"ev":"sync",\t"stream":"s0"}',
+    b'{"ev":"sync"}\r',
+    b'{"ev":"launch","stream":"s1","writes":[ [65536,64] ]}',
+    b'{"ev":"launch","stream":"s1","writes":[[65536,64],]}',  # not JSON
+    b'{"ev":"launch","stream":"s1","writes":[[65536,64]}',
+    b'{"ev":"launch","stream":"s1",}',
+    b'{"ev":"launch","stream":"s1"',
+    b'{"ev":"launch","stream":"s1","shape":' + b"[" * 40 + b"]" * 40 + b'}',  # deeper than the scanner goes
+    b'{"ev":"launch","stream":"s1","shape":' + b"[" * 3000 + b"]" * 3000 + b'}',  # deeper than orjson goes
+    b'{"ev":"sync"}\x00',
+    b'',  # blank
+    b'   ',
+]
+
+
+def _scanner_trace(tmp: Path, lines: list[bytes], cut: bool = False) -> Path:
+    body = [orjson.dumps({"hazsan": 1, "rank": 0, "world_size": 1}), *lines]
+    p = tmp / "rank0.jsonl"
+    p.write_bytes(b"\n".join(body) + (b"" if cut else b"\n"))
+    return p
+
+
+def test_scanner_edge_lines_match_python(native, tmp_path):
+    """Every line above alone after a few plausible events, and all of them in one trace: findings,
+    problems (same text, same line numbers) and counted warnings as the Python engine gives them;
+    and the scanner did take the plain lines and leave the others."""
+    prefix = SCANNER_LINES[:7]
+    for i, line in enumerate(SCANNER_LINES):
+        for mode in (engine.LOCAL, engine.SUCCESSOR):
+            before = scan_counts(native)
+            want, got = both(native, [_scanner_trace(tmp_path, [*prefix, line, *prefix])], peer_completion=mode)
+            assert got == want, (i, line)
+            counts = tuple(b - a for a, b in zip(before, scan_counts(native)))
+            assert counts == ((15, 0) if i < TAKEN else (14, 1)), (i, line, counts)
+    want, got = both(native, [_scanner_trace(tmp_path, SCANNER_LINES * 2)])
+    assert got == want
+    assert want["errors"] and want["warnings"] and want["findings"]
+
+
+def test_scanner_takes_the_writers_lines(native, tmp_path):
+    """What hazsan's writer produces (orjson.dumps of the schema's events) is read by the scanner
+    without orjson, apart from the few lines it must leave (odd values in broken events)."""
+    events = [ev for ev in random_ranks(11, 400, 1)[0] if isinstance(ev, dict)]
+    plain = [ev for ev in events if "extra_field" not in ev and isinstance(ev.get("ev"), str)
+             and all(type(v) in (int, str, list, bool) and (type(v) is not int or abs(v) < 10**18)
+                     for v in ev.values())]
+    path = write_ranks(tmp_path, [plain])[0]
+    before = scan_counts(native)
+    want, got = both(native, [path])
+    assert got == want
+    scanned, left = (b - a for a, b in zip(before, scan_counts(native)))
+    assert scanned >= len(plain) - 10 and left <= 10, (scanned, left, len(plain))
+
+
+def test_scanner_cut_last_line(native, tmp_path):
+    """A last line without its newline: taken when complete, a truncation warning when cut in any
+    place, whatever the scanner made of the part it saw."""
+    full = b'{"ev":"launch","stream":"s1","reads":[[65536,64]],"writes":[[65600,64]],"site":"a.py:3:h"}'
+    prefix = SCANNER_LINES[:7]
+    for cut in range(1, len(full) + 1):
+        path = _scanner_trace(tmp_path, [*prefix, full[:cut]], cut=True)
+        want, got = both(native, [path])
+        assert got == want, full[:cut]
+        assert any("truncated" in w for w in want["warnings"]) == (cut < len(full)), full[:cut]
+
+
+def _json_text(value, draw) -> bytes:
+    """`value` as JSON, written in one of the ways a JSON writer may: spacing, escapes, numbers as
+    floats, keys in any order, keys repeated."""
+    if isinstance(value, bool) or value is None:
+        return orjson.dumps(value)
+    if isinstance(value, int):
+        form = draw(st.sampled_from(["plain"] * 6 + ["float", "exp", "big"]))
+        if form == "float":
+            return b"%d.0" % value
+        if form == "exp":
+            return b"%de0" % value
+        if form == "big":
+            return b"%d" % (value + draw(st.sampled_from([2**63, 2**64, -(2**64), 10**19])))
+        return b"%d" % value
+    if isinstance(value, float):
+        return orjson.dumps(value)
+    if isinstance(value, str):
+        form = draw(st.sampled_from(["plain"] * 6 + ["ascii", "escape", "unicode"]))
+        if form == "ascii":
+            return json.dumps(value, ensure_ascii=True).encode()
+        if form == "escape" and value:
+            return b'"\\u%04x' % ord(value[0]) + orjson.dumps(value[1:])[1:]
+        if form == "unicode":
+            return orjson.dumps(value + "\u00e9\u4e2d\U0001f600")
+        return orjson.dumps(value)
+    sep = draw(st.sampled_from([b","] * 6 + [b", ", b" ,", b",\t"]))
+    if isinstance(value, list):
+        return b"[" + sep.join(_json_text(v, draw) for v in value) + b"]"
+    assert isinstance(value, dict)
+    items = list(value.items())
+    if draw(st.integers(0, 3)) == 0:
+        items = draw(st.permutations(items))
+    if items and draw(st.integers(0, 9)) == 0:
+        k, v = items[draw(st.integers(0, len(items) - 1))]
+        items.append((k, draw(st.sampled_from([v, 0, "s9", None]))))  # a repeated key
+    colon = draw(st.sampled_from([b":"] * 6 + [b": ", b" :"]))
+    return b"{" + sep.join(orjson.dumps(k) + colon + _json_text(v, draw) for k, v in items) + b"}"
+
+
+@st.composite
+def rewritten_traces(draw):
+    seed = draw(st.integers(0, 2**32))
+    events = random_ranks(seed, 60, 1)[0]
+    lines = []
+    for ev in events:
+        if isinstance(ev, bytes) or draw(st.integers(0, 2)) == 0:
+            lines.append(ev if isinstance(ev, bytes) else orjson.dumps(ev))
+            continue
+        line = _json_text(ev, draw)
+        tail = draw(st.sampled_from([b""] * 8 + [b" ", b"\r", b"x", b"}", b",", b"\t\t"]))
+        lines.append(line + tail)
+    return lines
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(rewritten_traces(), st.sampled_from([engine.LOCAL, engine.SUCCESSOR]))
+def test_scanner_matches_python_on_rewritten_traces(native, tmp_path_factory, lines, mode):
+    """Random traces whose lines are written in every JSON variant (spacing, escapes, unicode,
+    floats and big integers for integers, permuted and repeated keys, trailing bytes)."""
+    path = _scanner_trace(tmp_path_factory.mktemp("rewritten"), lines)
+    want, got = both(native, [path], peer_completion=mode)
+    assert got == want, b"\n".join(lines).decode("utf-8", "replace")
+
+
 # ------------------------------------------------------------------ the engine's own tests, native
 
 
@@ -650,14 +876,18 @@ def test_memory_stays_bounded_by_in_flight_work(native, tmp_path):
 
 
 def test_no_reference_leaks(native, tmp_path):
-    """Run a trace with findings, errors and graphs many times: allocated blocks must not grow."""
+    """Run a trace with findings, errors and graphs many times, and one of the scanner's edge lines
+    (each given up on at its own point): allocated blocks must not grow."""
     paths = write_ranks(tmp_path, random_ranks(7, 400, 2))
+    (tmp_path / "edges").mkdir()
+    edges = _scanner_trace(tmp_path / "edges", SCANNER_LINES * 3)
 
     def run():
         with use_engine("native", native):
             for mode in (engine.LOCAL, engine.SUCCESSOR):
                 a = engine.analyze(paths, peer_completion=mode, lenient=True)
                 assert a.findings
+            assert any("malformed" in w for w in engine.analyze([edges], lenient=True).warnings)
 
     for _ in range(3):
         run()

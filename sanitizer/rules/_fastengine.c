@@ -15,6 +15,9 @@
  *   - an event dict is scanned once (PyDict_Next); its keys are mapped to field numbers through
  *     a pointer cache (orjson hands out the same key objects again and again), which gives both
  *     the field values and the unknown-field check in one pass;
+ *   - raw lines (feed_lines) are mostly not parsed into dicts at all: scan_line reads the common
+ *     compact form straight into the field table and leaves every other line to orjson (see
+ *     "the line scanner" below);
  *   - integers are held as __int128, which holds every integer orjson produces (it turns anything
  *     outside [-2**63, 2**64) into a float) and any sum of two of them.
  * Findings are rare: they are made by calling back into Python (self._report, self._transient,
@@ -2474,6 +2477,8 @@ static int exception_problem(PyObject *problems, long long line, int kid)
     return r < 0 ? -1 : 1;
 }
 
+static int apply_event(Analyzer *a, Ev *e, PyObject *problems);
+
 /* One parsed line (engine.RankAnalyzer.feed_batch's loop body): 0 done (applied, or turned into a
  * problem), -1 an error that feed_batch does not catch. */
 static int feed_one(Analyzer *a, PyObject *ev, long long line, PyObject *problems)
@@ -2526,8 +2531,17 @@ static int feed_one(Analyzer *a, PyObject *ev, long long line, PyObject *problem
                 return -1;
         }
     }
+    return apply_event(a, &e, problems);
+}
+
+/* Runs the handler of an event whose fields are known and allowed for its kind (e->kid): feed_one's
+ * tail, shared with the line scanner. */
+static int apply_event(Analyzer *a, Ev *e, PyObject *problems)
+{
+    long long line = e->line;
+    int kid = e->kid;
     a->line = line;
-    int r = HANDLERS[kid](a, &e);
+    int r = HANDLERS[kid](a, e);
     if (r == 0) {
         a->events++;
         return 0;
@@ -2586,6 +2600,404 @@ static PyObject *an_feed_batch(Analyzer *a, PyObject *args)
     return Py_XNewRef(ret);
 }
 
+/* ---------------------------------------------------------------- the line scanner */
+
+/* Most trace lines are written by hazsan's own writer: one compact JSON object, keys from the
+ * schema, ASCII strings without escapes, integers that fit 64 bits. For those, building the dict
+ * that orjson would build (and a str and an int for every field) costs several times what the
+ * engine spends on the event. scan_line reads such a line straight into an Ev: Python objects only
+ * for the fields a handler reads (strings shared through a small cache, as orjson shares keys),
+ * the other fields only checked to be valid JSON. It accepts a line only when it is certain that
+ * orjson.loads would give a dict that feed_one maps to the very same Ev; everything else (escapes,
+ * non-ASCII, floats, integers of 19 digits or more, whitespace other than the final newline,
+ * duplicate keys, unknown keys or keys not allowed for the kind, a missing or unknown 'ev', nesting
+ * deeper than SCAN_DEPTH, anything not JSON) is left to orjson and feed_one, which then produce
+ * the problem, the warning or the event exactly as before. */
+
+enum { SCAN_OK = 0, SCAN_FALLBACK = 1, SCAN_ERROR = -1 };
+#define SCAN_DEPTH 32
+#define STR_CACHE_SIZE 4096
+#define STR_CACHE_MAX 192
+
+static int scanner_enabled = 1;
+static long long scanned_lines = 0, fallback_lines = 0;
+
+/* Fields no handler reads (their values are checked, never built). */
+#define UNREAD_FIELDS (((uint64_t)1 << F_T) | ((uint64_t)1 << F_STEP) | ((uint64_t)1 << F_SHAPE) | ((uint64_t)1 << F_DTYPE))
+#define HANDLER_MASK ((((uint64_t)1) << N_HANDLER_FIELDS) - 1)
+#define BUILT_FIELDS (HANDLER_MASK & ~UNREAD_FIELDS)
+
+/* key bytes -> field number (built by setup from the same names as field_ids) */
+#define FK_SIZE 256
+static struct { const char *name; Py_ssize_t len; int fid; } field_keys[FK_SIZE];
+
+static inline unsigned bytes_hash(const char *s, Py_ssize_t n)
+{
+    unsigned h = (unsigned)n * 2654435761u;
+    for (Py_ssize_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)s[i]) * 16777619u;
+    return h;
+}
+
+static int field_keys_build(void)
+{
+    memset(field_keys, 0, sizeof(field_keys));
+    for (int f = 0; f < n_fields; f++) {
+        Py_ssize_t n;
+        const char *s = PyUnicode_AsUTF8AndSize(field_names[f], &n);
+        if (s == NULL)
+            return -1;
+        int ascii = 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            ascii &= (unsigned char)s[i] >= 0x20 && (unsigned char)s[i] < 0x80 && s[i] != '"' && s[i] != '\\';
+        if (!ascii)
+            continue;  /* never matched by the scanner: lines with it go to orjson */
+        unsigned h = bytes_hash(s, n);
+        for (unsigned probe = 0; probe < FK_SIZE; probe++) {
+            unsigned slot = (h + probe) & (FK_SIZE - 1);
+            if (field_keys[slot].name == NULL) {
+                field_keys[slot].name = s;
+                field_keys[slot].len = n;
+                field_keys[slot].fid = f;
+                break;
+            }
+        }
+    }
+    return 0;
+}
+
+static inline int field_of_key(const char *s, Py_ssize_t n)
+{
+    unsigned h = bytes_hash(s, n);
+    for (unsigned probe = 0; probe < FK_SIZE; probe++) {
+        unsigned slot = (h + probe) & (FK_SIZE - 1);
+        if (field_keys[slot].name == NULL)
+            return -1;
+        if (field_keys[slot].len == n && memcmp(field_keys[slot].name, s, (size_t)n) == 0)
+            return field_keys[slot].fid;
+    }
+    return -1;
+}
+
+/* Frequent strings (streams, pools, comms, sites, op names) are made once; strings are immutable,
+ * so sharing one object is invisible to the engine. */
+static struct { unsigned h; PyObject *s; } str_cache[STR_CACHE_SIZE];
+
+static PyObject *ascii_str(const char *p, Py_ssize_t n)
+{
+    PyObject *o = PyUnicode_New(n, 127);
+    if (o != NULL)
+        memcpy(PyUnicode_DATA(o), p, (size_t)n);
+    return o;
+}
+
+static PyObject *cached_str(const char *p, Py_ssize_t n)
+{
+    if (n > STR_CACHE_MAX)
+        return ascii_str(p, n);
+    unsigned h = bytes_hash(p, n);
+    unsigned slot = (h ^ (h >> 13)) & (STR_CACHE_SIZE - 1);
+    PyObject *c = str_cache[slot].s;
+    if (c != NULL && str_cache[slot].h == h && PyUnicode_GET_LENGTH(c) == n && memcmp(PyUnicode_DATA(c), p, (size_t)n) == 0)
+        return Py_NewRef(c);
+    PyObject *o = ascii_str(p, n);
+    if (o != NULL) {
+        Py_XSETREF(str_cache[slot].s, Py_NewRef(o));
+        str_cache[slot].h = h;
+    }
+    return o;
+}
+
+typedef struct {
+    const char *p, *end;
+} Scan;
+
+/* A string without escapes, all printable ASCII: its bytes (between the quotes). */
+static inline int scan_string(Scan *sc, const char **s, Py_ssize_t *n)
+{
+    const char *q = sc->p + 1, *start = q;  /* sc->p is at the opening quote */
+    while (q < sc->end) {
+        unsigned char c = (unsigned char)*q;
+        if (c == '"') {
+            *s = start;
+            *n = q - start;
+            sc->p = q + 1;
+            return SCAN_OK;
+        }
+        if (c < 0x20 || c >= 0x80 || c == '\\')
+            return SCAN_FALLBACK;
+        q++;
+    }
+    return SCAN_FALLBACK;
+}
+
+/* An integer of at most 18 digits (so within int64). What follows it is checked by the caller:
+ * only ',', ']' or '}' is accepted there, which leaves fractions and exponents to orjson. */
+static inline int scan_int(Scan *sc, long long *out)
+{
+    const char *q = sc->p;
+    int neg = 0;
+    if (*q == '-') {
+        neg = 1;
+        q++;
+    }
+    const char *d = q;
+    long long v = 0;
+    while (q < sc->end && *q >= '0' && *q <= '9') {
+        if (q - d >= 18)
+            return SCAN_FALLBACK;
+        v = v * 10 + (*q - '0');
+        q++;
+    }
+    if (q == d || (q - d > 1 && *d == '0'))
+        return SCAN_FALLBACK;
+    *out = neg ? -v : v;
+    sc->p = q;
+    return SCAN_OK;
+}
+
+static int scan_value(Scan *sc, int depth, PyObject **out);
+
+/* After a value inside a container: ',' (1, more follows), the closing `close` (0), else fallback (-2). */
+static inline int scan_next(Scan *sc, char close)
+{
+    if (sc->p >= sc->end)
+        return -2;
+    char c = *sc->p++;
+    if (c == ',')
+        return 1;
+    return c == close ? 0 : -2;
+}
+
+static int scan_array(Scan *sc, int depth, PyObject **out)
+{
+    sc->p++;  /* '[' */
+    PyObject *list = NULL;
+    if (out != NULL && (list = PyList_New(0)) == NULL)
+        return SCAN_ERROR;
+    if (sc->p < sc->end && *sc->p == ']') {
+        sc->p++;
+        goto done;
+    }
+    for (;;) {
+        PyObject *item = NULL;
+        int r = scan_value(sc, depth + 1, out != NULL ? &item : NULL);
+        if (r != SCAN_OK) {
+            Py_XDECREF(list);
+            return r;
+        }
+        if (list != NULL) {
+            int rc = PyList_Append(list, item);
+            Py_DECREF(item);
+            if (rc < 0) {
+                Py_DECREF(list);
+                return SCAN_ERROR;
+            }
+        }
+        int nx = scan_next(sc, ']');
+        if (nx == 0)
+            break;
+        if (nx < 0) {
+            Py_XDECREF(list);
+            return SCAN_FALLBACK;
+        }
+    }
+done:
+    if (out != NULL)
+        *out = list;
+    return SCAN_OK;
+}
+
+/* A nested object (a 'bufs' entry): a dict in key order, as orjson builds it; duplicate keys are
+ * left to orjson. */
+static int scan_object(Scan *sc, int depth, PyObject **out)
+{
+    sc->p++;  /* '{' */
+    PyObject *d = NULL;
+    if (out != NULL && (d = PyDict_New()) == NULL)
+        return SCAN_ERROR;
+    if (sc->p < sc->end && *sc->p == '}') {
+        sc->p++;
+        goto done;
+    }
+    for (;;) {
+        const char *ks;
+        Py_ssize_t kn;
+        if (sc->p >= sc->end || *sc->p != '"' || scan_string(sc, &ks, &kn) != SCAN_OK ||
+            sc->p >= sc->end || *sc->p != ':')
+            goto fallback;
+        sc->p++;
+        PyObject *key = NULL, *val = NULL;
+        if (d != NULL && (key = cached_str(ks, kn)) == NULL)
+            goto error;
+        int r = scan_value(sc, depth + 1, d != NULL ? &val : NULL);
+        if (r != SCAN_OK) {
+            Py_XDECREF(key);
+            Py_XDECREF(d);
+            return r;
+        }
+        if (d != NULL) {
+            int dup = PyDict_Contains(d, key);
+            int rc = dup ? dup : PyDict_SetItem(d, key, val);
+            Py_DECREF(key);
+            Py_DECREF(val);
+            if (dup > 0)
+                goto fallback;
+            if (rc < 0)
+                goto error;
+        }
+        int nx = scan_next(sc, '}');
+        if (nx == 0)
+            break;
+        if (nx < 0)
+            goto fallback;
+    }
+done:
+    if (out != NULL)
+        *out = d;
+    return SCAN_OK;
+fallback:
+    Py_XDECREF(d);
+    return SCAN_FALLBACK;
+error:
+    Py_XDECREF(d);
+    return SCAN_ERROR;
+}
+
+static inline int scan_literal(Scan *sc, const char *word, size_t n, PyObject *value, PyObject **out)
+{
+    if ((size_t)(sc->end - sc->p) < n || memcmp(sc->p, word, n) != 0)
+        return SCAN_FALLBACK;
+    sc->p += n;
+    if (out != NULL)
+        *out = Py_NewRef(value);
+    return SCAN_OK;
+}
+
+/* One JSON value: built into *out, or only checked when out is NULL. */
+static int scan_value(Scan *sc, int depth, PyObject **out)
+{
+    if (sc->p >= sc->end || depth > SCAN_DEPTH)
+        return SCAN_FALLBACK;
+    switch (*sc->p) {
+    case '"': {
+        const char *s;
+        Py_ssize_t n;
+        if (scan_string(sc, &s, &n) != SCAN_OK)
+            return SCAN_FALLBACK;
+        if (out != NULL && (*out = cached_str(s, n)) == NULL)
+            return SCAN_ERROR;
+        return SCAN_OK;
+    }
+    case '[':
+        return scan_array(sc, depth, out);
+    case '{':
+        return scan_object(sc, depth, out);
+    case 't':
+        return scan_literal(sc, "true", 4, Py_True, out);
+    case 'f':
+        return scan_literal(sc, "false", 5, Py_False, out);
+    case 'n':
+        return scan_literal(sc, "null", 4, Py_None, out);
+    default: {
+        long long v;
+        if (scan_int(sc, &v) != SCAN_OK)
+            return SCAN_FALLBACK;
+        if (out != NULL && (*out = PyLong_FromLongLong(v)) == NULL)
+            return SCAN_ERROR;
+        return SCAN_OK;
+    }
+    }
+}
+
+/* The kind named by the bytes of an 'ev' string; -1 when it is none of them. */
+static inline int kind_of_bytes(const char *s, Py_ssize_t n)
+{
+    if (n == 0)
+        return -1;
+    unsigned h = kind_hash(s, n);
+    for (unsigned probe = 0; probe < KT_SIZE; probe++) {
+        int k = kind_table[(h + probe) & (KT_SIZE - 1)];
+        if (k < 0)
+            return -1;
+        if (kind_len[k] == n && memcmp(KIND_NAMES[k], s, (size_t)n) == 0)
+            return k;
+    }
+    return -1;
+}
+
+static void ev_release(Ev *e, uint64_t owned)
+{
+    while (owned) {
+        int f = __builtin_ctzll(owned);
+        owned &= owned - 1;
+        Py_DECREF(e->v[f]);
+    }
+}
+
+/* The line as an Ev (SCAN_OK: *owned says which e->v hold a reference), or SCAN_FALLBACK (nothing
+ * held), or SCAN_ERROR (a Python exception, nothing held). */
+static int scan_line(const char *buf, Py_ssize_t len, Ev *e, uint64_t *owned)
+{
+    Scan sc = {buf, buf + len};
+    if (len > 0 && buf[len - 1] == '\n')
+        sc.end--;
+    uint64_t own = 0;
+    int kid = -1, r = SCAN_FALLBACK;
+    e->present = 0;
+    if (sc.p >= sc.end || *sc.p != '{')
+        return SCAN_FALLBACK;
+    sc.p++;
+    for (;;) {
+        const char *ks;
+        Py_ssize_t kn;
+        if (sc.p >= sc.end || *sc.p != '"' || scan_string(&sc, &ks, &kn) != SCAN_OK ||
+            sc.p >= sc.end || *sc.p != ':')
+            goto out;  /* also '{}' and keys with escapes: orjson's */
+        sc.p++;
+        int f = field_of_key(ks, kn);
+        if (f < 0 || ((e->present >> f) & 1))
+            goto out;  /* unknown (a counted warning) or repeated: orjson and feed_one decide */
+        uint64_t bit = (uint64_t)1 << f;
+        if (f == F_EV) {
+            const char *vs;
+            Py_ssize_t vn;
+            if (sc.p >= sc.end || *sc.p != '"' || scan_string(&sc, &vs, &vn) != SCAN_OK ||
+                (kid = kind_of_bytes(vs, vn)) < 0)
+                goto out;
+            e->v[F_EV] = Py_NewRef(kind_strs[kid]);
+            own |= bit;
+        } else if (bit & BUILT_FIELDS) {
+            PyObject *v = NULL;
+            r = scan_value(&sc, 1, &v);
+            if (r != SCAN_OK)
+                goto out;
+            e->v[f] = v;
+            own |= bit;
+        } else {
+            r = scan_value(&sc, 1, NULL);
+            if (r != SCAN_OK)
+                goto out;
+        }
+        r = SCAN_FALLBACK;
+        e->present |= bit;
+        int nx = scan_next(&sc, '}');
+        if (nx == 0)
+            break;
+        if (nx < 0)
+            goto out;
+    }
+    if (sc.p != sc.end || kid < 0 || (e->present & ~kind_allowed[kid]))
+        goto out;
+    e->kid = kid;
+    e->dict = NULL;
+    *owned = own;
+    return SCAN_OK;
+out:
+    ev_release(e, own);
+    return r;
+}
+
 /* _feed_lines(first, raws, problems, loads, decode_error, path) -> None, or the line number of a
  * last line cut short. Parses each raw line and applies it at once, so that no batch of parsed
  * events stays alive (the cyclic GC then has nothing young to walk). Same outcome as
@@ -2612,6 +3024,27 @@ static PyObject *an_feed_lines(Analyzer *a, PyObject *args)
     for (Py_ssize_t idx = 0; idx < PyList_GET_SIZE(raws); idx++) {
         PyObject *raw = PyList_GET_ITEM(raws, idx);
         line++;
+        if (scanner_enabled && PyBytes_CheckExact(raw)) {
+            Ev e;
+            uint64_t owned;
+            Py_INCREF(raw);
+            int sr = scan_line(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw), &e, &owned);
+            int r = 0;
+            if (sr == SCAN_OK) {
+                scanned_lines++;
+                e.line = line;
+                r = apply_event(a, &e, problems);
+                ev_release(&e, owned);
+            }
+            Py_DECREF(raw);
+            if (sr == SCAN_ERROR || r < 0) {
+                ret = NULL;
+                break;
+            }
+            if (sr == SCAN_OK)
+                continue;
+            fallback_lines++;
+        }
         Py_INCREF(raw);
         PyObject *argv[1] = {raw};
         PyObject *ev = call ? call(loads, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)
@@ -3065,6 +3498,10 @@ static PyObject *mod_setup(PyObject *mod, PyObject *args)
     Py_XSETREF(kind_ids, kids);
     memcpy(kind_allowed, masks, sizeof(masks));
     Py_XSETREF(TraceErrorType, Py_NewRef(trace_error));
+    if (field_keys_build() < 0) {
+        configured = 0;
+        return NULL;
+    }
     configured = 1;
     Py_RETURN_NONE;
 fail_names:
@@ -3076,7 +3513,24 @@ fail:
     return NULL;
 }
 
+/* _scanner(enabled=None) -> (enabled, lines scanned, lines left to orjson): for tests and benchmarks */
+static PyObject *mod_scanner(PyObject *mod, PyObject *args)
+{
+    PyObject *enable = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:_scanner", &enable))
+        return NULL;
+    if (enable != Py_None) {
+        int t = PyObject_IsTrue(enable);
+        if (t < 0)
+            return NULL;
+        scanner_enabled = t;
+    }
+    return Py_BuildValue("(OLL)", scanner_enabled ? Py_True : Py_False, scanned_lines, fallback_lines);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_scanner", mod_scanner, METH_VARARGS,
+     "_scanner(enabled=None) -> (enabled, scanned, fallback): switch the raw-line scanner, read its counts."},
     {"setup", mod_setup, METH_VARARGS,
      "setup(allowed, trace_error, access_codes): configure from the schema tables (before use)."},
     {NULL}

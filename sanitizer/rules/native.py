@@ -7,9 +7,14 @@ per-event work moves to C; everything rare stays Python and is shared with the e
 findings are made by `engine.RankAnalyzer._report` and `._transient`, `finish` is the engine's,
 and the CollectiveMatcher gets the C ops through their `describe()`, `.line` and `.site`.
 
-Parsing stays orjson. `feed_batch` takes parsed events (TraceFile.batches, as the Python engine)
-or raw lines (`read_batches`): then the C loop calls orjson.loads on each line and drops the event
-as soon as it is applied, which spares the cyclic GC its passes over batches of parsed events.
+`feed_batch` takes parsed events (TraceFile.batches, as the Python engine) or raw lines
+(`read_batches`, what analyze() uses). Raw lines are read by a scanner in C straight into the
+engine's field table, without the dict, strs and ints orjson would build (most of the run's cost
+otherwise); it takes only lines it understands completely (a compact object of schema fields, ASCII
+strings without escapes, integers of up to 18 digits) and hands every other line to orjson.loads and
+the dict path, so problems, warnings and line numbers stay exactly the Python engine's. Either way an
+event is dropped as soon as it is applied, which spares the cyclic GC its passes over batches.
+`_fastengine._scanner(False)` switches the scanner off (tests, benchmarks).
 
 Which one runs: `HAZSAN_ENGINE=python|native|auto` (default auto: native when it is built).
 `available` says whether the extension loaded; `reason` why not.
