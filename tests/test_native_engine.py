@@ -594,7 +594,7 @@ def test_unhashable_values_give_the_same_messages(native, tmp_path):
 # Raw lines aimed at the scanner's edges: each is either taken by it (and must then mean exactly what
 # orjson + feed_one make of it) or left to orjson (and must then come out as before).
 _ALLOC = b'"id":%d,"addr":%d,"size":64,"stream":"s0","pool":"default"'
-TAKEN = 20
+TAKEN = 21
 SCANNER_LINES = [
     # plain forms the scanner takes (the first TAKEN lines)
     b'{"ev":"alloc",' + _ALLOC % (1, 65536) + b'}',
@@ -614,6 +614,7 @@ SCANNER_LINES = [
     b'{"ev":"hook_error","count":2,"site":"x"}',
     b'{"ev":"sync"}',
     b'{"ev":"sync","stream":"s0","site":""}',  # empty string
+    b'{"ev":"launch","stream":"s2","reads":[' + b",".join(b"[%d,8]" % (65536 + 8 * i) for i in range(40)) + b']}',
     b'{"ev":"coll","cid":4,"comm":"c0","seq":3,"op":"ar","stream":"c","bufs":[{"addr":65536,"size":64,"access":"w","x":[]}]}',
     b'{"ev":"launch","stream":{"s":1}}',  # objects where none belong: built, then the handler says no
     b'{"ev":"free_done","id":{"a":{"b":[1,{"c":null}]}}}',
@@ -625,6 +626,7 @@ SCANNER_LINES = [
     b'{"ev":"alloc",' + _ALLOC % (6, 18446744073709551615) + b'}',
     b'{"ev":"alloc",' + _ALLOC % (7, 18446744073709551616) + b'}',  # orjson: a float
     b'{"ev":"alloc",' + _ALLOC % (8, 10**30) + b'}',
+    b'{"ev":"launch","stream":"s2","reads":[' + b",".join(b"[%d,8]" % (65536 + 8 * i) for i in range(30)) + b',[1,2.5]]}',
     b'{"ev":"free","id":1.0}',
     b'{"ev":"free","id":1e0}',
     b'{"ev":"free","id":1E+2}',

@@ -2631,12 +2631,9 @@ static long long scanned_lines = 0, fallback_lines = 0;
 #define FK_SIZE 256
 static struct { const char *name; Py_ssize_t len; int fid; } field_keys[FK_SIZE];
 
-static inline unsigned bytes_hash(const char *s, Py_ssize_t n)
+static inline unsigned key_hash(const char *s, Py_ssize_t n)
 {
-    unsigned h = (unsigned)n * 2654435761u;
-    for (Py_ssize_t i = 0; i < n; i++)
-        h = (h ^ (unsigned char)s[i]) * 16777619u;
-    return h;
+    return n ? kind_hash(s, n) * 2654435761u >> 8 : 0;
 }
 
 static int field_keys_build(void)
@@ -2652,7 +2649,7 @@ static int field_keys_build(void)
             ascii &= (unsigned char)s[i] >= 0x20 && (unsigned char)s[i] < 0x80 && s[i] != '"' && s[i] != '\\';
         if (!ascii)
             continue;  /* never matched by the scanner: lines with it go to orjson */
-        unsigned h = bytes_hash(s, n);
+        unsigned h = key_hash(s, n);
         for (unsigned probe = 0; probe < FK_SIZE; probe++) {
             unsigned slot = (h + probe) & (FK_SIZE - 1);
             if (field_keys[slot].name == NULL) {
@@ -2668,7 +2665,7 @@ static int field_keys_build(void)
 
 static inline int field_of_key(const char *s, Py_ssize_t n)
 {
-    unsigned h = bytes_hash(s, n);
+    unsigned h = key_hash(s, n);
     for (unsigned probe = 0; probe < FK_SIZE; probe++) {
         unsigned slot = (h + probe) & (FK_SIZE - 1);
         if (field_keys[slot].name == NULL)
@@ -2695,7 +2692,19 @@ static PyObject *cached_str(const char *p, Py_ssize_t n)
 {
     if (n > STR_CACHE_MAX)
         return ascii_str(p, n);
-    unsigned h = bytes_hash(p, n);
+    /* eight bytes a step; the cache compares the whole string anyway, so the hash only spreads */
+    uint64_t x = (uint64_t)n * 0x9E3779B97F4A7C15ull;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        x = (x ^ w) * 0xff51afd7ed558ccdull;
+        x ^= x >> 29;
+    }
+    for (; i < n; i++)
+        x = (x ^ (unsigned char)p[i]) * 0x100000001b3ull;
+    x ^= x >> 32;
+    unsigned h = (unsigned)x;
     unsigned slot = (h ^ (h >> 13)) & (STR_CACHE_SIZE - 1);
     PyObject *c = str_cache[slot].s;
     if (c != NULL && str_cache[slot].h == h && PyUnicode_GET_LENGTH(c) == n && memcmp(PyUnicode_DATA(c), p, (size_t)n) == 0)
@@ -2716,6 +2725,17 @@ typedef struct {
 static inline int scan_string(Scan *sc, const char **s, Py_ssize_t *n)
 {
     const char *q = sc->p + 1, *start = q;  /* sc->p is at the opening quote */
+    /* eight bytes at a time while none of them is a quote, a backslash, a control or non-ASCII byte */
+    const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    while (sc->end - q >= 8) {
+        uint64_t w;
+        memcpy(&w, q, 8);
+        uint64_t quote = w ^ (ones * '"'), bslash = w ^ (ones * '\\');
+        uint64_t special = ((quote - ones) & ~quote) | ((bslash - ones) & ~bslash) | (w - ones * 0x20) | w;
+        if (special & highs)
+            break;
+        q += 8;
+    }
     while (q < sc->end) {
         unsigned char c = (unsigned char)*q;
         if (c == '"') {
@@ -2769,43 +2789,74 @@ static inline int scan_next(Scan *sc, char close)
     return c == close ? 0 : -2;
 }
 
+/* The items are gathered first and the list made at its size (short lists are the rule: pairs,
+ * shapes, a few buffers), which spares PyList_Append's resizing. */
+#define ARRAY_STACK 16
+
 static int scan_array(Scan *sc, int depth, PyObject **out)
 {
     sc->p++;  /* '[' */
-    PyObject *list = NULL;
-    if (out != NULL && (list = PyList_New(0)) == NULL)
-        return SCAN_ERROR;
+    PyObject *items[ARRAY_STACK];
+    Py_ssize_t n = 0;
+    PyObject *list = NULL;  /* made once more than ARRAY_STACK items come */
+    int r = SCAN_OK;
     if (sc->p < sc->end && *sc->p == ']') {
         sc->p++;
         goto done;
     }
     for (;;) {
         PyObject *item = NULL;
-        int r = scan_value(sc, depth + 1, out != NULL ? &item : NULL);
-        if (r != SCAN_OK) {
-            Py_XDECREF(list);
-            return r;
-        }
-        if (list != NULL) {
-            int rc = PyList_Append(list, item);
-            Py_DECREF(item);
-            if (rc < 0) {
-                Py_DECREF(list);
-                return SCAN_ERROR;
+        r = scan_value(sc, depth + 1, out != NULL ? &item : NULL);
+        if (r != SCAN_OK)
+            goto fail;
+        if (item != NULL) {
+            if (list == NULL && n == ARRAY_STACK) {
+                if ((list = PyList_New(n)) == NULL) {
+                    Py_DECREF(item);
+                    r = SCAN_ERROR;
+                    goto fail;
+                }
+                for (Py_ssize_t i = 0; i < n; i++)
+                    PyList_SET_ITEM(list, i, items[i]);
+                n = 0;
+            }
+            if (list != NULL) {
+                int rc = PyList_Append(list, item);
+                Py_DECREF(item);
+                if (rc < 0) {
+                    r = SCAN_ERROR;
+                    goto fail;
+                }
+            } else {
+                items[n++] = item;
             }
         }
         int nx = scan_next(sc, ']');
         if (nx == 0)
             break;
         if (nx < 0) {
-            Py_XDECREF(list);
-            return SCAN_FALLBACK;
+            r = SCAN_FALLBACK;
+            goto fail;
         }
     }
 done:
-    if (out != NULL)
+    if (out != NULL) {
+        if (list == NULL) {
+            if ((list = PyList_New(n)) == NULL) {
+                r = SCAN_ERROR;
+                goto fail;
+            }
+            for (Py_ssize_t i = 0; i < n; i++)
+                PyList_SET_ITEM(list, i, items[i]);
+        }
         *out = list;
+    }
     return SCAN_OK;
+fail:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_DECREF(items[i]);
+    Py_XDECREF(list);
+    return r;
 }
 
 /* A nested object (a 'bufs' entry): a dict in key order, as orjson builds it; duplicate keys are
