@@ -8,14 +8,16 @@ its CPU seconds inside analyze() (best of --repeats; CPU time does not count tim
 descheduled, so it is the steadier figure on a shared machine) and its peak RSS. The runs
 alternate between backends so that a change in machine load hits both.
 
-The C engine runs twice: fed parsed batches (TraceFile.batches, what analyze() gives any
-analyzer today) and fed raw lines (native.RankAnalyzer.read_batches: each line parsed by orjson
-inside the C loop and dropped once applied).
+The C engine runs three ways: as `hazsan check` runs it (raw lines, native.RankAnalyzer.read_batches,
+read by the C line scanner straight into the engine, orjson only for lines it leaves); raw lines
+with the scanner off (orjson.loads on each line inside the C loop, the previous default); and fed
+parsed batches (TraceFile.batches: orjson dicts, what any analyzer can be given).
 
 It also prints:
   - the parse floor: the reader alone (lines read, orjson.loads on each, nothing analysed);
-    `engine us/event` is a run's time minus that floor (the raw-line run: minus the GC-off floor,
-    since it leaves the collector nothing to walk);
+    `engine us/event` is a run's time minus that floor (the raw-line runs: minus the GC-off floor,
+    since they leave the collector nothing to walk; with the C scanner nothing is parsed by
+    orjson, so there it is only a comparison);
   - the same runs with Python's cyclic GC switched off for the duration (`--gc-off` column): the
     parsed events are short-lived containers, and the collector's passes over them are a large
     share of the native run;
@@ -51,30 +53,23 @@ import gen_decode_trace as gen  # noqa: E402
 _CHILD = r"""
 import gc, hashlib, json, os, sys, time
 spec = json.loads(sys.argv[1])
-os.environ["HAZSAN_ENGINE"] = spec["engine"] if spec["engine"] != "parse" else "python"
+os.environ["HAZSAN_ENGINE"] = "native" if spec["engine"].startswith("native") else "python"
 import orjson
 from sanitizer.rules import engine
 if spec["engine"].startswith("native"):
     from sanitizer.rules import native
     if not native.available:
         print(json.dumps({"error": native.reason})); sys.exit(0)
-    cls = native.RankAnalyzer   # also what HAZSAN_ENGINE=native selects
-    if spec["engine"] == "native-lines":
-        # analyze() reads trace.batches(); hand it the native raw-line batches instead (what it
-        # does itself once it calls read_batches on analyzers that have it)
-        class RawLines:
-            def __init__(self, trace, analyzer):
-                self._t, self._a = trace, analyzer
-            def batches(self, size=4096):
-                return native._line_batches(self._t, size)
-            def __getattr__(self, name):
-                return getattr(self._t, name)
-        class LinesAnalyzer(native.RankAnalyzer):
-            def __init__(self, trace, *a, **kw):
-                super().__init__(trace, *a, **kw)
-                self.trace = RawLines(trace, self)
-                self.read_batches = lambda size=4096: native._line_batches(trace, size)
-        cls = LinesAnalyzer
+    cls = native.RankAnalyzer   # also what HAZSAN_ENGINE=native selects: raw lines, C line scanner
+    if spec["engine"] == "native-parsed":
+        # fed parsed events (TraceFile.batches: orjson dicts), as any analyzer can be
+        class ParsedAnalyzer(native.RankAnalyzer):
+            def read_batches(self, size=4096):
+                return self.trace.batches(size)
+        cls = ParsedAnalyzer
+    elif spec["engine"] == "native-orjson":
+        # raw lines, each parsed by orjson.loads inside the C loop (the scanner switched off)
+        native._fastengine._scanner(False)
     engine.RankAnalyzer = cls
 if spec["gc_off"]:
     gc.disable()
@@ -191,9 +186,10 @@ def main() -> int:
     print(f"trace: {trace} ({len(paths)} file(s), {size_mb:,.0f} MiB, {args.events:,} events per rank), "
           f"--peer-completion {args.peer_completion}")
 
-    variants = [("parse", False), ("python", False), ("native", False), ("native-lines", False)]
+    variants = [("parse", False), ("python", False), ("native", False), ("native-orjson", False),
+                ("native-parsed", False)]
     if not args.skip_gc_off:
-        variants += [("parse", True), ("python", True), ("native", True)]
+        variants += [("parse", True), ("python", True), ("native-parsed", True)]
     best: dict = {}
     for rep in range(args.repeats):
         for engine, gc_off in variants:
@@ -201,25 +197,27 @@ def main() -> int:
             key = (engine, gc_off)
             if key not in best or r["cpu"] < best[key]["cpu"]:
                 best[key] = r
-            print(f"  run {rep + 1}/{args.repeats} {engine:12s}{' gc-off' if gc_off else '       '} "
+            print(f"  run {rep + 1}/{args.repeats} {engine:14s}{' gc-off' if gc_off else '       '} "
                   f"{r['events'] / r['cpu']:>12,.0f} events/s  {r['peak_rss_mb']:6.0f} MB", flush=True)
 
     from tabulate import tabulate
 
-    names = {"parse": "reader only (floor)", "python": "Python engine", "native": "C engine, parsed batches",
-             "native-lines": "C engine, raw lines"}
+    names = {"parse": "reader + orjson only (floor)", "python": "Python engine",
+             "native": "C engine, raw lines, C scanner", "native-orjson": "C engine, raw lines, orjson",
+             "native-parsed": "C engine, parsed batches"}
     rows = []
     for gc_off in ([False, True] if not args.skip_gc_off else [False]):
         floor = best[("parse", gc_off)]
         py = best[("python", gc_off)]
-        for engine in ("parse", "python", "native", "native-lines"):
+        for engine in ("parse", "python", "native", "native-orjson", "native-parsed"):
             if (engine, gc_off) not in best:
                 continue
             r = best[(engine, gc_off)]
             n = r["events"]
             us = r["cpu"] / n * 1e6
-            # the raw-line path leaves no parsed batches for the GC: its floor is the GC-off one
-            base = best.get(("parse", True), floor) if engine == "native-lines" else floor
+            # the raw-line paths leave no parsed batches for the GC: their floor is the GC-off one
+            # (for the scanner path the figure is only a comparison: it does not parse with orjson)
+            base = best.get(("parse", True), floor) if engine in ("native", "native-orjson") else floor
             rows.append([
                 names[engine] + (" [GC off]" if gc_off else ""),
                 f"{n:,}", f"{r['cpu']:.2f}", f"{n / r['cpu']:,.0f}", f"{us:.3f}",
