@@ -112,7 +112,7 @@ class Spy:
                 if raw:
                     # read_batches reads self.trace's stream, so it is given the real TraceFile
                     real = self.trace
-                    self.read_batches = lambda size=4096: native_mod._line_batches(real, size)
+                    self.read_batches = real.line_batches
                     self.trace = _RawLines(real, self)
 
         self.cls = SpyNative

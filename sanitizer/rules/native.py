@@ -21,16 +21,14 @@ Which one runs: `HAZSAN_ENGINE=python|native|auto` (default auto: native when it
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import os
-from itertools import islice
 from pathlib import Path
 
 import orjson
 
 from sanitizer.rules import engine
-from sanitizer.trace.reader import TraceError, _tolerant_lines
+from sanitizer.trace.reader import TraceError
 from sanitizer.trace.schema import ACCESS_CODES
 
 ENV = "HAZSAN_ENGINE"
@@ -90,12 +88,15 @@ if available:
         def read_batches(self, size: int = 4096):
             """This rank's trace as (first line number, [raw line, ...]) batches, for feed_batch.
 
-            Raw lines rather than parsed events: feed_batch then parses each line (orjson) and
-            applies it at once, so no batch of parsed events stays alive and the cyclic GC has
+            Raw lines rather than parsed events: feed_batch then reads each line (the C scanner,
+            else orjson) and applies it at once, so no batch of parsed events stays alive and the cyclic GC has
             nothing young to walk (with TraceFile.batches() it spends about a third of the run
-            there). Outcome identical to TraceFile.batches(): see _line_batches.
+            there). Outcome identical to TraceFile.batches(): the reader's line_batches does the
+            stream handling (plain or gzip, a compressed stream cut short, read errors), and
+            feed_batch handles blank lines, "not JSON" lines and a last line cut short as
+            TraceFile.batches() does.
             """
-            return _line_batches(self.trace, size)
+            return self.trace.line_batches(size)
 
         def feed_batch(self, first: int, items: list, problems: list) -> None:
             """Apply a batch: parsed events (TraceFile.batches) or raw lines (read_batches)."""
@@ -106,30 +107,6 @@ if available:
                     trace._truncate(cut)
             else:
                 _fastengine.Analyzer.feed_batch(self, first, items, problems)
-
-    def _line_batches(trace, size: int):
-        """TraceFile.batches() without the parsing: the same stream handling (plain or gzip, a
-        compressed stream cut short is a truncation warning, a read error a TraceError naming the
-        line), the file closed at the end. Parsing, blank lines, "not JSON" lines and a last line
-        cut short are handled by feed_batch exactly as TraceFile.batches() handles them.
-        """
-        stream = trace._stream
-        if stream is None:
-            raise RuntimeError("trace already consumed")
-        trace._stream = None
-        lines = _tolerant_lines(trace, stream) if isinstance(stream, gzip.GzipFile) else stream
-        first = 2
-        try:
-            while True:
-                raws = list(islice(lines, size))
-                if not raws:
-                    return
-                yield first, raws
-                first += len(raws)
-        except OSError as exc:
-            raise TraceError(trace.path, first, f"read error: {exc}") from exc
-        finally:
-            stream.close()
 
 else:
     RankAnalyzer = None  # type: ignore[assignment,misc]
