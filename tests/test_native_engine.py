@@ -594,7 +594,7 @@ def test_unhashable_values_give_the_same_messages(native, tmp_path):
 # Raw lines aimed at the scanner's edges: each is either taken by it (and must then mean exactly what
 # orjson + feed_one make of it) or left to orjson (and must then come out as before).
 _ALLOC = b'"id":%d,"addr":%d,"size":64,"stream":"s0","pool":"default"'
-TAKEN = 21
+TAKEN = 25
 SCANNER_LINES = [
     # plain forms the scanner takes (the first TAKEN lines)
     b'{"ev":"alloc",' + _ALLOC % (1, 65536) + b'}',
@@ -614,6 +614,10 @@ SCANNER_LINES = [
     b'{"ev":"hook_error","count":2,"site":"x"}',
     b'{"ev":"sync"}',
     b'{"ev":"sync","stream":"s0","site":""}',  # empty string
+    b'{"ev":"launch","stream":"s2","reads":[],"writes":[[65536,-64],[-5,0]]}',
+    b'{"ev":"launch","stream":"s2","writes":[' + b",".join(b"[%d,8]" % (65536 + 8 * i) for i in range(16)) + b']}',
+    b'{"ev":"launch","stream":"s2","reads":[' + b",".join(b"[%d,8]" % (65536 + 8 * i) for i in range(17)) + b']}',
+    b'{"ev":"launch","stream":"s1","reads":[[65536,64],[1,"a"]]}',
     b'{"ev":"launch","stream":"s2","reads":[' + b",".join(b"[%d,8]" % (65536 + 8 * i) for i in range(40)) + b']}',
     b'{"ev":"coll","cid":4,"comm":"c0","seq":3,"op":"ar","stream":"c","bufs":[{"addr":65536,"size":64,"access":"w","x":[]}]}',
     b'{"ev":"launch","stream":{"s":1}}',  # objects where none belong: built, then the handler says no
@@ -627,6 +631,10 @@ SCANNER_LINES = [
     b'{"ev":"alloc",' + _ALLOC % (7, 18446744073709551616) + b'}',  # orjson: a float
     b'{"ev":"alloc",' + _ALLOC % (8, 10**30) + b'}',
     b'{"ev":"launch","stream":"s2","reads":[' + b",".join(b"[%d,8]" % (65536 + 8 * i) for i in range(30)) + b',[1,2.5]]}',
+    b'{"ev":"launch","stream":"s1","reads":[[65536,64]],"writes":"x"}',  # pairs beside other values
+    b'{"ev":"launch","stream":"s1","reads":[[65536,64],[1]],"writes":[[65536,64]]}',
+    b'{"ev":"launch","stream":"s1","reads":[[65536,64.0]],"writes":[[65536,64]]}',
+    b'{"ev":"launch","stream":"s1","writes":[[65536,64]],"reads":[[1,2,3]]}',
     b'{"ev":"free","id":1.0}',
     b'{"ev":"free","id":1e0}',
     b'{"ev":"free","id":1E+2}',

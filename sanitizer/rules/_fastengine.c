@@ -917,12 +917,19 @@ static int set_malformed(Analyzer *a, PyObject *msg)
 
 #define MAL(...) set_malformed(a, PyUnicode_FromFormat(__VA_ARGS__))
 
+#define PAIR_MAX 16
+
 typedef struct {
     PyObject *v[MAX_FIELDS];
     uint64_t present;
     PyObject *dict;
     long long line;
     int kid;
+    /* a launch's reads and writes as the line scanner read them, [addr, size, addr, size, ...]:
+     * when pairs_fast is set, every one of the two present is here (and not in v) */
+    char pairs_fast;
+    Py_ssize_t npairs[2];
+    long long pairs[2][2 * PAIR_MAX];
 } Ev;
 
 static inline PyObject *ev_get(const Ev *e, int f)
@@ -1827,13 +1834,21 @@ static int parse_pairs(PyObject *pairs, int acc, Buf *out, Py_ssize_t *k)
 static int h_launch(Analyzer *a, Ev *e)
 {
     REQ(stream, F_STREAM)
-    PyObject *reads = ev_get(e, F_READS), *writes = ev_get(e, F_WRITES);
-    int rt = reads ? PyObject_IsTrue(reads) : 0;
-    if (rt < 0)
-        return -1;
-    int wt = writes ? PyObject_IsTrue(writes) : 0;
-    if (wt < 0)
-        return -1;
+    PyObject *reads = NULL, *writes = NULL;
+    int rt, wt;
+    if (e->pairs_fast) {  /* lists of integer pairs, read by the line scanner */
+        rt = ((e->present >> F_READS) & 1) && e->npairs[0] > 0;
+        wt = ((e->present >> F_WRITES) & 1) && e->npairs[1] > 0;
+    } else {
+        reads = ev_get(e, F_READS);
+        writes = ev_get(e, F_WRITES);
+        rt = reads ? PyObject_IsTrue(reads) : 0;
+        if (rt < 0)
+            return -1;
+        wt = writes ? PyObject_IsTrue(writes) : 0;
+        if (wt < 0)
+            return -1;
+    }
     int capturing = PyList_GET_SIZE(a->capturing) > 0;
     if (!rt && !wt) {
         if (!capturing) {
@@ -1843,13 +1858,31 @@ static int h_launch(Analyzer *a, Ev *e)
         }
         return 0;
     }
+    Op *op;
+    Py_ssize_t k = 0;
+    if (e->pairs_fast) {
+        /* within int64 each (18 digits at most), so lo + size cannot overflow */
+        Py_ssize_t nr = rt ? e->npairs[0] : 0, nw = wt ? e->npairs[1] : 0;
+        if ((op = op_new(nr + nw)) == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < nr; i++, k++) {
+            op->bufs[k].lo = e->pairs[0][2 * i];
+            op->bufs[k].hi = (i128)e->pairs[0][2 * i] + e->pairs[0][2 * i + 1];
+            op->bufs[k].acc = READ;
+        }
+        for (Py_ssize_t i = 0; i < nw; i++, k++) {
+            op->bufs[k].lo = e->pairs[1][2 * i];
+            op->bufs[k].hi = (i128)e->pairs[1][2 * i] + e->pairs[1][2 * i + 1];
+            op->bufs[k].acc = WRITE;
+        }
+        goto made;
+    }
     if ((rt && !PyList_CheckExact(reads)) || (wt && !PyList_CheckExact(writes)))
         goto bad;
     Py_ssize_t n = (rt ? PyList_GET_SIZE(reads) : 0) + (wt ? PyList_GET_SIZE(writes) : 0);
-    Op *op = op_new(n);
+    op = op_new(n);
     if (op == NULL)
         return -1;
-    Py_ssize_t k = 0;
     int r = rt ? parse_pairs(reads, READ, op->bufs, &k) : 0;
     if (r == 0 && wt)
         r = parse_pairs(writes, WRITE, op->bufs, &k);
@@ -1862,6 +1895,7 @@ static int h_launch(Analyzer *a, Ev *e)
                        "got %R / %R", or_none(reads), or_none(writes));
         goto bad;
     }
+made:
     op->nbufs = k;
     op->kind = 0;
     op->stream = Py_NewRef(stream);
@@ -2494,6 +2528,7 @@ static int feed_one(Analyzer *a, PyObject *ev, long long line, PyObject *problem
     /* one pass over the dict: field values by number */
     Ev e;
     e.present = 0;
+    e.pairs_fast = 0;
     e.dict = ev;
     e.line = line;
     int unknown_key = 0;
@@ -2961,6 +2996,38 @@ static int scan_value(Scan *sc, int depth, PyObject **out)
     }
 }
 
+/* A list of [int, int] pairs, at most PAIR_MAX of them, into out (addr, size, ...); SCAN_FALLBACK
+ * for anything else (the caller then reads the value the general way from where it began). */
+static int scan_pairs(Scan *sc, long long *out, Py_ssize_t *n)
+{
+    Py_ssize_t k = 0;
+    sc->p++;  /* '[' */
+    if (sc->p < sc->end && *sc->p == ']') {
+        sc->p++;
+        *n = 0;
+        return SCAN_OK;
+    }
+    for (;;) {
+        if (k == PAIR_MAX || sc->end - sc->p < 5 || *sc->p != '[')
+            return SCAN_FALLBACK;
+        sc->p++;
+        if (scan_int(sc, &out[2 * k]) != SCAN_OK || sc->p >= sc->end || *sc->p != ',')
+            return SCAN_FALLBACK;
+        sc->p++;
+        if (sc->p >= sc->end || scan_int(sc, &out[2 * k + 1]) != SCAN_OK || sc->p >= sc->end || *sc->p != ']')
+            return SCAN_FALLBACK;
+        sc->p++;
+        k++;
+        int nx = scan_next(sc, ']');
+        if (nx == 0)
+            break;
+        if (nx < 0)
+            return SCAN_FALLBACK;
+    }
+    *n = k;
+    return SCAN_OK;
+}
+
 /* The kind named by the bytes of an 'ev' string; -1 when it is none of them. */
 static inline int kind_of_bytes(const char *s, Py_ssize_t n)
 {
@@ -2994,7 +3061,7 @@ static int scan_line(const char *buf, Py_ssize_t len, Ev *e, uint64_t *owned)
     if (len > 0 && buf[len - 1] == '\n')
         sc.end--;
     uint64_t own = 0;
-    int kid = -1, r = SCAN_FALLBACK;
+    int kid = -1, r = SCAN_FALLBACK, fast = 0;
     e->present = 0;
     if (sc.p >= sc.end || *sc.p != '{')
         return SCAN_FALLBACK;
@@ -3018,7 +3085,12 @@ static int scan_line(const char *buf, Py_ssize_t len, Ev *e, uint64_t *owned)
                 goto out;
             e->v[F_EV] = Py_NewRef(kind_strs[kid]);
             own |= bit;
+        } else if ((f == F_READS || f == F_WRITES) && sc.p < sc.end && *sc.p == '[' &&
+                   (r = scan_pairs(&sc, e->pairs[f == F_WRITES], &e->npairs[f == F_WRITES])) == SCAN_OK) {
+            fast |= 1 << (f == F_WRITES);
         } else if (bit & BUILT_FIELDS) {
+            if (f == F_READS || f == F_WRITES)
+                sc.p = ks + kn + 2;  /* scan_pairs gave up: read the value from its start */
             PyObject *v = NULL;
             r = scan_value(&sc, 1, &v);
             if (r != SCAN_OK)
@@ -3040,6 +3112,13 @@ static int scan_line(const char *buf, Py_ssize_t len, Ev *e, uint64_t *owned)
     }
     if (sc.p != sc.end || kid < 0 || (e->present & ~kind_allowed[kid]))
         goto out;
+    if (fast) {
+        /* a launch whose reads and writes (those present) both came as pairs; else orjson's */
+        int rw = (int)((e->present >> F_READS) & 1) | (int)(((e->present >> F_WRITES) & 1) << 1);
+        if (kid != K_LAUNCH || fast != rw)
+            goto out;
+    }
+    e->pairs_fast = fast != 0;
     e->kid = kid;
     e->dict = NULL;
     *owned = own;

@@ -89,9 +89,9 @@ if available:
             """This rank's trace as (first line number, [raw line, ...]) batches, for feed_batch.
 
             Raw lines rather than parsed events: feed_batch then reads each line (the C scanner,
-            else orjson) and applies it at once, so no batch of parsed events stays alive and the cyclic GC has
-            nothing young to walk (with TraceFile.batches() it spends about a third of the run
-            there). Outcome identical to TraceFile.batches(): the reader's line_batches does the
+            else orjson) and applies it at once, so no batch of parsed events stays alive and the
+            cyclic GC has nothing young to walk (with TraceFile.batches() it spends about a third
+            of the run there). Outcome identical to TraceFile.batches(): the reader's line_batches does the
             stream handling (plain or gzip, a compressed stream cut short, read errors), and
             feed_batch handles blank lines, "not JSON" lines and a last line cut short as
             TraceFile.batches() does.
