@@ -507,6 +507,7 @@ def test_feed_batch_items_that_are_not_events(native, tmp_path):
         an = cls(open_trace(path), sink, engine.CollectiveMatcher(sink, enabled=False))
         problems = []
         an.feed_batch(2, list(items), problems)
+        an.trace.close()
         results.append((problems, an.events, dict(an.unknown_fields), dict(an.unknown_kinds)))
     assert results[0] == results[1]
     assert results[0][0][0] == (3, err)
