@@ -70,7 +70,8 @@ if spec["engine"].startswith("native"):
     elif spec["engine"] == "native-orjson":
         # raw lines, each parsed by orjson.loads inside the C loop (the scanner switched off)
         native._fastengine._scanner(False)
-    engine.RankAnalyzer = cls
+    # analyze() takes its class from native.analyzer_class(), i.e. native.RankAnalyzer
+    native.RankAnalyzer = engine.RankAnalyzer = cls
 if spec["gc_off"]:
     gc.disable()
 out = {}
