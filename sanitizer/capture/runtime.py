@@ -15,6 +15,7 @@ import time
 
 from sanitizer.capture.config import Settings
 from sanitizer.capture.sites import SiteFinder
+from sanitizer.capture.streams import StreamIds
 from sanitizer.trace.writer import TraceWriter
 
 _active: "Capture | None" = None
@@ -44,6 +45,7 @@ class Capture:
         self.emit = self.writer.emit
         self.sites = SiteFinder(settings.stacks, settings.max_stack)
         self.scopes = ScopeStack()
+        self.streams = StreamIds()    # one id per device stream, shared by every hook
         self.step: int | None = None
         self.blocks = None        # memory.BlockTable, once torch is imported
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
