@@ -124,3 +124,32 @@ def test_example_gives_the_stated_result(page, block, paragraph, tmp_path, capsy
             assert text in errors[line], (line, errors[line])
         for text in warnings:
             assert any(text in w for w in doc["summary"]["warnings"]), (text, doc["summary"]["warnings"])
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_resolve():
+    """Every relative link in docs/ (and README.md's links into docs/) names a page and heading that exist."""
+    root = DOCS.parent
+    anchors = {}
+    for page in [*DOCS.glob("*.md"), root / "README.md"]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+        anchors[page.resolve()] = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    broken = []
+    for page in anchors:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if path.endswith("/"):
+                dest = dest / "README.md"
+            if dest.is_dir():
+                continue
+            if not dest.exists() or (anchor and anchor not in anchors.get(dest, ())):
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
