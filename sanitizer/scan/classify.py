@@ -74,14 +74,23 @@ class BodyClassifier:
         self.scope_nodes = scope_nodes      # ids of With nodes that are scope sites themselves
         self._summaries: dict[tuple[int, int], Summary] = {}
         self._in_progress: set[int] = set()
+        self._uses: dict[int, NameUses] = {}
 
     # -- entry points -----------------------------------------------------------------------
     def scope_records(self, site: ScopeSite) -> tuple[list[CallRecord], list[int]]:
         """Records for a scope body, and the lines of the scopes nested in it."""
-        escapes = _scope_escapes(site, self.catalog)
+        escapes = _scope_escapes(site, self.catalog, self._name_uses(site))
         nested: list[int] = []
         records = self._records(site.body, site.where, escapes, self.depth, nested)
         return records, nested
+
+    def _name_uses(self, site: ScopeSite) -> "NameUses":
+        owner = site.where.func.node if site.where.func is not None else site.module.tree
+        uses = self._uses.get(id(owner))
+        if uses is None:
+            body = owner.body
+            uses = self._uses[id(owner)] = NameUses(body, loads_only=site.where.func is not None)
+        return uses
 
     def function_summary(self, func: Func, remaining: int) -> Summary:
         key = (id(func.node), remaining)
@@ -300,21 +309,39 @@ def _referenced_names(expr: ast.AST | None, catalog: CallCatalog) -> set[str]:
     return out
 
 
-def _escaping_names(region_nodes: list[ast.AST], seed: set[str], catalog: CallCatalog) -> set[str]:
+class _Escapes:
+    """A set of names, plus the names a `used_outside` test admits lazily: asking whether one
+    name is used after a scope costs a lookup, not a pass over the whole function, so that a
+    function with n scopes is classified in linear time."""
+
+    def __init__(self, names=(), used_outside=None):
+        self.names = set(names)
+        self.used_outside = used_outside
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names or (self.used_outside is not None and self.used_outside(name))
+
+    def add_all(self, names) -> bool:
+        new = {n for n in names if n not in self}
+        self.names |= new
+        return bool(new)
+
+
+def _escaping_names(region_nodes, seed: "_Escapes", catalog: CallCatalog) -> "_Escapes":
     """Names whose objects outlive a region: `seed` (used after it), plus whatever is returned,
     yielded, stored in an attribute/subscript/container or declared global inside it, closed
     over assignments to names that escape."""
-    escapes = set(seed)
+    escapes = seed
     assigns = []
     for node in region_nodes:
         if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)):
-            escapes |= _referenced_names(node.value, catalog)
+            escapes.add_all(_referenced_names(node.value, catalog))
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            escapes.update(node.names)
+            escapes.add_all(node.names)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr in STORE_METHODS:
             for arg in node.args:
-                escapes |= _referenced_names(arg, catalog)
+                escapes.add_all(_referenced_names(arg, catalog))
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
             assigns.append(node)
     changed = True
@@ -323,26 +350,43 @@ def _escaping_names(region_nodes: list[ast.AST], seed: set[str], catalog: CallCa
         for node in assigns:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(_target_escapes(t, escapes) for t in targets):
-                new = _referenced_names(node.value, catalog) - escapes
-                if new:
-                    escapes |= new
+                if escapes.add_all(_referenced_names(node.value, catalog)):
                     changed = True
     return escapes
 
 
-def _function_escapes(node, catalog: CallCatalog) -> set[str]:
-    return _escaping_names(list(own_nodes(node.body)), set(), catalog)
+def _function_escapes(node, catalog: CallCatalog) -> "_Escapes":
+    return _escaping_names(list(own_nodes(node.body)), _Escapes(), catalog)
 
 
-def _scope_escapes(site: ScopeSite, catalog: CallCatalog) -> set[str]:
+class NameUses:
+    """Where each name is loaded in one function (or module body): name -> sorted line numbers.
+    Built once per function, shared by all the scopes in it."""
+
+    def __init__(self, body, loads_only: bool):
+        self.lines: dict[str, list[int]] = {}
+        for n in own_nodes(body):
+            if isinstance(n, ast.Name) and (not loads_only or isinstance(n.ctx, ast.Load)):
+                self.lines.setdefault(n.id, []).append(n.lineno)
+        for v in self.lines.values():
+            v.sort()
+
+    def used_outside(self, name: str, first: int, last: int) -> bool:
+        lines = self.lines.get(name)
+        if not lines:
+            return False
+        if lines[0] < first or lines[-1] > last:
+            return True
+        return False
+
+
+def _scope_escapes(site: ScopeSite, catalog: CallCatalog, uses: "NameUses") -> "_Escapes":
     """Names whose objects outlive the scope body (used after it in the enclosing function, or
-    handed on inside it)."""
+    handed on inside it). At module level every name used anywhere in the module counts."""
     first, last = site.body_span
     if site.where.func is None:
-        outside = {n.id for n in own_nodes(site.module.tree.body) if isinstance(n, ast.Name)}
+        seed = _Escapes(used_outside=lambda name: name in uses.lines)
     else:
-        outside = {n.id for n in own_nodes(site.where.func.node.body)
-                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-                   and not (first <= n.lineno <= last)}
+        seed = _Escapes(used_outside=lambda name: uses.used_outside(name, first, last))
     body_nodes = [n for s in site.body for n in own_nodes([s])]
-    return _escaping_names(body_nodes, outside, catalog)
+    return _escaping_names(body_nodes, seed, catalog)

@@ -161,7 +161,7 @@ class Scanner:
         modules: list[ModuleInfo] = []
         taken: set[int] = set()
         seen_tokens: set[str] = set()
-        while True:
+        for _ in range(ScopeMatcher.MAX_CHAIN + 1):
             tokens = matcher.text_tokens()
             new = {t.encode() for t in tokens - seen_tokens}
             if tokens and not new:
@@ -183,8 +183,9 @@ class Scanner:
             grew = matcher.discover_factories(modules)
             if not tokens or not grew:
                 break
-        while matcher.discover_factories(modules):  # helpers of helpers within these files
-            pass
+        for _ in range(ScopeMatcher.MAX_CHAIN):  # helpers of helpers within these files, bounded
+            if not matcher.discover_factories(modules):
+                break
         return modules
 
     @staticmethod
@@ -250,22 +251,25 @@ def _pool(m, matcher: ScopeMatcher, site: ScopeSite) -> tuple[str | None, bool |
 
 
 def _link_nesting(reports: list[ScopeReport]) -> None:
+    """Each scope's parent: the innermost other scope whose body holds its line. One sweep per
+    file in line order with a stack of open bodies (bodies nest, as the syntax does)."""
     by_file: dict[str, list[ScopeReport]] = {}
     for r in reports:
         by_file.setdefault(r.file, []).append(r)
     for group in by_file.values():
+        group.sort(key=lambda r: (r.line, -r.body_span[1]))
+        open_bodies: list[ScopeReport] = []
         for r in group:
-            best = None
-            for outer in group:
-                if outer is r:
-                    continue
-                lo, hi = outer.body_span
-                if lo <= r.line <= hi and (best is None or outer.body_span[0] >= best.body_span[0]):
-                    best = outer
+            while open_bodies and open_bodies[-1].body_span[1] < r.line:
+                open_bodies.pop()
+            best = next((o for o in reversed(open_bodies) if o.body_span[0] <= r.line), None)
             if best is not None:
                 r.parent = best.line
                 if r.line not in best.nested:
-                    best.nested = sorted(best.nested + [r.line])
+                    best.nested.append(r.line)
+            open_bodies.append(r)
+        for r in group:
+            r.nested.sort()
 
 
 def _one_line(node: ast.AST, limit: int = 120) -> str:
