@@ -4,24 +4,31 @@ The algorithm, in one place:
 
 1. Every call in the body (not inside nested defs/lambdas, not inside nested scopes, which are
    reported on their own) gets a kind from its resolved callee: `neutral` (metadata, views,
-   built-ins), `alloc` (an output allocation: torch.empty & co.), `copy` (one copy or cast:
-   .contiguous(), .to(), torch.cat, transposes, copy_), or `compute` (everything else: torch ops,
-   kernel launches, sub-module calls, and every callee it cannot resolve).
+   built-ins), `kernel` (a launch that only writes into tensors passed to it: Triton
+   `kernel[grid](...)`, an op given `out=`, a call settled by a `call:` allow-list entry),
+   `alloc` (an output allocation: torch.empty & co.), `copy` (one copy or cast: .contiguous(),
+   .to(), torch.cat, transposes, copy_), or `compute` (everything else: torch ops, compiled
+   extension ops, sub-module calls, and every callee it cannot resolve, marked unresolved).
 2. A callee defined in the scanned tree is followed, to `depth` levels, and takes the kind of its
    own body (compute if anything in it computes or leaves a transient behind).
 3. An allocating call is an output when its result outlives the region (bound to a name used
-   after the scope / returned by the helper / stored in an attribute, a container or an `out=`);
-   otherwise it is a transient: freed inside the window without being handed on.
+   after the scope / returned by the helper / stored in an attribute, a container or an `out=`),
+   a reservation when its result is dropped unused at once (`torch.empty(n)` as a statement: it
+   grows the pool and is never read), otherwise a transient: a workspace handed to another op and
+   freed inside the window.
 4. The scope is `compute` when any call computes or any allocation is a transient, else `copy`
-   when any call copies, else `alloc`.
+   when any call copies, else `alloc` (its kernels listed). A compute scope whose every compute
+   call is unresolved is `compute (unresolved)`: nothing known computes, something unknown may.
 """
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
 
-from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, KIND_RANK, NEUTRAL, CallCatalog,
-                                    is_inplace_method)
+import fnmatch
+
+from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, EXTENSION_ROOTS, KERNEL, KIND_RANK, NEUTRAL,
+                                    OUT_KEYWORDS, CallCatalog, is_inplace_method)
 from sanitizer.scan.resolve import Func, Resolver, Target, Where, own_nodes
 from sanitizer.scan.scopes import ScopeSite
 
@@ -66,9 +73,32 @@ def region_class(records: list[CallRecord]) -> str:
     return ALLOC
 
 
+def known_compute(r: CallRecord) -> bool:
+    """The record shows compute or a transient that the scan knows of (not a guess about an
+    unresolved callee): a resolved op, a transient allocation, or a helper holding one."""
+    if r.kind == COMPUTE and r.resolved and not r.helper:
+        return True
+    if r.transient and r.kind != COMPUTE:
+        return True
+    return r.kind == COMPUTE and any(known_compute(i) for i in r.inner)
+
+
+def kernels_of(records: list[CallRecord]) -> list[CallRecord]:
+    """Kernel launches (writing into given tensors) in the records and the helpers they follow."""
+    out, stack = [], list(records)
+    while stack:
+        r = stack.pop(0)
+        if r.kind == KERNEL:
+            out.append(r)
+        stack.extend(r.inner)
+    return out
+
+
 class BodyClassifier:
-    def __init__(self, resolver: Resolver, catalog: CallCatalog, depth: int, scope_nodes: set[int]):
+    def __init__(self, resolver: Resolver, catalog: CallCatalog, depth: int, scope_nodes: set[int],
+                 settled_calls=None):
         self.resolver = resolver
+        self.settled_calls = settled_calls  # callable(names) -> allow entry or None (`call:` entries)
         self.catalog = catalog
         self.depth = depth
         self.scope_nodes = scope_nodes      # ids of With nodes that are scope sites themselves
@@ -144,12 +174,23 @@ class BodyClassifier:
         spans = [(f.module.rel, f.node.lineno, f.node.end_lineno or f.node.lineno) for f in followed]
         if kind == NEUTRAL:
             return None
+        if kind == COMPUTE and not target.funcs and any(k.arg in OUT_KEYWORDS for k in call.keywords):
+            kind, allocates, resolved = KERNEL, False, True
+            reason = f"writes into its out= argument, allocates nothing ({reason})"
+        if kind == COMPUTE and self.settled_calls is not None:
+            entry = self.settled_calls([target.text, target.qualified or "", helper or ""])
+            if entry is not None:
+                kind, allocates, resolved, inner = KERNEL, False, True, []
+                reason = f"settled by allow-list {entry.source}: {entry.reason}"
         if kind == COMPUTE:
             transient = True
         else:
-            transient = allocates and _fate(call, where.module, escapes, self.catalog) == "transient"
+            fate = _fate(call, where.module, escapes, self.catalog) if allocates else "output"
+            transient = fate == "transient"
             if transient:
                 reason += "; its result is freed inside the scope (a transient)"
+            elif fate == "reservation":
+                reason += "; dropped unused at once (reserves pool memory)"
         return CallRecord(target.text, where.module.rel, call.lineno, kind, transient, reason,
                           resolved, helper, inner, spans)
 
@@ -158,7 +199,7 @@ class BodyClassifier:
         tree functions whose bodies were read."""
         cat = self.catalog
         if target.launch:
-            return COMPUTE, True, "kernel launch", True, None, []
+            return KERNEL, False, "kernel launch: writes into the tensors passed to it", True, None, []
         if target.qualified:
             kind = cat.function_kind(target.qualified)
             if kind is not None:
@@ -186,7 +227,7 @@ class BodyClassifier:
                 inner += s.records
             allocates = kind in (ALLOC, COPY)
             reason = {COMPUTE: "helper computes", COPY: "helper copies", ALLOC: "helper allocates",
-                      NEUTRAL: ""}[kind]
+                      KERNEL: "helper launches kernels into given tensors", NEUTRAL: ""}[kind]
             return kind, allocates, reason, True, names, inner
         if target.method:
             kind = cat.method_kind(target.method)
@@ -206,8 +247,11 @@ class BodyClassifier:
                 return kind, allocates, f"{kind}: .{method}()", True, None, []
         if target.qualified:
             root = target.qualified.split(".")[0]
-            if root in ("torch", "triton", "tl", "flashinfer", "deep_gemm", "sgl_kernel", "vllm"):
+            if root in ("torch", "triton", "tl"):
                 return COMPUTE, True, f"op: {target.qualified}", True, None, []
+            if root in EXTENSION_ROOTS:
+                return (COMPUTE, True, f"unresolved: compiled extension op {target.qualified} "
+                        "(what it allocates besides its outputs is unknown)", False, None, [])
             where = "outside the scanned tree" if "." in target.qualified else "not defined in the scanned tree"
             return COMPUTE, True, f"unresolved: {target.qualified} ({where})", False, None, []
         return COMPUTE, True, f"unresolved: {target.unresolved or 'unknown callee'}", False, None, []
@@ -259,6 +303,8 @@ def _fate(call: ast.Call, module, escapes: set[str], catalog: CallCatalog) -> st
             return "output"
         if isinstance(parent, (ast.withitem, ast.For, ast.AsyncFor, ast.comprehension)):
             return "output"  # handed to a context manager / iterated: not judged here
+        if isinstance(parent, ast.Expr) and node is call:
+            return "reservation"  # `torch.empty(n)` alone: grows the pool, never read
         return "transient"
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sanitizer.scan.allow import AllowEntry, AllowList
-from sanitizer.scan.classify import BodyClassifier, CallRecord, region_class
+from sanitizer.scan.classify import BodyClassifier, CallRecord, kernels_of, known_compute, region_class
 from sanitizer.scan.config import ScanConfig
 from sanitizer.scan.resolve import Resolver, own_nodes
 from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
@@ -39,10 +39,32 @@ class ScopeReport:
     yields: bool = False             # a @contextmanager body: its callers' blocks are the real bodies
     allowed: AllowEntry | None = None
     runtime: dict | None = None
+    paths: list = field(default_factory=list)   # fallback.Path: the conditions on each way here
+    changed: list[str] = field(default_factory=list)  # --changed-since: what changed ("file:lines")
+
+    @property
+    def window(self) -> bool:
+        """The scope allocates into a symmetric window (only these can fail): SGLang's scopes,
+        torch symmetric memory, a pool the tree registers as a window, or a configured scope."""
+        return self.symmetric is not False
+
+    @property
+    def unresolved(self) -> bool:
+        """compute only because of calls the scan cannot see into (compiled extensions, objects
+        of unknown type): nothing known computes or leaves a transient."""
+        return self.klass == "compute" and not any(known_compute(r) for r in self.records)
+
+    @property
+    def label(self) -> str:
+        return "compute (unresolved)" if self.unresolved else self.klass
+
+    @property
+    def kernels(self) -> list[CallRecord]:
+        return kernels_of(self.records)
 
     @property
     def failing(self) -> bool:
-        return self.klass == "compute" and not self.disabled and self.allowed is None
+        return self.klass == "compute" and not self.disabled and self.allowed is None and self.window
 
     def as_dict(self) -> dict:
         d = {
@@ -52,7 +74,10 @@ class ScopeReport:
             "guard": self.guard, "disabled": self.disabled,
             "scope": self.scope, "scope_call": self.call, "entered": self.entered, "via": self.via,
             "nested": self.nested, "parent": self.parent,
-            "pool": self.pool, "symmetric": self.symmetric, "yields": self.yields,
+            "pool": self.pool, "symmetric": self.symmetric, "window": self.window,
+            "label": self.label, "unresolved_only": self.unresolved,
+            "kernels": [f"{r.callee} ({r.file}:{r.line})" for r in self.kernels],
+            "yields": self.yields,
             "transients": [f"{r.callee} ({r.file}:{r.line})" for r in _flat(self.records) if r.transient
                            and not r.inner],
             "unresolved": sum(1 for r in _flat(self.records) if not r.resolved),
@@ -88,15 +113,20 @@ class ScanResult:
         return [s for s in self.scopes if s.failing]
 
     def by_class(self) -> dict[str, int]:
+        """Classes of the window scopes (private-pool scopes are counted apart)."""
         out = {"compute": 0, "copy": 0, "alloc": 0}
         for s in self.scopes:
-            out[s.klass] += 1
+            if s.window:
+                out[s.klass] += 1
         return out
 
     def summary(self) -> dict:
         d = {
             "files": self.files_total, "files_parsed": self.files_parsed,
             "scopes": len(self.scopes), "by_class": self.by_class(),
+            "window_scopes": sum(1 for s in self.scopes if s.window),
+            "private_pool_scopes": sum(1 for s in self.scopes if not s.window),
+            "compute_unresolved": sum(1 for s in self.scopes if s.window and s.unresolved),
             "failing": len(self.failing),
             "allowed": sum(1 for s in self.scopes if s.allowed is not None),
             "statically_disabled": sum(1 for s in self.scopes if s.disabled),
@@ -131,11 +161,13 @@ class Scanner:
         modules = self._candidates(tree, matcher)
         sites = self._sites(modules, matcher, tree)
         classifier = BodyClassifier(resolver, self.config.catalog, self.config.depth,
-                                    {id(s.node) for s in sites if not isinstance(s.node, ast.Call)})
+                                    {id(s.node) for s in sites if not isinstance(s.node, ast.Call)},
+                                    self.allow.settle if self.allow.has_calls else None)
+        registered = _registered_pools(tree)
         reports = []
         for site in sites:
             try:
-                reports.append(self._report(site, classifier, matcher))
+                reports.append(self._report(site, classifier, matcher, registered))
             except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
                 # A construct the analysis does not handle must not end the whole scan.
                 tree.problems.append(SourceProblem(
@@ -143,7 +175,7 @@ class Scanner:
                     f"({type(exc).__name__}: {exc}); please report it"))
         _link_nesting(reports)
         for r in reports:
-            if r.klass == "compute" and not r.disabled:
+            if r.klass == "compute" and not r.disabled and r.window:
                 r.allowed = self.allow.accept(r.file, r.line, r.function)
         reports.sort(key=lambda r: (r.file, r.line))
         return ScanResult(reports, sorted(tree.problems, key=lambda p: (p.file, p.line or 0)),
@@ -206,7 +238,8 @@ class Scanner:
                 sites.append(site)
         return sites
 
-    def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher) -> ScopeReport:
+    def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher,
+                registered: set[str]) -> ScopeReport:
         records, nested = classifier.scope_records(site)
         m = site.match
         guard_parts, disabled = [], False
@@ -216,7 +249,7 @@ class Scanner:
                 if isinstance(kw.value, ast.Constant) and kw.value.value is True:
                     disabled = True
         guard_parts += m.conditions
-        pool, symmetric = _pool(m, matcher, site)
+        pool, symmetric = _pool(m, matcher, site, registered)
         first = site.line
         last = site.body_span[1]
         snippet_end = min(last, first + SNIPPET_LINES - 1)
@@ -231,10 +264,38 @@ class Scanner:
             yields=any(isinstance(n, (ast.Yield, ast.YieldFrom)) for s in site.body for n in own_nodes([s])))
 
 
-def _pool(m, matcher: ScopeMatcher, site: ScopeSite) -> tuple[str | None, bool | None]:
-    """The pool a use_mem_pool scope enters, and whether it is known to be symmetric memory
-    (its expression, or the value assigned to the variable it names, mentions symmetric memory
-    or NCCL: `symm_mem.get_mem_pool(dev)`, `get_nccl_mem_pool()`)."""
+def _registered_pools(tree) -> set[str]:
+    """Names of the pools the tree registers as windows: the last identifier of the first
+    argument of every `register_mem_pool(pool)` call (torch's ProcessGroupNCCL API)."""
+    names: set[str] = set()
+    for sf in tree.files:
+        if b"register_mem_pool(" not in tree.read_bytes(sf):
+            continue
+        module = tree.parse(sf)
+        if module is None:
+            continue
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Call) and node.args and _last_name(node.func) == "register_mem_pool":
+                name = _last_name(node.args[0])
+                if name:
+                    names.add(name)
+    return names
+
+
+def _last_name(expr: ast.AST) -> str | None:
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    return None
+
+
+def _pool(m, matcher: ScopeMatcher, site: ScopeSite, registered: set[str] = frozenset()
+          ) -> tuple[str | None, bool | None]:
+    """The pool a use_mem_pool scope enters, and whether it is a symmetric window: its
+    expression, or the value assigned to the variable it names, mentions symmetric memory or
+    NCCL (`symm_mem.get_mem_pool(dev)`, `get_nccl_mem_pool()`), or it names a pool the tree
+    registers (`register_mem_pool(self.pool)`). Any other pool is private: False."""
     if "use_mem_pool" in m.scope:
         arg = m.call.args[0] if m.call.args else next(
             (k.value for k in m.call.keywords if k.arg == "pool"), None)
@@ -243,11 +304,12 @@ def _pool(m, matcher: ScopeMatcher, site: ScopeSite) -> tuple[str | None, bool |
         if isinstance(arg, ast.Name) and m.call_module is site.module and site.where.func is not None:
             evidence += [_one_line(v) for v in matcher._assignments(site.where.func).get(arg.id, [])]
         low = " ".join(evidence).lower()
-        symmetric = True if ("symm" in low or "nccl" in low) else None
+        symmetric = ("symm" in low or "nccl" in low
+                     or (arg is not None and _last_name(arg) in registered))
         return text, symmetric
     if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext"):
         return None, True
-    return None, None
+    return None, None   # a configured scope: taken to be a window
 
 
 def _link_nesting(reports: list[ScopeReport]) -> None:
