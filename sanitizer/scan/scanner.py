@@ -8,9 +8,11 @@ from pathlib import Path
 from sanitizer.scan.allow import AllowEntry, AllowList
 from sanitizer.scan.classify import BodyClassifier, CallRecord, kernels_of, known_compute, region_class
 from sanitizer.scan.config import ScanConfig
+from sanitizer.scan.fallback import (Assumption, Condition, PathFinder, needs_particular_hardware, parse_condition,
+                                     path_survives)
 from sanitizer.scan.resolve import Resolver, own_nodes
 from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
-from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree
+from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree, _real
 
 SNIPPET_LINES = 12
 
@@ -41,6 +43,7 @@ class ScopeReport:
     runtime: dict | None = None
     paths: list = field(default_factory=list)   # fallback.Path: the conditions on each way here
     changed: list[str] = field(default_factory=list)  # --changed-since: what changed ("file:lines")
+    when: dict | None = None         # --when: {"condition": NAME, "only": bool}
 
     @property
     def window(self) -> bool:
@@ -66,6 +69,11 @@ class ScopeReport:
     def failing(self) -> bool:
         return self.klass == "compute" and not self.disabled and self.allowed is None and self.window
 
+    @property
+    def fallback_only(self) -> bool:
+        """Every way here holds a hardware/platform condition: it runs on some hardware only."""
+        return bool(self.paths) and all(needs_particular_hardware(p) for p in self.paths)
+
     def as_dict(self) -> dict:
         d = {
             "file": self.file, "line": self.line, "end_line": self.end_line,
@@ -84,7 +92,13 @@ class ScopeReport:
             "allowed": ({"entry": self.allowed.pattern, "reason": self.allowed.reason,
                          "source": self.allowed.source} if self.allowed else None),
             "failing": self.failing,
+            "paths": [p.as_dict() for p in self.paths],
+            "fallback_only": self.fallback_only,
         }
+        if self.when is not None:
+            d["when"] = self.when
+        if self.changed:
+            d["changed"] = self.changed
         if self.runtime is not None:
             d["runtime"] = self.runtime
         return d
@@ -107,6 +121,25 @@ class ScanResult:
     allow_unused: list[AllowEntry] = field(default_factory=list)
     runtime: dict | None = None
     command: str | None = None
+    rel_to_real: dict[str, str] = field(default_factory=dict)
+    filtered: dict[str, int] = field(default_factory=dict)   # scopes left out, by filter
+    when: list[str] = field(default_factory=list)
+
+    def keep_when(self, names: list[str]) -> None:
+        """--when NAME...: keep the scopes some path reaches with every NAME true; mark those
+        that no path reaches with NAME false (reachable only under it)."""
+        assumptions = [Assumption(n) for n in names]
+        kept = []
+        for s in self.scopes:
+            if not all(any(path_survives(p, a) for p in s.paths) for a in assumptions):
+                continue
+            only = [a.name for a in assumptions
+                    if not any(path_survives(p, a.opposite()) for p in s.paths)]
+            s.when = {"conditions": names, "only_under": only}
+            kept.append(s)
+        self.filtered["when"] = len(self.scopes) - len(kept)
+        self.when = list(names)
+        self.scopes = kept
 
     @property
     def failing(self) -> list[ScopeReport]:
@@ -137,6 +170,13 @@ class ScanResult:
             "depth": self.depth, "scope_names": list(self.scope_names),
             "allow_unused": [f"{e.source}: {e.pattern}" for e in self.allow_unused],
         }
+        d["fallback_only_compute"] = sum(1 for s in self.scopes if s.window and s.klass == "compute"
+                                         and s.fallback_only)
+        if self.when:
+            d["when"] = self.when
+            d["only_under_when"] = sum(1 for s in self.scopes if s.when and s.when["only_under"])
+        if self.filtered:
+            d["left_out"] = dict(self.filtered)
         if self.command:
             d["command"] = self.command
         if self.runtime is not None:
@@ -164,23 +204,34 @@ class Scanner:
                                     {id(s.node) for s in sites if not isinstance(s.node, ast.Call)},
                                     self.allow.settle if self.allow.has_calls else None)
         registered = _registered_pools(tree)
-        reports = []
+        reports, report_sites = [], []
         for site in sites:
             try:
                 reports.append(self._report(site, classifier, matcher, registered))
+                report_sites.append(site)
             except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
                 # A construct the analysis does not handle must not end the whole scan.
                 tree.problems.append(SourceProblem(
                     site.module.rel, site.line, f"internal error while classifying this scope "
                     f"({type(exc).__name__}: {exc}); please report it"))
         _link_nesting(reports)
+        finder = PathFinder(resolver, tree.parsed_modules(), self.config.caller_depth)
+        for r, site in zip(reports, report_sites):
+            try:
+                r.paths = finder.paths(site.where.func, self._own_conditions(site, finder))
+            except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
+                tree.problems.append(SourceProblem(
+                    site.module.rel, site.line, f"internal error while finding the conditions of this "
+                    f"scope ({type(exc).__name__}: {exc}); please report it"))
         for r in reports:
             if r.klass == "compute" and not r.disabled and r.window:
                 r.allowed = self.allow.accept(r.file, r.line, r.function)
         reports.sort(key=lambda r: (r.file, r.line))
-        return ScanResult(reports, sorted(tree.problems, key=lambda p: (p.file, p.line or 0)),
-                          len(tree.files), tree.parsed_count, self.config.depth, self.config.scopes,
-                          self.allow.unused())
+        result = ScanResult(reports, sorted(tree.problems, key=lambda p: (p.file, p.line or 0)),
+                            len(tree.files), tree.parsed_count, self.config.depth, self.config.scopes,
+                            self.allow.unused())
+        result.rel_to_real = {sf.rel: _real(sf.path) for sf in tree.files}
+        return result
 
     # -- steps ------------------------------------------------------------------------------
     @staticmethod
@@ -237,6 +288,17 @@ class Scanner:
                 seen.add(id(site.node))
                 sites.append(site)
         return sites
+
+    def _own_conditions(self, site: ScopeSite, finder: PathFinder) -> list[Condition]:
+        """Conditions inside the scope's function: enclosing ifs and early exits, a conditional
+        scope expression, and the `disabled=` guard (the window is on unless it holds)."""
+        own = finder.conditions.within(site.module, site.node)
+        where = f"{site.module.rel}:{site.line}"
+        own += [parse_condition(c, where) for c in site.match.conditions]
+        for kw in site.match.call.keywords:
+            if kw.arg in self.config.guard_keywords:
+                own.append(Condition(f"unless {kw.arg}={_one_line(kw.value)}", kw.value, False, where))
+        return own
 
     def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher,
                 registered: set[str]) -> ScopeReport:

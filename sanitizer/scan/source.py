@@ -230,6 +230,9 @@ class SourceTree:
             self._parsed[id(sf)] = None
             return b""
 
+    def parsed_modules(self) -> list[ModuleInfo]:
+        return [m for m in self._parsed.values() if m is not None]
+
     @property
     def parsed_count(self) -> int:
         return sum(1 for v in self._parsed.values() if v is not None)
