@@ -48,6 +48,8 @@ class CallRecord:
     helper: str | None = None    # "qualname (file:line)" of a followed tree function
     inner: list["CallRecord"] = field(default_factory=list)
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # followed helpers' (file, first, last)
+    conditions: list = field(default_factory=list)  # fallback.Condition: when this call runs (in its function)
+    result_transient: bool = False   # its result, if it allocates one, is freed inside the scope
 
     def as_dict(self) -> dict:
         d = {"call": self.callee, "file": self.file, "line": self.line, "kind": self.kind,
@@ -56,6 +58,8 @@ class CallRecord:
             d["helper"] = self.helper
         if self.inner:
             d["inner"] = [r.as_dict() for r in self.inner]
+        if self.conditions:
+            d["conditions"] = [c.text for c in self.conditions]
         return d
 
 
@@ -83,6 +87,28 @@ def known_compute(r: CallRecord) -> bool:
     return r.kind == COMPUTE and any(known_compute(i) for i in r.inner)
 
 
+def records_under(records: list[CallRecord], assume) -> list[CallRecord]:
+    """The records whose calls can run under `assume` (their conditions not false), with each
+    followed helper's kind recomputed from its inner calls that can run."""
+    from sanitizer.scan.fallback import ScopePath, path_survives
+    out = []
+    for r in records:
+        if r.conditions and not path_survives(ScopePath(r.conditions), assume):
+            continue
+        if r.inner:
+            inner = records_under(r.inner, assume)
+            kind = NEUTRAL
+            for i in inner:
+                kind = max(kind, COMPUTE if i.transient else i.kind, key=KIND_RANK.__getitem__)
+            if kind == NEUTRAL:
+                continue
+            transient = kind == COMPUTE or (kind in (ALLOC, COPY) and r.result_transient)
+            r = CallRecord(r.callee, r.file, r.line, kind, transient, r.reason, r.resolved, r.helper,
+                           inner, r.spans, r.conditions, r.result_transient)
+        out.append(r)
+    return out
+
+
 def kernels_of(records: list[CallRecord]) -> list[CallRecord]:
     """Kernel launches (writing into given tensors) in the records and the helpers they follow."""
     out, stack = [], list(records)
@@ -105,13 +131,15 @@ class BodyClassifier:
         self._summaries: dict[tuple[int, int], Summary] = {}
         self._in_progress: set[int] = set()
         self._uses: dict[int, NameUses] = {}
+        from sanitizer.scan.fallback import Conditions
+        self.conditions = Conditions()
 
     # -- entry points -----------------------------------------------------------------------
     def scope_records(self, site: ScopeSite) -> tuple[list[CallRecord], list[int]]:
         """Records for a scope body, and the lines of the scopes nested in it."""
         escapes = _scope_escapes(site, self.catalog, self._name_uses(site))
         nested: list[int] = []
-        records = self._records(site.body, site.where, escapes, self.depth, nested)
+        records = self._records(site.body, site.where, escapes, self.depth, nested, stop=site.node)
         return records, nested
 
     def _name_uses(self, site: ScopeSite) -> "NameUses":
@@ -144,11 +172,12 @@ class BodyClassifier:
 
     # -- the walk ---------------------------------------------------------------------------
     def _records(self, body, where: Where, escapes: set[str], remaining: int,
-                 nested: list[int]) -> list[CallRecord]:
+                 nested: list[int], stop: ast.AST | None = None) -> list[CallRecord]:
         records = []
         for call in self._calls(body, nested):
             rec = self._categorize(call, where, escapes, remaining)
             if rec is not None:
+                rec.conditions = self.conditions.within(where.module, call, stop)
                 records.append(rec)
         records.sort(key=lambda r: r.line)
         return records
@@ -182,17 +211,18 @@ class BodyClassifier:
             if entry is not None:
                 kind, allocates, resolved, inner = KERNEL, False, True, []
                 reason = f"settled by allow-list {entry.source}: {entry.reason}"
+        fate = _fate(call, where.module, escapes, self.catalog) if kind != KERNEL else "output"
         if kind == COMPUTE:
             transient = True
         else:
-            fate = _fate(call, where.module, escapes, self.catalog) if allocates else "output"
+            fate = fate if allocates else "output"
             transient = fate == "transient"
             if transient:
                 reason += "; its result is freed inside the scope (a transient)"
             elif fate == "reservation":
                 reason += "; dropped unused at once (reserves pool memory)"
         return CallRecord(target.text, where.module.rel, call.lineno, kind, transient, reason,
-                          resolved, helper, inner, spans)
+                          resolved, helper, inner, spans, result_transient=fate == "transient")
 
     def _kind_of(self, target: Target, remaining: int, followed: list[Func]):
         """(kind, allocates, reason, resolved, helper, inner records); `followed` gets the

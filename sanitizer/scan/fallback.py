@@ -267,12 +267,13 @@ class Conditions:
     def __init__(self):
         self._guards: dict[int, tuple[list[int], list[Condition]]] = {}
 
-    def within(self, module, node: ast.AST) -> list[Condition]:
+    def within(self, module, node: ast.AST, stop: ast.AST | None = None) -> list[Condition]:
+        """Conditions between the start of node's function (or `stop`, a scope's with) and node."""
         out: list[Condition] = []
         cur = node
         for _ in range(10_000):
             parent = module.parent(cur)
-            if parent is None:
+            if parent is None or parent is stop:
                 break
             if isinstance(cur, ast.stmt):
                 for name in ("body", "orelse", "finalbody"):

@@ -46,6 +46,9 @@ def _marks(s: ScopeReport) -> list[str]:
         marks.append("fallback-only")
     if s.when and s.when["only_under"]:
         marks.append("only under " + ", ".join(s.when["only_under"]))
+    if s.when and s.when["class_before"] != s.klass:
+        marks.append(f"{s.klass} under {' '.join(s.when['conditions'])} "
+                     f"({s.when['class_before']} through calls that run on other hardware only)")
     if s.changed:
         marks.append("changed: " + ", ".join(s.changed[:4]))
     return marks

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sanitizer.scan.allow import AllowEntry, AllowList
-from sanitizer.scan.classify import BodyClassifier, CallRecord, kernels_of, known_compute, region_class
+from sanitizer.scan.classify import (BodyClassifier, CallRecord, kernels_of, known_compute, records_under,
+                                     region_class)
 from sanitizer.scan.config import ScanConfig
-from sanitizer.scan.fallback import (Assumption, Condition, PathFinder, needs_particular_hardware, parse_condition,
+from sanitizer.scan.fallback import (BASELINE, Assumption, Condition, PathFinder, needs_particular_hardware, parse_condition,
                                      path_survives)
 from sanitizer.scan.resolve import Resolver, own_nodes
 from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
@@ -69,10 +70,19 @@ class ScopeReport:
     def failing(self) -> bool:
         return self.klass == "compute" and not self.disabled and self.allowed is None and self.window
 
+    def class_under(self, assume) -> str:
+        """The class with only the calls that can run under `assume` (`--when`, fallback)."""
+        return region_class(records_under(self.records, assume))
+
     @property
     def fallback_only(self) -> bool:
-        """Every way here holds a hardware/platform condition: it runs on some hardware only."""
-        return bool(self.paths) and all(needs_particular_hardware(p) for p in self.paths)
+        """A compute scope that computes only on particular hardware: every way here needs it,
+        or the calls that compute run only under hardware conditions (not on the common case)."""
+        if self.klass != "compute":
+            return False
+        if self.paths and all(needs_particular_hardware(p) for p in self.paths):
+            return True
+        return self.class_under(BASELINE) != "compute"
 
     def as_dict(self) -> dict:
         d = {
@@ -135,7 +145,15 @@ class ScanResult:
                 continue
             only = [a.name for a in assumptions
                     if not any(path_survives(p, a.opposite()) for p in s.paths)]
-            s.when = {"conditions": names, "only_under": only}
+            s.when = {"conditions": names, "only_under": only, "class_before": s.klass}
+            if s.klass == "compute":
+                # the class on this hardware: calls whose conditions are false here are dropped
+                records = s.records
+                for a in assumptions:
+                    records = records_under(records, a)
+                s.klass = region_class(records)
+                if s.klass != "compute":
+                    s.allowed = None
             kept.append(s)
         self.filtered["when"] = len(self.scopes) - len(kept)
         self.when = list(names)
