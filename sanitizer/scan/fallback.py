@@ -336,21 +336,43 @@ def parse_condition(text: str, where: str) -> Condition:
 
 # -- callers ----------------------------------------------------------------------------------
 class CallerIndex:
-    """Calls by callee name among the parsed modules; each function and call visited once."""
+    """Calls by callee name among the parsed modules. A module is indexed (each of its functions
+    and calls visited once) the first time a name it mentions is asked for."""
 
     def __init__(self, resolver: Resolver, modules):
         self.resolver = resolver
-        self.calls: dict[str, list[tuple[Func, ast.Call]]] = {}
-        self.defs: dict[str, int] = {}
+        self.modules = list(modules)
+        self._indexed: dict[int, dict[str, list[tuple[Func, ast.Call]]]] = {}
+        self._defs: dict[int, dict[str, int]] = {}
         self._callers: dict[int, list] = {}
-        for module in modules:
-            for f in resolver.module_functions(module):
-                self.defs[f.node.name] = self.defs.get(f.node.name, 0) + 1
+
+    def _module_index(self, module):
+        table = self._indexed.get(id(module))
+        if table is None:
+            table, defs = {}, {}
+            for f in self.resolver.module_functions(module):
+                defs[f.node.name] = defs.get(f.node.name, 0) + 1
                 for node in own_nodes(f.node.body):
-                    if isinstance(node, ast.Call):
-                        name = _ident(node.func) if isinstance(node.func, (ast.Name, ast.Attribute)) else None
+                    if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                        name = _ident(node.func)
                         if name:
-                            self.calls.setdefault(name, []).append((f, node))
+                            table.setdefault(name, []).append((f, node))
+            self._indexed[id(module)] = table
+            self._defs[id(module)] = defs
+        return table
+
+    def _calls_named(self, name: str):
+        for module in self.modules:
+            if name in module.text:
+                yield from self._module_index(module).get(name, [])
+
+    def _defs_named(self, name: str) -> int:
+        total = 0
+        for module in self.modules:
+            if name in module.text:
+                self._module_index(module)
+                total += self._defs[id(module)].get(name, 0)
+        return total
 
     def callers(self, func: Func) -> list[tuple[Func, ast.Call, str]]:
         cached = self._callers.get(id(func.node))
@@ -361,15 +383,18 @@ class CallerIndex:
     def _find_callers(self, func: Func) -> list[tuple[Func, ast.Call, str]]:
         out = []
         name = func.node.name
-        for caller, call in self.calls.get(name, []):
+        defs = None
+        for caller, call in self._calls_named(name):
             if caller is func:
                 continue
             target = self.resolver.resolve_call(call, Where(caller.module, caller))
             if any(f.node is func.node for f in target.funcs):
                 out.append((caller, call, ""))
-            elif (not target.funcs and target.method == name and self.defs.get(name) == 1
-                  and not name.startswith("__")):
-                out.append((caller, call, " by name"))
+            elif not target.funcs and target.method == name and not name.startswith("__"):
+                if defs is None:
+                    defs = self._defs_named(name)
+                if defs == 1:
+                    out.append((caller, call, " by name"))
         return out
 
 
