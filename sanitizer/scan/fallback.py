@@ -42,7 +42,7 @@ FUNCTION_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDe
 
 # Platform predicates by identifier (leading underscores dropped, lower case).
 PLATFORMS = ("cuda", "hip", "npu", "xpu", "cpu", "mps", "musa", "hpu")
-_PLATFORM_RE = re.compile(r"^(?:is_|use_)?(cuda|hip|rocm|npu|xpu|cpu|mps|musa|hpu)(?:_available|_platform)?$")
+_PLATFORM_RE = re.compile(r"^(?:is_|use_)?(cuda|hip|rocm|npu|xpu|cpu|mps|musa|hpu)(?:_available|_platform|_runtime)?$")
 _AMD_RE = re.compile(r"^(?:is_gfx\w*|use_aiter\w*|is_aiter\w*|aiter\w*|is_mi\d+\w*)$")
 _ARCH_RE = re.compile(r"(?:^|_)sm_?(\d{2,3})(?:_|$|a\b)")
 _ARCH_NAMES = {"hopper": (9,), "blackwell": (10, 12), "ampere": (8,), "ada": (8,)}
