@@ -89,12 +89,14 @@ def test_private_pool_never_fails_registered_pool_does(scopes):
     assert win.klass == "compute" and win.window and win.failing, "register_mem_pool(self.win_pool)"
 
 
-def test_private_pools_have_their_own_section(capsys):
+def test_private_pools_have_their_own_section(capsys, scopes):
     code, out, _ = run(capsys, str(GATE))
     assert code == 1
     private = out.index("== private pools (1)")
     assert out.index("KVPool.__init__") > private
-    assert "gate.py:65" not in out.splitlines()[-1], "the FAIL line names no private-pool scope"
+    kv, win = one(scopes, "KVPool.__init__"), one(scopes, "Communicator.reduce_scratch")
+    fail_line = out.splitlines()[-1]
+    assert f"gate.py:{win.line}" in fail_line and f"gate.py:{kv.line}" not in fail_line
 
 
 # -- conditions, --when, fallback-only ---------------------------------------------------------
@@ -201,3 +203,16 @@ def test_changed_since_outside_a_repository(capsys, tmp_path):
     (tmp_path / "a.py").write_text("x = 1\n")
     code, out, err = run(capsys, str(tmp_path), "--changed-since", "HEAD")
     assert code == 2 and out == "" and err.count("\n") == 1
+
+
+def test_environment_flags_and_server_arguments_are_conditions(capsys, scopes):
+    s = one(scopes, "flag_and_server_arg")
+    assert [c.text for p in s.paths for c in p.conditions] == [
+        "when os.environ.get('SGLANG_USE_TORCH_COMBINE') and server_args.enable_dp_attention"]
+    assert not s.fallback_only, "a flag is no hardware"
+    _, kept, _ = as_json(capsys, str(GATE), "--when", "SGLANG_USE_TORCH_COMBINE",
+                         "--when", "enable_dp_attention")
+    (k,) = [v for n, v in kept.items() if n.startswith("flag_and_server_arg")]
+    assert sorted(k["when"]["only_under"]) == ["SGLANG_USE_TORCH_COMBINE", "enable_dp_attention"]
+    _, sm120, _ = as_json(capsys, str(GATE), "--when", "sm120")
+    assert any(n.startswith("flag_and_server_arg") for n in sm120), "unknown under sm120: kept"

@@ -186,7 +186,14 @@ def _ident(expr: ast.AST) -> str | None:
         f = expr.func
         if isinstance(f, ast.Attribute) and f.attr in ("get", "value") and not expr.args:
             return _ident(f.value)
-        return _ident(f)
+        name = _ident(f) or ""
+        if (expr.args and isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, str)
+                and (name in ("get", "getenv") or "env" in name.lower())):
+            return expr.args[0].value      # os.environ.get("X"), get_bool_env_var("X")
+        return name or None
+    if (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant)
+            and isinstance(expr.slice.value, str)):
+        return expr.slice.value            # server_args_dict["enable_x"], os.environ["X"]
     if isinstance(expr, ast.Name):
         return expr.id
     if isinstance(expr, ast.Attribute):
@@ -246,7 +253,7 @@ def is_platform(cond: Condition) -> bool:
     for node in ast.walk(cond.test):
         if isinstance(node, ast.Compare) and any(_capability_side(n) for n in [node.left]):
             return True
-        ident = _ident(node) if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) else None
+        ident = _ident(node) if isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else None
         if ident and predicate_kind(ident) is not None:
             return True
     return False
