@@ -167,3 +167,14 @@ def test_fuzz_generated_python_never_crashes(files, options, links):
         code, out, err = run_scan(str(root), *options)
         assert_clean(code, err)
         assert code in (0, 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_fifo_named_py_is_never_read(tmp_path):
+    os.mkfifo(tmp_path / "pipe.py")     # reading it would block forever
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    code, out, err = run_scan(str(tmp_path), "--format", "json")
+    assert_clean(code, err)
+    assert code == 0
+    code, out, err = run_scan(str(tmp_path / "pipe.py"))
+    assert code == 2 and out == "" and err.count("\n") == 1

@@ -67,6 +67,9 @@ def _run(args: argparse.Namespace) -> int:
         if not root.exists():
             print(f"hazsan scan: {root}: no such file or directory", file=sys.stderr)
             return 2
+        if not root.is_file() and not root.is_dir():
+            print(f"hazsan scan: {root}: not a regular file or directory", file=sys.stderr)
+            return 2
         if root.is_file() and root.suffix != ".py":
             print(f"hazsan scan: {root}: not a Python file", file=sys.stderr)
             return 2

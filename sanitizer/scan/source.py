@@ -168,8 +168,8 @@ class SourceTree:
                 if is_dir:
                     if e.name not in SKIP_DIRS and not e.name.startswith("."):
                         subdirs.append(d / e.name)
-                elif e.name.endswith(".py"):
-                    yield d / e.name
+                elif e.name.endswith(".py") and _regular(e):
+                    yield d / e.name   # never a FIFO or device named *.py: reading one would block
             stack.extend(reversed(subdirs))
 
     # -- lookup -----------------------------------------------------------------------------
@@ -236,6 +236,13 @@ class SourceTree:
     @property
     def parsed_count(self) -> int:
         return sum(1 for v in self._parsed.values() if v is not None)
+
+
+def _regular(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return True   # a symlink loop: listed, then reported as unreadable
 
 
 def _real(path: Path) -> str:
