@@ -86,7 +86,7 @@ def _many_scopes(root: Path, n: int) -> Path:
 
 
 def test_cost_is_linear_in_scopes_per_file(tmp_path):
-    small, large = _many_scopes(tmp_path, 300), _many_scopes(tmp_path, 1200)
+    small, large = _many_scopes(tmp_path, 200), _many_scopes(tmp_path, 800)
 
     def best(path):
         times = []
