@@ -216,3 +216,13 @@ def test_environment_flags_and_server_arguments_are_conditions(capsys, scopes):
     assert sorted(k["when"]["only_under"]) == ["SGLANG_USE_TORCH_COMBINE", "enable_dp_attention"]
     _, sm120, _ = as_json(capsys, str(GATE), "--when", "sm120")
     assert any(n.startswith("flag_and_server_arg") for n in sm120), "unknown under sm120: kept"
+
+
+def test_a_public_function_stays_a_root_beside_its_callers(capsys, scopes):
+    s = one(scopes, "public_reduce")
+    assert sorted(p.via[0].split(" ")[0] if p.via else "" for p in s.paths) == ["", "dispatch_public"]
+    texts = sorted(tuple(c.text for c in p.conditions) for p in s.paths)
+    assert texts == [(), ("when _is_hip",)]
+    assert not s.fallback_only, "callable from outside the parsed files, on any hardware"
+    _, sm120, _ = as_json(capsys, str(GATE), "--when", "sm120")
+    assert any(n.startswith("public_reduce") for n in sm120)

@@ -9,7 +9,8 @@ The algorithm, in one place:
      scope's `disabled=D` guard (`unless D`);
    - on every call chain that reaches the function within the parsed files, up to
      CALLER_DEPTH calls up: the same conditions at each call site. A function with no caller
-     found is its own root (one path, its own conditions).
+     found is a root (one path, its own conditions); so is a public one (no leading
+     underscore), which code outside the parsed files or dynamic dispatch may call.
 2. `--when NAME` evaluates each condition with three-valued logic (true / false / unknown) under
    an assignment (Assumption): NAME true, and for a platform NAME the other platforms false
    (`--when sm120`: `is_sm120()` true, `is_sm100()`, `is_hip()`, `_is_npu` false, `_is_cuda`
@@ -431,7 +432,10 @@ class PathFinder:
             return cached
         self._cache[key] = [ScopePath([])]      # a cycle back here reads the root path
         callers = self.index.callers(func) if depth > 0 else []
-        result = [] if callers else [ScopePath([])]
+        # A public function (no leading underscore) may also be called from outside the parsed
+        # files or through dynamic dispatch (`forward_cuda`): it stays a root of its own.
+        public = not func.node.name.startswith("_")
+        result = [ScopePath([])] if (public or not callers) else []
         for caller, call, how in callers:
             at_call = self.conditions.within(caller.module, call)
             hop = f"{caller.qualname} ({caller.module.rel}:{call.lineno}{how})"
