@@ -25,8 +25,6 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-import fnmatch
-
 from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, EXTENSION_ROOTS, KERNEL, KIND_RANK, NEUTRAL,
                                     OUT_KEYWORDS, CallCatalog, is_inplace_method)
 from sanitizer.scan.resolve import Func, Resolver, Target, Where, own_nodes

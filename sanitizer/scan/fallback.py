@@ -248,18 +248,6 @@ def needs_particular_hardware(path: ScopePath) -> bool:
     return not path_survives(path, BASELINE)
 
 
-def is_platform(cond: Condition) -> bool:
-    if cond.test is None:
-        return False
-    for node in ast.walk(cond.test):
-        if isinstance(node, ast.Compare) and any(_capability_side(n) for n in [node.left]):
-            return True
-        ident = _ident(node) if isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else None
-        if ident and predicate_kind(ident) is not None:
-            return True
-    return False
-
-
 def path_survives(path: ScopePath, assume: Assumption) -> bool:
     for c in path.conditions:
         v = evaluate(c.test, assume)

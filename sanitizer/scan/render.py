@@ -128,7 +128,6 @@ def render_text(result: ScanResult) -> str:
     if filters:
         lines.append(filters)
     for title, meaning, group in _groups(result):
-        klass = title
         lines.append("")
         lines.append(f"== {title} ({len(group)}): {meaning}")
         for s in group:
