@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,proof,report]"
 	touch $@
 
-.PHONY: venv test demo bench
+.PHONY: venv test demo bench scan-report
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -23,3 +23,7 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VPY) benchmarks/check_throughput.py
+
+# reports/scan/: hazsan scan on the SGLang 0.5.23 wheel (downloaded with pip --no-deps)
+scan-report: $(VENV)/.installed
+	bash reports/scan/regenerate.sh

@@ -46,7 +46,7 @@ def test_json_shape(capsys):
     assert "torch.einsum (pkg/helpers.py:10)" in combine["transients"]
     summ = doc["summary"]
     assert summ["scopes"] == len(doc["scopes"])
-    assert summ["by_class"]["compute"] == sum(1 for s in doc["scopes"] if s["class"] == "compute")
+    assert summ["by_class"]["compute"] == sum(1 for s in doc["scopes"] if s["class"] == "compute" and s["window"])
     assert summ["failing"] == sum(1 for s in doc["scopes"] if s["failing"])
     assert summ["statically_disabled"] == 1 and summ["syntax_errors"] == 0
 
@@ -241,5 +241,5 @@ def test_trace_single_gzip_file_and_markdown_marks(capsys, tmp_path):
         f.write(src)
     code, out, _ = run(capsys, TREE, "--trace", str(target), "--format", "markdown")
     section = out[out.index("### `pkg/models.py:33`"):]
-    assert section.startswith("### `pkg/models.py:33` (combine_via_helper)")
+    assert section.startswith("### `pkg/models.py:33` (combine_via_helper, compute)")
     assert "*runtime: 1 transient(s) placed in a window, 4096 bytes" in section.split("### ")[1]

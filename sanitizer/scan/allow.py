@@ -7,8 +7,12 @@ Text format, one entry a line (``#`` starts a comment line)::
     srt/mem_cache/*:*   KV pools: long-lived, registered once
 
 The part before the first whitespace is FILE:LINE or FILE:FUNCTION (fnmatch globs allowed in
-both halves; FUNCTION matches the qualified name, e.g. Class.method, or its last component). The
-rest of the line is the reason, which is required. TOML/JSON files hold the same as
+both halves; FUNCTION matches the qualified name, e.g. Class.method, or its last component), or
+``call:CALLEE``: one call settled wherever it occurs, e.g. ``call:sgl_kernel.rmsnorm`` or
+``call:self.quant_method.apply`` (a glob on the callee as written, its qualified name, or the
+followed helper's qualified name): the call is then taken to write into the tensors it is given
+and allocate nothing, and the scopes are classified again with that knowledge. The rest of the
+line is the reason, which is required. TOML/JSON files hold the same as
 ``[[allow]] scope = "..."  reason = "..."``.
 """
 from __future__ import annotations
@@ -31,7 +35,22 @@ class AllowEntry:
     source: str        # file:line of the entry
     used: int = 0
 
+    @property
+    def is_call(self) -> bool:
+        return self.pattern.startswith("call:")
+
+    def matches_call(self, names) -> bool:
+        glob = self.pattern[len("call:"):]
+        for name in names:
+            if not name:
+                continue
+            if fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name.split(" (")[0], glob):
+                return True
+        return False
+
     def matches(self, file: str, line: int, function: str) -> bool:
+        if self.is_call:
+            return False
         file_pat, _, where = self.pattern.rpartition(":")
         if not file_pat or not where:
             return False
@@ -60,6 +79,18 @@ class AllowList:
                 entry.used += 1
                 return entry
         return None
+
+    def settle(self, names) -> AllowEntry | None:
+        """The `call:` entry that settles a call known by any of `names`, else None."""
+        for entry in self.entries:
+            if entry.is_call and entry.matches_call(names):
+                entry.used += 1
+                return entry
+        return None
+
+    @property
+    def has_calls(self) -> bool:
+        return any(e.is_call for e in self.entries)
 
     def unused(self) -> list[AllowEntry]:
         return [e for e in self.entries if not e.used]
@@ -106,6 +137,12 @@ def _load_structured(path: Path, raw: str) -> list[AllowEntry]:
 
 
 def _check(path: Path, where, pattern: str, reason: str) -> None:
+    if pattern.startswith("call:"):
+        if not pattern[len("call:"):]:
+            raise AllowListError(f"{path}:{where}: entry {pattern!r} names no callee (call:NAME)")
+        if not reason:
+            raise AllowListError(f"{path}:{where}: entry {pattern!r} has no reason; say why it is accepted")
+        return
     file_pat, sep, rest = pattern.rpartition(":")
     if not sep or not file_pat or not rest:
         raise AllowListError(f"{path}:{where}: entry {pattern!r} is not FILE:LINE or FILE:FUNCTION")

@@ -9,9 +9,16 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-# Kinds, in increasing order of concern. `neutral` allocates nothing on the device.
-NEUTRAL, ALLOC, COPY, COMPUTE = "neutral", "alloc", "copy", "compute"
-KIND_RANK = {NEUTRAL: 0, ALLOC: 1, COPY: 2, COMPUTE: 3}
+# Kinds, in increasing order of concern. `neutral` allocates nothing on the device; `kernel` is
+# a launch that only writes into tensors passed to it (`kernel[grid](...)`, `out=`): it places
+# nothing in the pool, so a region of allocations and such launches is still `alloc`.
+NEUTRAL, KERNEL, ALLOC, COPY, COMPUTE = "neutral", "kernel", "alloc", "copy", "compute"
+KIND_RANK = {NEUTRAL: 0, KERNEL: 1, ALLOC: 2, COPY: 3, COMPUTE: 4}
+# Roots of compiled extensions: what their ops allocate besides their outputs is unknown.
+EXTENSION_ROOTS = ("flashinfer", "deep_gemm", "sgl_kernel", "vllm", "tvm_ffi", "cutlass", "aiter",
+                   "flash_attn", "mooncake", "nixl", "tilelang", "kernels")
+# Keyword arguments that name the tensor an op writes into (no output of its own).
+OUT_KEYWORDS = frozenset({"out", "output"})
 
 # Output allocations: one tensor, nothing else (the fill of zeros/ones/full/rand/arange is one
 # kernel writing the output; torch.tensor copies host data into it).

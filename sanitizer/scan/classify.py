@@ -4,24 +4,29 @@ The algorithm, in one place:
 
 1. Every call in the body (not inside nested defs/lambdas, not inside nested scopes, which are
    reported on their own) gets a kind from its resolved callee: `neutral` (metadata, views,
-   built-ins), `alloc` (an output allocation: torch.empty & co.), `copy` (one copy or cast:
-   .contiguous(), .to(), torch.cat, transposes, copy_), or `compute` (everything else: torch ops,
-   kernel launches, sub-module calls, and every callee it cannot resolve).
+   built-ins), `kernel` (a launch that only writes into tensors passed to it: Triton
+   `kernel[grid](...)`, an op given `out=`, a call settled by a `call:` allow-list entry),
+   `alloc` (an output allocation: torch.empty & co.), `copy` (one copy or cast: .contiguous(),
+   .to(), torch.cat, transposes, copy_), or `compute` (everything else: torch ops, compiled
+   extension ops, sub-module calls, and every callee it cannot resolve, marked unresolved).
 2. A callee defined in the scanned tree is followed, to `depth` levels, and takes the kind of its
    own body (compute if anything in it computes or leaves a transient behind).
 3. An allocating call is an output when its result outlives the region (bound to a name used
-   after the scope / returned by the helper / stored in an attribute, a container or an `out=`);
-   otherwise it is a transient: freed inside the window without being handed on.
+   after the scope / returned by the helper / stored in an attribute, a container or an `out=`),
+   a reservation when its result is dropped unused at once (`torch.empty(n)` as a statement: it
+   grows the pool and is never read), otherwise a transient: a workspace handed to another op and
+   freed inside the window.
 4. The scope is `compute` when any call computes or any allocation is a transient, else `copy`
-   when any call copies, else `alloc`.
+   when any call copies, else `alloc` (its kernels listed). A compute scope whose every compute
+   call is unresolved is `compute (unresolved)`: nothing known computes, something unknown may.
 """
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
 
-from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, KIND_RANK, NEUTRAL, CallCatalog,
-                                    is_inplace_method)
+from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, EXTENSION_ROOTS, KERNEL, KIND_RANK, NEUTRAL,
+                                    OUT_KEYWORDS, CallCatalog, is_inplace_method)
 from sanitizer.scan.resolve import Func, Resolver, Target, Where, own_nodes
 from sanitizer.scan.scopes import ScopeSite
 
@@ -41,6 +46,8 @@ class CallRecord:
     helper: str | None = None    # "qualname (file:line)" of a followed tree function
     inner: list["CallRecord"] = field(default_factory=list)
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # followed helpers' (file, first, last)
+    conditions: list = field(default_factory=list)  # fallback.Condition: when this call runs (in its function)
+    result_transient: bool = False   # its result, if it allocates one, is freed inside the scope
 
     def as_dict(self) -> dict:
         d = {"call": self.callee, "file": self.file, "line": self.line, "kind": self.kind,
@@ -49,6 +56,8 @@ class CallRecord:
             d["helper"] = self.helper
         if self.inner:
             d["inner"] = [r.as_dict() for r in self.inner]
+        if self.conditions:
+            d["conditions"] = [c.text for c in self.conditions]
         return d
 
 
@@ -66,22 +75,78 @@ def region_class(records: list[CallRecord]) -> str:
     return ALLOC
 
 
+def known_compute(r: CallRecord) -> bool:
+    """The record shows compute or a transient that the scan knows of (not a guess about an
+    unresolved callee): a resolved op, a transient allocation, or a helper holding one."""
+    if r.kind == COMPUTE and r.resolved and not r.helper:
+        return True
+    if r.transient and r.kind != COMPUTE:
+        return True
+    return r.kind == COMPUTE and any(known_compute(i) for i in r.inner)
+
+
+def records_under(records: list[CallRecord], assume) -> list[CallRecord]:
+    """The records whose calls can run under `assume` (their conditions not false), with each
+    followed helper's kind recomputed from its inner calls that can run."""
+    from sanitizer.scan.fallback import ScopePath, path_survives
+    out = []
+    for r in records:
+        if r.conditions and not path_survives(ScopePath(r.conditions), assume):
+            continue
+        if r.inner:
+            inner = records_under(r.inner, assume)
+            kind = NEUTRAL
+            for i in inner:
+                kind = max(kind, COMPUTE if i.transient else i.kind, key=KIND_RANK.__getitem__)
+            if kind == NEUTRAL:
+                continue
+            transient = kind == COMPUTE or (kind in (ALLOC, COPY) and r.result_transient)
+            r = CallRecord(r.callee, r.file, r.line, kind, transient, r.reason, r.resolved, r.helper,
+                           inner, r.spans, r.conditions, r.result_transient)
+        out.append(r)
+    return out
+
+
+def kernels_of(records: list[CallRecord]) -> list[CallRecord]:
+    """Kernel launches (writing into given tensors) in the records and the helpers they follow."""
+    out, stack = [], list(records)
+    while stack:
+        r = stack.pop(0)
+        if r.kind == KERNEL:
+            out.append(r)
+        stack.extend(r.inner)
+    return out
+
+
 class BodyClassifier:
-    def __init__(self, resolver: Resolver, catalog: CallCatalog, depth: int, scope_nodes: set[int]):
+    def __init__(self, resolver: Resolver, catalog: CallCatalog, depth: int, scope_nodes: set[int],
+                 settled_calls=None):
         self.resolver = resolver
+        self.settled_calls = settled_calls  # callable(names) -> allow entry or None (`call:` entries)
         self.catalog = catalog
         self.depth = depth
         self.scope_nodes = scope_nodes      # ids of With nodes that are scope sites themselves
         self._summaries: dict[tuple[int, int], Summary] = {}
         self._in_progress: set[int] = set()
+        self._uses: dict[int, NameUses] = {}
+        from sanitizer.scan.fallback import Conditions
+        self.conditions = Conditions()
 
     # -- entry points -----------------------------------------------------------------------
     def scope_records(self, site: ScopeSite) -> tuple[list[CallRecord], list[int]]:
         """Records for a scope body, and the lines of the scopes nested in it."""
-        escapes = _scope_escapes(site, self.catalog)
+        escapes = _scope_escapes(site, self.catalog, self._name_uses(site))
         nested: list[int] = []
-        records = self._records(site.body, site.where, escapes, self.depth, nested)
+        records = self._records(site.body, site.where, escapes, self.depth, nested, stop=site.node)
         return records, nested
+
+    def _name_uses(self, site: ScopeSite) -> "NameUses":
+        owner = site.where.func.node if site.where.func is not None else site.module.tree
+        uses = self._uses.get(id(owner))
+        if uses is None:
+            body = owner.body
+            uses = self._uses[id(owner)] = NameUses(body, loads_only=site.where.func is not None)
+        return uses
 
     def function_summary(self, func: Func, remaining: int) -> Summary:
         key = (id(func.node), remaining)
@@ -105,11 +170,12 @@ class BodyClassifier:
 
     # -- the walk ---------------------------------------------------------------------------
     def _records(self, body, where: Where, escapes: set[str], remaining: int,
-                 nested: list[int]) -> list[CallRecord]:
+                 nested: list[int], stop: ast.AST | None = None) -> list[CallRecord]:
         records = []
         for call in self._calls(body, nested):
             rec = self._categorize(call, where, escapes, remaining)
             if rec is not None:
+                rec.conditions = self.conditions.within(where.module, call, stop)
                 records.append(rec)
         records.sort(key=lambda r: r.line)
         return records
@@ -135,21 +201,33 @@ class BodyClassifier:
         spans = [(f.module.rel, f.node.lineno, f.node.end_lineno or f.node.lineno) for f in followed]
         if kind == NEUTRAL:
             return None
+        if kind == COMPUTE and not target.funcs and any(k.arg in OUT_KEYWORDS for k in call.keywords):
+            kind, allocates, resolved = KERNEL, False, True
+            reason = f"writes into its out= argument, allocates nothing ({reason})"
+        if kind == COMPUTE and self.settled_calls is not None:
+            entry = self.settled_calls([target.text, target.qualified or "", helper or ""])
+            if entry is not None:
+                kind, allocates, resolved, inner = KERNEL, False, True, []
+                reason = f"settled by allow-list {entry.source}: {entry.reason}"
+        fate = _fate(call, where.module, escapes, self.catalog) if kind != KERNEL else "output"
         if kind == COMPUTE:
             transient = True
         else:
-            transient = allocates and _fate(call, where.module, escapes, self.catalog) == "transient"
+            fate = fate if allocates else "output"
+            transient = fate == "transient"
             if transient:
                 reason += "; its result is freed inside the scope (a transient)"
+            elif fate == "reservation":
+                reason += "; dropped unused at once (reserves pool memory)"
         return CallRecord(target.text, where.module.rel, call.lineno, kind, transient, reason,
-                          resolved, helper, inner, spans)
+                          resolved, helper, inner, spans, result_transient=fate == "transient")
 
     def _kind_of(self, target: Target, remaining: int, followed: list[Func]):
         """(kind, allocates, reason, resolved, helper, inner records); `followed` gets the
         tree functions whose bodies were read."""
         cat = self.catalog
         if target.launch:
-            return COMPUTE, True, "kernel launch", True, None, []
+            return KERNEL, False, "kernel launch: writes into the tensors passed to it", True, None, []
         if target.qualified:
             kind = cat.function_kind(target.qualified)
             if kind is not None:
@@ -177,7 +255,7 @@ class BodyClassifier:
                 inner += s.records
             allocates = kind in (ALLOC, COPY)
             reason = {COMPUTE: "helper computes", COPY: "helper copies", ALLOC: "helper allocates",
-                      NEUTRAL: ""}[kind]
+                      KERNEL: "helper launches kernels into given tensors", NEUTRAL: ""}[kind]
             return kind, allocates, reason, True, names, inner
         if target.method:
             kind = cat.method_kind(target.method)
@@ -197,8 +275,11 @@ class BodyClassifier:
                 return kind, allocates, f"{kind}: .{method}()", True, None, []
         if target.qualified:
             root = target.qualified.split(".")[0]
-            if root in ("torch", "triton", "tl", "flashinfer", "deep_gemm", "sgl_kernel", "vllm"):
+            if root in ("torch", "triton", "tl"):
                 return COMPUTE, True, f"op: {target.qualified}", True, None, []
+            if root in EXTENSION_ROOTS:
+                return (COMPUTE, True, f"unresolved: compiled extension op {target.qualified} "
+                        "(what it allocates besides its outputs is unknown)", False, None, [])
             where = "outside the scanned tree" if "." in target.qualified else "not defined in the scanned tree"
             return COMPUTE, True, f"unresolved: {target.qualified} ({where})", False, None, []
         return COMPUTE, True, f"unresolved: {target.unresolved or 'unknown callee'}", False, None, []
@@ -250,6 +331,8 @@ def _fate(call: ast.Call, module, escapes: set[str], catalog: CallCatalog) -> st
             return "output"
         if isinstance(parent, (ast.withitem, ast.For, ast.AsyncFor, ast.comprehension)):
             return "output"  # handed to a context manager / iterated: not judged here
+        if isinstance(parent, ast.Expr) and node is call:
+            return "reservation"  # `torch.empty(n)` alone: grows the pool, never read
         return "transient"
 
 
@@ -300,21 +383,39 @@ def _referenced_names(expr: ast.AST | None, catalog: CallCatalog) -> set[str]:
     return out
 
 
-def _escaping_names(region_nodes: list[ast.AST], seed: set[str], catalog: CallCatalog) -> set[str]:
+class _Escapes:
+    """A set of names, plus the names a `used_outside` test admits lazily: asking whether one
+    name is used after a scope costs a lookup, not a pass over the whole function, so that a
+    function with n scopes is classified in linear time."""
+
+    def __init__(self, names=(), used_outside=None):
+        self.names = set(names)
+        self.used_outside = used_outside
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names or (self.used_outside is not None and self.used_outside(name))
+
+    def add_all(self, names) -> bool:
+        new = {n for n in names if n not in self}
+        self.names |= new
+        return bool(new)
+
+
+def _escaping_names(region_nodes, seed: "_Escapes", catalog: CallCatalog) -> "_Escapes":
     """Names whose objects outlive a region: `seed` (used after it), plus whatever is returned,
     yielded, stored in an attribute/subscript/container or declared global inside it, closed
     over assignments to names that escape."""
-    escapes = set(seed)
+    escapes = seed
     assigns = []
     for node in region_nodes:
         if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)):
-            escapes |= _referenced_names(node.value, catalog)
+            escapes.add_all(_referenced_names(node.value, catalog))
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            escapes.update(node.names)
+            escapes.add_all(node.names)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr in STORE_METHODS:
             for arg in node.args:
-                escapes |= _referenced_names(arg, catalog)
+                escapes.add_all(_referenced_names(arg, catalog))
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
             assigns.append(node)
     changed = True
@@ -323,26 +424,43 @@ def _escaping_names(region_nodes: list[ast.AST], seed: set[str], catalog: CallCa
         for node in assigns:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(_target_escapes(t, escapes) for t in targets):
-                new = _referenced_names(node.value, catalog) - escapes
-                if new:
-                    escapes |= new
+                if escapes.add_all(_referenced_names(node.value, catalog)):
                     changed = True
     return escapes
 
 
-def _function_escapes(node, catalog: CallCatalog) -> set[str]:
-    return _escaping_names(list(own_nodes(node.body)), set(), catalog)
+def _function_escapes(node, catalog: CallCatalog) -> "_Escapes":
+    return _escaping_names(list(own_nodes(node.body)), _Escapes(), catalog)
 
 
-def _scope_escapes(site: ScopeSite, catalog: CallCatalog) -> set[str]:
+class NameUses:
+    """Where each name is loaded in one function (or module body): name -> sorted line numbers.
+    Built once per function, shared by all the scopes in it."""
+
+    def __init__(self, body, loads_only: bool):
+        self.lines: dict[str, list[int]] = {}
+        for n in own_nodes(body):
+            if isinstance(n, ast.Name) and (not loads_only or isinstance(n.ctx, ast.Load)):
+                self.lines.setdefault(n.id, []).append(n.lineno)
+        for v in self.lines.values():
+            v.sort()
+
+    def used_outside(self, name: str, first: int, last: int) -> bool:
+        lines = self.lines.get(name)
+        if not lines:
+            return False
+        if lines[0] < first or lines[-1] > last:
+            return True
+        return False
+
+
+def _scope_escapes(site: ScopeSite, catalog: CallCatalog, uses: "NameUses") -> "_Escapes":
     """Names whose objects outlive the scope body (used after it in the enclosing function, or
-    handed on inside it)."""
+    handed on inside it). At module level every name used anywhere in the module counts."""
     first, last = site.body_span
     if site.where.func is None:
-        outside = {n.id for n in own_nodes(site.module.tree.body) if isinstance(n, ast.Name)}
+        seed = _Escapes(used_outside=lambda name: name in uses.lines)
     else:
-        outside = {n.id for n in own_nodes(site.where.func.node.body)
-                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-                   and not (first <= n.lineno <= last)}
+        seed = _Escapes(used_outside=lambda name: uses.used_outside(name, first, last))
     body_nodes = [n for s in site.body for n in own_nodes([s])]
-    return _escaping_names(body_nodes, outside, catalog)
+    return _escaping_names(body_nodes, seed, catalog)

@@ -51,6 +51,7 @@ class ScanConfig:
     guard_keywords: tuple[str, ...] = DEFAULT_GUARD_KEYWORDS
     exclude: tuple[str, ...] = ()
     catalog: CallCatalog = field(default_factory=CallCatalog)
+    caller_depth: int = 3            # call-chain levels searched for the conditions on a scope
 
     @classmethod
     def build(cls, config_file: str | None = None, scopes=(), no_default_scopes: bool = False,

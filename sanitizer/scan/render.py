@@ -7,10 +7,51 @@ from sanitizer.scan.scanner import ScanResult, ScopeReport
 
 CLASS_ORDER = ("compute", "copy", "alloc")
 CLASS_MEANING = {
-    "compute": "runs ops, kernels or unknown code inside the window: transients may land there",
+    "compute": "runs ops or unknown code inside the window: transients may land there",
     "copy": "one copy or cast that becomes a collective's input",
-    "alloc": "only output allocations",
+    "alloc": "only output allocations, and kernels that write into tensors given to them",
 }
+PRIVATE_MEANING = ("use_mem_pool on a pool that is no symmetric window (KV cache, graph pool, ...): "
+                   "an allocation there is no hazard by itself; listed, never failing")
+MAX_PATHS_SHOWN = 4
+
+
+def _groups(result: ScanResult):
+    """(title, meaning, scopes): the window scopes by class, then the private-pool scopes."""
+    for klass in CLASS_ORDER:
+        group = [s for s in result.scopes if s.window and s.klass == klass]
+        if group:
+            yield klass, CLASS_MEANING[klass], group
+    private = [s for s in result.scopes if not s.window]
+    if private:
+        yield "private pools", PRIVATE_MEANING, private
+
+
+def _path_lines(s: ScopeReport) -> list[str]:
+    """The conditions on each way to the scope (only the ways that hold any)."""
+    out = []
+    shown = [p for p in s.paths if p.conditions or p.via]
+    for p in shown[:MAX_PATHS_SHOWN]:
+        conds = "; ".join(c.text for c in p.conditions) or "no condition"
+        via = f"  <- {' <- '.join(p.via)}" if p.via else ""
+        out.append(f"{conds}{via}")
+    if len(shown) > MAX_PATHS_SHOWN:
+        out.append(f"... {len(shown) - MAX_PATHS_SHOWN} more way(s)")
+    return out
+
+
+def _marks(s: ScopeReport) -> list[str]:
+    marks = []
+    if s.window and s.klass == "compute" and s.fallback_only:
+        marks.append("fallback-only")
+    if s.when and s.when["only_under"]:
+        marks.append("only under " + ", ".join(s.when["only_under"]))
+    if s.when and s.when["class_before"] != s.klass:
+        marks.append(f"{s.klass} under {' '.join(s.when['conditions'])} "
+                     f"({s.when['class_before']} through calls that run on other hardware only)")
+    if s.changed:
+        marks.append("changed: " + ", ".join(s.changed[:4]))
+    return marks
 
 
 def render_json(result: ScanResult) -> str:
@@ -78,21 +119,30 @@ def render_text(result: ScanResult) -> str:
     summ = result.summary()
     bc = summ["by_class"]
     lines.append(f"hazsan scan: {summ['scopes']} scope(s) in {summ['files']} file(s) "
-                 f"({summ['files_parsed']} parsed): {bc['compute']} compute, {bc['copy']} copy, "
-                 f"{bc['alloc']} alloc; {summ['failing']} compute scope(s) not allowed")
-    for klass in CLASS_ORDER:
-        group = [s for s in result.scopes if s.klass == klass]
-        if not group:
-            continue
+                 f"({summ['files_parsed']} parsed): {summ['window_scopes']} in symmetric windows "
+                 f"({bc['compute']} compute, {summ['compute_unresolved']} of them unresolved, {bc['copy']} copy, "
+                 f"{bc['alloc']} alloc), {summ['private_pool_scopes']} in private pools; "
+                 f"{summ['failing']} compute scope(s) not allowed; {summ['fallback_only_compute']} "
+                 f"compute scope(s) fallback-only")
+    filters = _filter_line(result)
+    if filters:
+        lines.append(filters)
+    for title, meaning, group in _groups(result):
         lines.append("")
-        lines.append(f"== {klass} ({len(group)}): {CLASS_MEANING[klass]}")
+        lines.append(f"== {title} ({len(group)}): {meaning}")
         for s in group:
             lines.append("")
             status = _status(s)
+            label = f"  {s.label}" if title == "private pools" or s.unresolved else ""
             lines.append(f"{s.file}:{s.line}  in {s.function}  [{s.scope} via {s.entered}"
-                         f"{' / ' + ' / '.join(s.via) if s.via else ''}]" + (f"  {status}" if status else ""))
+                         f"{' / ' + ' / '.join(s.via) if s.via else ''}]{label}"
+                         + (f"  {status}" if status else ""))
+            for mark in _marks(s):
+                lines.append(f"  {mark}")
             if s.guard:
                 lines.append(f"  guard: {s.guard}")
+            for path in _path_lines(s):
+                lines.append(f"  reached: {path}")
             if s.pool:
                 lines.append(f"  pool: {s.pool}")
             if s.parent:
@@ -104,7 +154,7 @@ def render_text(result: ScanResult) -> str:
             rt = _runtime_line(s)
             if rt:
                 lines.append(f"  {rt}")
-            if klass != "alloc":
+            if s.klass != "alloc":
                 for no, text in s.snippet:
                     lines.append(f"  {no:6} | {text}")
                 if s.end_line > s.snippet[-1][0] if s.snippet else False:
@@ -140,6 +190,16 @@ def render_text(result: ScanResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _filter_line(result: ScanResult) -> str | None:
+    parts = []
+    if result.when:
+        n = result.filtered.get("when", 0)
+        parts.append(f"--when {' '.join(result.when)}: {n} scope(s) not reachable left out")
+    if "changed_since" in result.filtered:
+        parts.append(f"--changed-since: {result.filtered['changed_since']} unchanged scope(s) left out")
+    return "; ".join(parts) or None
+
+
 def _md_escape(text: str) -> str:
     return text.replace("|", "\\|").replace("`", "'")
 
@@ -151,39 +211,49 @@ def render_markdown(result: ScanResult, title: str = "hazsan scan") -> str:
     if result.command:
         out += [f"Regenerate with: `{result.command}`", ""]
     out += [f"{summ['scopes']} scopes in {summ['files']} files ({summ['files_parsed']} parsed, "
-            f"helpers followed to depth {summ['depth']}): **{bc['compute']} compute**, {bc['copy']} copy, "
-            f"{bc['alloc']} alloc. {summ['failing']} compute scopes are not on the allow-list; "
-            f"{summ['allowed']} are; {summ['statically_disabled']} are statically disabled. "
+            f"helpers followed to depth {summ['depth']}). {summ['window_scopes']} allocate into a "
+            f"symmetric window: **{bc['compute']} compute** ({summ['compute_unresolved']} of them "
+            f"unresolved), {bc['copy']} copy, {bc['alloc']} alloc. {summ['private_pool_scopes']} are in "
+            f"private pools (never failing). {summ['failing']} compute scopes are not on the allow-list; "
+            f"{summ['allowed']} are; {summ['statically_disabled']} are statically disabled; "
+            f"{summ['fallback_only_compute']} compute scopes are fallback-only. "
             f"Files not scanned: {len(result.problems)}.", ""]
+    filters = _filter_line(result)
+    if filters:
+        out += [filters, ""]
     out += ["| class | meaning |", "|---|---|"]
     out += [f"| {k} | {CLASS_MEANING[k]} |" for k in CLASS_ORDER]
-    out += [""]
-    for klass in CLASS_ORDER:
-        group = [s for s in result.scopes if s.klass == klass]
-        if not group:
-            continue
-        out += [f"## {klass} ({len(group)})", ""]
-        out += ["| scope | function | pool | entered | guard | most telling compute / transient calls | status |",
-                "|---|---|---|---|---|---|---|"]
+    out += ["| compute (unresolved) | compute only through calls the scan cannot see into "
+            "(compiled extensions, objects of unknown type); settle them with `call:` allow-list entries |"]
+    out += [f"| private pools | {PRIVATE_MEANING} |", ""]
+    for title, _meaning, group in _groups(result):
+        out += [f"## {title} ({len(group)})", ""]
+        out += ["| scope | function | class | pool | entered | conditions on the way | most telling calls | status |",
+                "|---|---|---|---|---|---|---|---|"]
         for s in group:
             calls = [r for r in s.records if r.kind == "compute" or r.transient]
+            if s.klass == "alloc":
+                calls = s.kernels
             shown = "; ".join(_md_escape(_chain(r)) for r in _telling(calls, 3))
             if len(calls) > 3:
                 shown += f"; +{len(calls) - 3} more"
             pool = "symmetric" if s.symmetric else (f"`{_md_escape(s.pool)}`" if s.pool else "")
             entered = s.entered + (" / " + " / ".join(s.via) if s.via else "")
-            out.append(f"| `{s.file}:{s.line}` | `{_md_escape(s.function)}` | {pool} | {_md_escape(entered)} | "
-                       f"{'`' + _md_escape(s.guard) + '`' if s.guard else ''} | {shown} | "
-                       f"{_md_escape(_status(s))} |")
+            conds = "<br>".join(_md_escape(p) for p in _path_lines(s))
+            status = "; ".join([_status(s)] + _marks(s)).strip("; ")
+            out.append(f"| `{s.file}:{s.line}` | `{_md_escape(s.function)}` | {s.label} | {pool} | "
+                       f"{_md_escape(entered)} | {conds} | {shown} | {_md_escape(status)} |")
         out.append("")
-        if klass == "compute":
-            for s in group:
-                out += [f"### `{s.file}:{s.line}` ({_md_escape(s.function)})", ""]
-                rt = _runtime_line(s)
-                if rt:
-                    out += [f"*{rt}*", ""]
-                out += ["```python"] + [f"{no:6} | {text}" for no, text in s.snippet] + ["```", ""]
-                out += ["```"] + _call_lines(s.records, "") + ["```", ""]
+    compute = [s for s in result.scopes if s.window and s.klass == "compute"]
+    if compute:
+        out += ["## compute scopes in detail", ""]
+        for s in compute:
+            out += [f"### `{s.file}:{s.line}` ({_md_escape(s.function)}, {s.label})", ""]
+            rt = _runtime_line(s)
+            if rt:
+                out += [f"*{rt}*", ""]
+            out += ["```python"] + [f"{no:6} | {text}" for no, text in s.snippet] + ["```", ""]
+            out += ["```"] + _call_lines(s.records, "") + ["```", ""]
     if result.problems:
         out += ["## Files not scanned", ""]
         out += [f"- `{p.file}:{p.line or '-'}`: {_md_escape(p.message)}" for p in result.problems]

@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sanitizer.scan.allow import AllowEntry, AllowList
-from sanitizer.scan.classify import BodyClassifier, CallRecord, region_class
+from sanitizer.scan.classify import (BodyClassifier, CallRecord, kernels_of, known_compute, records_under,
+                                     region_class)
 from sanitizer.scan.config import ScanConfig
+from sanitizer.scan.fallback import (BASELINE, Assumption, Condition, PathFinder, needs_particular_hardware, parse_condition,
+                                     path_survives)
 from sanitizer.scan.resolve import Resolver, own_nodes
 from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
-from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree
+from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree, _real
 
 SNIPPET_LINES = 12
 
@@ -39,10 +42,47 @@ class ScopeReport:
     yields: bool = False             # a @contextmanager body: its callers' blocks are the real bodies
     allowed: AllowEntry | None = None
     runtime: dict | None = None
+    paths: list = field(default_factory=list)   # fallback.Path: the conditions on each way here
+    changed: list[str] = field(default_factory=list)  # --changed-since: what changed ("file:lines")
+    when: dict | None = None         # --when: {"condition": NAME, "only": bool}
+
+    @property
+    def window(self) -> bool:
+        """The scope allocates into a symmetric window (only these can fail): SGLang's scopes,
+        torch symmetric memory, a pool the tree registers as a window, or a configured scope."""
+        return self.symmetric is not False
+
+    @property
+    def unresolved(self) -> bool:
+        """compute only because of calls the scan cannot see into (compiled extensions, objects
+        of unknown type): nothing known computes or leaves a transient."""
+        return self.klass == "compute" and not any(known_compute(r) for r in self.records)
+
+    @property
+    def label(self) -> str:
+        return "compute (unresolved)" if self.unresolved else self.klass
+
+    @property
+    def kernels(self) -> list[CallRecord]:
+        return kernels_of(self.records)
 
     @property
     def failing(self) -> bool:
-        return self.klass == "compute" and not self.disabled and self.allowed is None
+        return self.klass == "compute" and not self.disabled and self.allowed is None and self.window
+
+    def class_under(self, assume) -> str:
+        """The class with only the calls that can run under `assume` (`--when`, fallback)."""
+        return region_class(records_under(self.records, assume))
+
+    @property
+    def fallback_only(self) -> bool:
+        """A compute scope that computes only on particular hardware: every way here needs it,
+        or the calls that compute run only under hardware conditions (not on the common case)."""
+        if self.klass != "compute":
+            return False
+        if self.paths and all(needs_particular_hardware(p) for p in self.paths):
+            return True
+        return self.class_under(BASELINE) != "compute"
 
     def as_dict(self) -> dict:
         d = {
@@ -52,14 +92,23 @@ class ScopeReport:
             "guard": self.guard, "disabled": self.disabled,
             "scope": self.scope, "scope_call": self.call, "entered": self.entered, "via": self.via,
             "nested": self.nested, "parent": self.parent,
-            "pool": self.pool, "symmetric": self.symmetric, "yields": self.yields,
+            "pool": self.pool, "symmetric": self.symmetric, "window": self.window,
+            "label": self.label, "unresolved_only": self.unresolved,
+            "kernels": [f"{r.callee} ({r.file}:{r.line})" for r in self.kernels],
+            "yields": self.yields,
             "transients": [f"{r.callee} ({r.file}:{r.line})" for r in _flat(self.records) if r.transient
                            and not r.inner],
             "unresolved": sum(1 for r in _flat(self.records) if not r.resolved),
             "allowed": ({"entry": self.allowed.pattern, "reason": self.allowed.reason,
                          "source": self.allowed.source} if self.allowed else None),
             "failing": self.failing,
+            "paths": [p.as_dict() for p in self.paths],
+            "fallback_only": self.fallback_only,
         }
+        if self.when is not None:
+            d["when"] = self.when
+        if self.changed:
+            d["changed"] = self.changed
         if self.runtime is not None:
             d["runtime"] = self.runtime
         return d
@@ -82,21 +131,53 @@ class ScanResult:
     allow_unused: list[AllowEntry] = field(default_factory=list)
     runtime: dict | None = None
     command: str | None = None
+    rel_to_real: dict[str, str] = field(default_factory=dict)
+    filtered: dict[str, int] = field(default_factory=dict)   # scopes left out, by filter
+    when: list[str] = field(default_factory=list)
+
+    def keep_when(self, names: list[str]) -> None:
+        """--when NAME...: keep the scopes some path reaches with every NAME true; mark those
+        that no path reaches with NAME false (reachable only under it)."""
+        assumptions = [Assumption(n) for n in names]
+        kept = []
+        for s in self.scopes:
+            if not all(any(path_survives(p, a) for p in s.paths) for a in assumptions):
+                continue
+            only = [a.name for a in assumptions
+                    if not any(path_survives(p, a.opposite()) for p in s.paths)]
+            s.when = {"conditions": names, "only_under": only, "class_before": s.klass}
+            if s.klass == "compute":
+                # the class on this hardware: calls whose conditions are false here are dropped
+                records = s.records
+                for a in assumptions:
+                    records = records_under(records, a)
+                s.klass = region_class(records)
+                if s.klass != "compute":
+                    s.allowed = None
+            kept.append(s)
+        self.filtered["when"] = len(self.scopes) - len(kept)
+        self.when = list(names)
+        self.scopes = kept
 
     @property
     def failing(self) -> list[ScopeReport]:
         return [s for s in self.scopes if s.failing]
 
     def by_class(self) -> dict[str, int]:
+        """Classes of the window scopes (private-pool scopes are counted apart)."""
         out = {"compute": 0, "copy": 0, "alloc": 0}
         for s in self.scopes:
-            out[s.klass] += 1
+            if s.window:
+                out[s.klass] += 1
         return out
 
     def summary(self) -> dict:
         d = {
             "files": self.files_total, "files_parsed": self.files_parsed,
             "scopes": len(self.scopes), "by_class": self.by_class(),
+            "window_scopes": sum(1 for s in self.scopes if s.window),
+            "private_pool_scopes": sum(1 for s in self.scopes if not s.window),
+            "compute_unresolved": sum(1 for s in self.scopes if s.window and s.unresolved),
             "failing": len(self.failing),
             "allowed": sum(1 for s in self.scopes if s.allowed is not None),
             "statically_disabled": sum(1 for s in self.scopes if s.disabled),
@@ -107,6 +188,13 @@ class ScanResult:
             "depth": self.depth, "scope_names": list(self.scope_names),
             "allow_unused": [f"{e.source}: {e.pattern}" for e in self.allow_unused],
         }
+        d["fallback_only_compute"] = sum(1 for s in self.scopes if s.window and s.klass == "compute"
+                                         and s.fallback_only)
+        if self.when:
+            d["when"] = self.when
+            d["only_under_when"] = sum(1 for s in self.scopes if s.when and s.when["only_under"])
+        if self.filtered:
+            d["left_out"] = dict(self.filtered)
         if self.command:
             d["command"] = self.command
         if self.runtime is not None:
@@ -131,24 +219,37 @@ class Scanner:
         modules = self._candidates(tree, matcher)
         sites = self._sites(modules, matcher, tree)
         classifier = BodyClassifier(resolver, self.config.catalog, self.config.depth,
-                                    {id(s.node) for s in sites if not isinstance(s.node, ast.Call)})
-        reports = []
+                                    {id(s.node) for s in sites if not isinstance(s.node, ast.Call)},
+                                    self.allow.settle if self.allow.has_calls else None)
+        registered = _registered_pools(tree)
+        reports, report_sites = [], []
         for site in sites:
             try:
-                reports.append(self._report(site, classifier, matcher))
+                reports.append(self._report(site, classifier, matcher, registered))
+                report_sites.append(site)
             except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
                 # A construct the analysis does not handle must not end the whole scan.
                 tree.problems.append(SourceProblem(
                     site.module.rel, site.line, f"internal error while classifying this scope "
                     f"({type(exc).__name__}: {exc}); please report it"))
         _link_nesting(reports)
+        finder = PathFinder(resolver, tree.parsed_modules(), self.config.caller_depth)
+        for r, site in zip(reports, report_sites):
+            try:
+                r.paths = finder.paths(site.where.func, self._own_conditions(site, finder))
+            except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
+                tree.problems.append(SourceProblem(
+                    site.module.rel, site.line, f"internal error while finding the conditions of this "
+                    f"scope ({type(exc).__name__}: {exc}); please report it"))
         for r in reports:
-            if r.klass == "compute" and not r.disabled:
+            if r.klass == "compute" and not r.disabled and r.window:
                 r.allowed = self.allow.accept(r.file, r.line, r.function)
         reports.sort(key=lambda r: (r.file, r.line))
-        return ScanResult(reports, sorted(tree.problems, key=lambda p: (p.file, p.line or 0)),
-                          len(tree.files), tree.parsed_count, self.config.depth, self.config.scopes,
-                          self.allow.unused())
+        result = ScanResult(reports, sorted(tree.problems, key=lambda p: (p.file, p.line or 0)),
+                            len(tree.files), tree.parsed_count, self.config.depth, self.config.scopes,
+                            self.allow.unused())
+        result.rel_to_real = {sf.rel: _real(sf.path) for sf in tree.files}
+        return result
 
     # -- steps ------------------------------------------------------------------------------
     @staticmethod
@@ -161,7 +262,7 @@ class Scanner:
         modules: list[ModuleInfo] = []
         taken: set[int] = set()
         seen_tokens: set[str] = set()
-        while True:
+        for _ in range(ScopeMatcher.MAX_CHAIN + 1):
             tokens = matcher.text_tokens()
             new = {t.encode() for t in tokens - seen_tokens}
             if tokens and not new:
@@ -183,8 +284,9 @@ class Scanner:
             grew = matcher.discover_factories(modules)
             if not tokens or not grew:
                 break
-        while matcher.discover_factories(modules):  # helpers of helpers within these files
-            pass
+        for _ in range(ScopeMatcher.MAX_CHAIN):  # helpers of helpers within these files, bounded
+            if not matcher.discover_factories(modules):
+                break
         return modules
 
     @staticmethod
@@ -205,7 +307,19 @@ class Scanner:
                 sites.append(site)
         return sites
 
-    def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher) -> ScopeReport:
+    def _own_conditions(self, site: ScopeSite, finder: PathFinder) -> list[Condition]:
+        """Conditions inside the scope's function: enclosing ifs and early exits, a conditional
+        scope expression, and the `disabled=` guard (the window is on unless it holds)."""
+        own = finder.conditions.within(site.module, site.node)
+        where = f"{site.module.rel}:{site.line}"
+        own += [parse_condition(c, where) for c in site.match.conditions]
+        for kw in site.match.call.keywords:
+            if kw.arg in self.config.guard_keywords:
+                own.append(Condition(f"unless {kw.arg}={_one_line(kw.value)}", kw.value, False, where))
+        return own
+
+    def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher,
+                registered: set[str]) -> ScopeReport:
         records, nested = classifier.scope_records(site)
         m = site.match
         guard_parts, disabled = [], False
@@ -215,7 +329,7 @@ class Scanner:
                 if isinstance(kw.value, ast.Constant) and kw.value.value is True:
                     disabled = True
         guard_parts += m.conditions
-        pool, symmetric = _pool(m, matcher, site)
+        pool, symmetric = _pool(m, matcher, site, registered)
         first = site.line
         last = site.body_span[1]
         snippet_end = min(last, first + SNIPPET_LINES - 1)
@@ -230,10 +344,38 @@ class Scanner:
             yields=any(isinstance(n, (ast.Yield, ast.YieldFrom)) for s in site.body for n in own_nodes([s])))
 
 
-def _pool(m, matcher: ScopeMatcher, site: ScopeSite) -> tuple[str | None, bool | None]:
-    """The pool a use_mem_pool scope enters, and whether it is known to be symmetric memory
-    (its expression, or the value assigned to the variable it names, mentions symmetric memory
-    or NCCL: `symm_mem.get_mem_pool(dev)`, `get_nccl_mem_pool()`)."""
+def _registered_pools(tree) -> set[str]:
+    """Names of the pools the tree registers as windows: the last identifier of the first
+    argument of every `register_mem_pool(pool)` call (torch's ProcessGroupNCCL API)."""
+    names: set[str] = set()
+    for sf in tree.files:
+        if b"register_mem_pool(" not in tree.read_bytes(sf):
+            continue
+        module = tree.parse(sf)
+        if module is None:
+            continue
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Call) and node.args and _last_name(node.func) == "register_mem_pool":
+                name = _last_name(node.args[0])
+                if name:
+                    names.add(name)
+    return names
+
+
+def _last_name(expr: ast.AST) -> str | None:
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    return None
+
+
+def _pool(m, matcher: ScopeMatcher, site: ScopeSite, registered: set[str] = frozenset()
+          ) -> tuple[str | None, bool | None]:
+    """The pool a use_mem_pool scope enters, and whether it is a symmetric window: its
+    expression, or the value assigned to the variable it names, mentions symmetric memory or
+    NCCL (`symm_mem.get_mem_pool(dev)`, `get_nccl_mem_pool()`), or it names a pool the tree
+    registers (`register_mem_pool(self.pool)`). Any other pool is private: False."""
     if "use_mem_pool" in m.scope:
         arg = m.call.args[0] if m.call.args else next(
             (k.value for k in m.call.keywords if k.arg == "pool"), None)
@@ -242,30 +384,34 @@ def _pool(m, matcher: ScopeMatcher, site: ScopeSite) -> tuple[str | None, bool |
         if isinstance(arg, ast.Name) and m.call_module is site.module and site.where.func is not None:
             evidence += [_one_line(v) for v in matcher._assignments(site.where.func).get(arg.id, [])]
         low = " ".join(evidence).lower()
-        symmetric = True if ("symm" in low or "nccl" in low) else None
+        symmetric = ("symm" in low or "nccl" in low
+                     or (arg is not None and _last_name(arg) in registered))
         return text, symmetric
     if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext"):
         return None, True
-    return None, None
+    return None, None   # a configured scope: taken to be a window
 
 
 def _link_nesting(reports: list[ScopeReport]) -> None:
+    """Each scope's parent: the innermost other scope whose body holds its line. One sweep per
+    file in line order with a stack of open bodies (bodies nest, as the syntax does)."""
     by_file: dict[str, list[ScopeReport]] = {}
     for r in reports:
         by_file.setdefault(r.file, []).append(r)
     for group in by_file.values():
+        group.sort(key=lambda r: (r.line, -r.body_span[1]))
+        open_bodies: list[ScopeReport] = []
         for r in group:
-            best = None
-            for outer in group:
-                if outer is r:
-                    continue
-                lo, hi = outer.body_span
-                if lo <= r.line <= hi and (best is None or outer.body_span[0] >= best.body_span[0]):
-                    best = outer
+            while open_bodies and open_bodies[-1].body_span[1] < r.line:
+                open_bodies.pop()
+            best = next((o for o in reversed(open_bodies) if o.body_span[0] <= r.line), None)
             if best is not None:
                 r.parent = best.line
                 if r.line not in best.nested:
-                    best.nested = sorted(best.nested + [r.line])
+                    best.nested.append(r.line)
+            open_bodies.append(r)
+        for r in group:
+            r.nested.sort()
 
 
 def _one_line(node: ast.AST, limit: int = 120) -> str:

@@ -268,9 +268,11 @@ def _statements_after(module: ModuleInfo, call: ast.Call, stack_expr: ast.expr) 
         if isinstance(node, ast.stmt):
             for name in ("body", "orelse", "finalbody"):
                 block = getattr(parent, name, None)
-                if isinstance(block, list) and node in block:
-                    out += block[block.index(node) + 1:]
-                    break
+                if isinstance(block, list):
+                    at = module.position(node, block)
+                    if at is not None:
+                        out += block[at + 1:]
+                        break
             if isinstance(parent, (ast.With, ast.AsyncWith)) and any(
                     item.optional_vars is not None and ast.unparse(item.optional_vars) == stack_text
                     for item in parent.items):

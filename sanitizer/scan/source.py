@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,7 @@ class ModuleInfo:
     star_imports: list[str] = field(default_factory=list)     # `from x import *` -> "x"
     _parents: dict[int, ast.AST] | None = None
     _lines: list[str] | None = None
+    _positions: dict[int, dict[int, int]] | None = None
 
     def __repr__(self) -> str:
         return f"ModuleInfo({self.source.rel})"
@@ -83,6 +85,15 @@ class ModuleInfo:
             self._parents = {id(child): node for node in ast.walk(self.tree)
                              for child in ast.iter_child_nodes(node)}
         return self._parents.get(id(node))
+
+    def position(self, stmt: ast.AST, block: list) -> int | None:
+        """Index of `stmt` in `block` (a statement list), by identity; O(1) after one pass."""
+        if self._positions is None:
+            self._positions = {}
+        table = self._positions.get(id(block))
+        if table is None:
+            table = self._positions[id(block)] = {id(s): i for i, s in enumerate(block)}
+        return table.get(id(stmt))
 
     def lines(self, first: int, last: int) -> list[str]:
         if self._lines is None:
@@ -113,36 +124,53 @@ class SourceTree:
         if root.is_file():
             candidates, base = [root], root.parent
         else:
-            candidates, base = self._walk(root, root), root
+            candidates, base = self._walk(root), root
+        root_name = Path(_real(root)).name
         for path in candidates:
             rel = path.relative_to(base).as_posix()
             if any(fnmatch.fnmatchcase(rel, pat) for pat in exclude):
                 continue
-            resolved = path.resolve()
+            resolved = Path(_real(path))
             if resolved in self._by_path:
                 continue
             bare = _dotted(rel)
-            prefixed = bare if root.is_file() else ".".join(p for p in (root.resolve().name, bare) if p)
+            prefixed = bare if root.is_file() else ".".join(p for p in (root_name, bare) if p)
             sf = SourceFile(path, rel, _package_module_name(path), prefixed, bare)
             self._by_path[resolved] = sf
             self.files.append(sf)
 
-    def _walk(self, root: Path, base: Path):
+    def _walk(self, root: Path):
+        """Every *.py under root, depth first in name order. A directory reached twice (through
+        symlinks, or a symlink to an ancestor) is entered once: each real directory is listed at
+        most once, so the walk is linear in the tree whatever its links."""
+        seen: set[tuple[int, int]] = set()
         stack = [root]
         while stack:
             d = stack.pop()
+            rel = d.relative_to(root).as_posix() if d != root else "."
             try:
-                entries = sorted(d.iterdir(), key=lambda p: p.name)
+                st = os.stat(d)
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    continue
+                seen.add(key)
+                with os.scandir(d) as it:
+                    entries = sorted(it, key=lambda e: e.name)
             except OSError as exc:
-                rel = d.relative_to(base).as_posix() if d != base else "."
                 self.problems.append(SourceProblem(rel, None, f"cannot list directory: {exc.strerror or exc}"))
                 continue
-            for p in entries:
-                if p.is_dir():
-                    if p.name not in SKIP_DIRS and not p.name.startswith("."):
-                        stack.append(p)
-                elif p.suffix == ".py":
-                    yield p
+            subdirs = []
+            for e in entries:
+                try:
+                    is_dir = e.is_dir()
+                except OSError:
+                    is_dir = False    # a symlink loop or a vanished entry: not a directory
+                if is_dir:
+                    if e.name not in SKIP_DIRS and not e.name.startswith("."):
+                        subdirs.append(d / e.name)
+                elif e.name.endswith(".py") and _regular(e):
+                    yield d / e.name   # never a FIFO or device named *.py: reading one would block
+            stack.extend(reversed(subdirs))
 
     # -- lookup -----------------------------------------------------------------------------
     def find_module(self, dotted: str, near: SourceFile | None = None) -> SourceFile | None:
@@ -166,7 +194,7 @@ class SourceTree:
         if near is not None:
             sibling = near.path.parent.joinpath(*parts)
             for cand in (sibling.with_suffix(".py"), sibling / "__init__.py"):
-                hit = self._by_path.get(cand.resolve())
+                hit = self._by_path.get(Path(_real(cand)))
                 if hit is not None:
                     return hit
         return None
@@ -202,9 +230,27 @@ class SourceTree:
             self._parsed[id(sf)] = None
             return b""
 
+    def parsed_modules(self) -> list[ModuleInfo]:
+        return [m for m in self._parsed.values() if m is not None]
+
     @property
     def parsed_count(self) -> int:
         return sum(1 for v in self._parsed.values() if v is not None)
+
+
+def _regular(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return True   # a symlink loop: listed, then reported as unreadable
+
+
+def _real(path: Path) -> str:
+    """The canonical path; never raises (a symlink loop stays as written, unlike Path.resolve)."""
+    try:
+        return os.path.realpath(path)
+    except (OSError, RuntimeError, ValueError):
+        return os.path.abspath(path)
 
 
 def _dotted(rel: str) -> str:
