@@ -4,12 +4,20 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# SGLang for the tests that drive its real communicator code on CPU (tests/test_capture_sglang_real.py):
+# --no-deps, since its own dependencies are several GB of CUDA packages; then only the light packages
+# its distributed modules import. triton (about 1 GB) is not installed: tests/sglang_cpu.py stubs it.
+SGLANG_PIN ?= sglang==0.5.23
+SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq tqdm ipython aiohttp \
+	apache-tvm-ffi==0.1.11
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"
 	$(VPY) -m pip install -q -e ".[test,proof,report]"
+	$(VPY) -m pip install -q --no-deps "$(SGLANG_PIN)"
+	$(VPY) -m pip install -q $(SGLANG_LIGHT_DEPS)
 	touch $@
 
 .PHONY: venv test demo bench

@@ -92,6 +92,11 @@ SERVER = textwrap.dedent(r'''
             pc.deregister_comm_window(win)
             pc.nccl.ncclMemFree(p)
             ptr["raw"] = p
+        # pynccl disabled again: GroupCoordinator falls back to torch's *_single on the device group
+        g2 = torch.empty(16)
+        tp._all_gather_into_tensor(g2, torch.ones(8))
+        r2 = torch.empty(6)
+        tp._reduce_scatter_tensor(r2, torch.ones(12))
         with open(os.path.join(outdir, f"ptr{rank}.json"), "w") as fh:
             json.dump(ptr, fh)
         dist.barrier()
@@ -177,6 +182,18 @@ def test_every_pynccl_collective_with_exact_ranges_stream_and_seq(run):
     assert strip(per_rank[0]) == strip(per_rank[1])
     # the comm is named after the ProcessGroup pynccl is built on: equal on both ranks
     assert per_rank[0][0][0] == per_rank[1][0][0]
+
+
+def test_torch_single_collectives_from_sglang(run):
+    _, ranks = run
+    for _, events, _ in ranks.values():
+        singles = [e for e in events if e["ev"] == "coll" and e["op"].endswith("_single")]
+        assert [(e["op"], [(b["size"], b["access"]) for b in e["bufs"]]) for e in singles] == [
+            ("all_gather_single", [(32, "r"), (64, "w")]), ("reduce_scatter_single", [(48, "r"), (24, "w")])]
+        assert all(e["stream"].startswith("gloo:") and "sglang/srt/distributed/parallel_state.py" in e["site"]
+                   for e in singles)
+        done = {e["cid"] for e in events if e["ev"] == "coll_done"}
+        assert all(e["cid"] in done for e in singles)     # gloo blocks the host: done at return
 
 
 def test_no_coll_done_for_nccl(run):
