@@ -92,6 +92,15 @@ SERVER = textwrap.dedent(r'''
             pc.deregister_comm_window(win)
             pc.nccl.ncclMemFree(p)
             ptr["raw"] = p
+        # custom all-reduce's own kernel path (op-level hook). Its __init__ maps peer buffers with CUDA
+        # IPC, so the instance is made without it; custom_all_reduce itself runs for real (warm-up branch)
+        from sglang.srt.distributed.device_communicators.custom_all_reduce import CustomAllreduce
+        ca = CustomAllreduce.__new__(CustomAllreduce)
+        ca.disabled, ca.world_size, ca.full_nvlink, ca.max_size = False, 2, True, 1 << 20
+        ca._IS_CAPTURING, ca.group = True, tp.cpu_group
+        ca_in = torch.ones(64)
+        ca_out = ca.custom_all_reduce(ca_in)
+        ptr["ca"] = [ca_in.data_ptr(), ca_out.data_ptr()]
         # pynccl disabled again: GroupCoordinator falls back to torch's *_single on the device group
         g2 = torch.empty(16)
         tp._all_gather_into_tensor(g2, torch.ones(8))
@@ -194,6 +203,16 @@ def test_torch_single_collectives_from_sglang(run):
                    for e in singles)
         done = {e["cid"] for e in events if e["ev"] == "coll_done"}
         assert all(e["cid"] in done for e in singles)     # gloo blocks the host: done at return
+
+
+def test_custom_all_reduce_op_hook(run):
+    _, ranks = run
+    for header, events, ptr in ranks.values():
+        assert "sglang.CustomAllreduce.custom_all_reduce" in header["hooks"]["installed"]
+        (c,) = [e for e in events if e["ev"] == "coll" and e["op"] == "custom_ar.custom_all_reduce"]
+        assert c["comm"].startswith("custom_ar:") and c["seq"] == 0 and c["stream"] == "cpu"
+        assert [(b["size"], b["access"]) for b in c["bufs"]] == [(256, "r"), (256, "w")]
+        assert c["site"].startswith("server.py:") and c["site"].endswith(":worker")
 
 
 def test_no_coll_done_for_nccl(run):

@@ -98,6 +98,14 @@ def _register_import_hooks(cap) -> None:
     for name in PYNCCL_COMMUNICATORS:
         hook(name, on_communicator)
 
+    def on_op_module(module):
+        from sanitizer.capture import ops
+        ops.install_for(cap, module)
+
+    from sanitizer.capture.ops import OPS     # a plain table: imports nothing
+    for name in OPS:
+        hook(name, on_op_module)
+
 
 def _install_sigterm(cap) -> None:
     """Flush on SIGTERM, then die of it as before. A handler the program installed wins."""
