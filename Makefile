@@ -10,6 +10,10 @@ TORCH_PIN ?= torch==2.13.0
 SGLANG_PIN ?= sglang==0.5.23
 SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq tqdm ipython aiohttp \
 	apache-tvm-ffi==0.1.11
+# vLLM's NCCLLibrary test (tests/test_capture_vllm_real.py) is opt-in: its wheel is 239 MB (473 MB
+# installed, compiled CUDA kernels) though its pynccl import needs only `regex`.
+# `make test VLLM_PIN=vllm==0.34.0` installs it (--no-deps) on a fresh venv.
+VLLM_PIN ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,proof,report]"
 	$(VPY) -m pip install -q --no-deps "$(SGLANG_PIN)"
 	$(VPY) -m pip install -q $(SGLANG_LIGHT_DEPS)
+	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
 	touch $@
 
 .PHONY: venv test demo bench
