@@ -148,3 +148,27 @@ def test_nccl_wait_is_a_stream_edge_and_is_completed_a_host_observation():
     kinds = [(e["ev"], e.get("event"), e.get("stream"), e.get("cid")) for e in emitted]
     assert kinds == [("record", "coll1", "nccl:0", None), ("wait", "coll1", "cuda:0", None),
                      ("coll_done", None, None, 2), ("coll_done", None, None, 3)]
+
+
+def test_live_range_lookup_follows_allocations_frees_and_reuse():
+    torch = pytest.importorskip("torch")
+    from sanitizer.capture.memory import BlockTable
+    from sanitizer.capture.runtime import ScopeStack
+    from sanitizer.capture.sites import SiteFinder
+    cap = types.SimpleNamespace(emit=lambda e: None, sites=SiteFinder("none"), scopes=ScopeStack(),
+                                failed=lambda h, e: (_ for _ in ()).throw(e))
+    table = BlockTable(cap)
+    keep = [torch.empty(256) for _ in range(300)]
+    for t in keep:
+        table.buffer(t)
+    t = keep[17]
+    assert table.resolve(t.data_ptr() + 100, 8) == (t.data_ptr() + 100, 8, True)   # inside a block
+    assert table.resolve(12345, 64) == (12345, 64, False)                        # memory torch never saw
+    for i in range(0, 300, 2):                     # free half; the allocator hands addresses out again
+        keep[i] = None
+    fresh = [torch.empty(256) for _ in range(150)]
+    for f in fresh:
+        table.buffer(f)
+    for x in [k for k in keep if k is not None] + fresh:
+        b = table.ranges.find(x.data_ptr() + 4)
+        assert b is not None and b.real == x.data_ptr()
