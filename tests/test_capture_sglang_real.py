@@ -150,6 +150,7 @@ def test_header_names_hooks_and_versions(run):
                 "sglang.pool-windows", "dispatch-mode", "collectives"} <= set(hooks["installed"])
         assert hooks["failed"] == {}
         assert header["versions"]["sglang"] == "0.5.23" and header["versions"]["torch"].startswith("2.")
+        assert header["versions"]["nccl(sglang.NCCLLibrary)"] == "2.29.3"   # what the (fake) libnccl reported
         assert header["gpu"] is None                      # CPU run: no device facts to give
         assert not [e for e in events if e["ev"] == "hook_error"]
 

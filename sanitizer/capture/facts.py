@@ -31,6 +31,7 @@ def header_facts(capture) -> dict:
             h.update(_device_facts(torch, versions))
         except Exception as exc:
             capture.failed("header.device", exc)
+    versions.update(getattr(capture, "versions", {}))
     h["versions"] = {k: v for k, v in versions.items() if v is not None}
     return h
 

@@ -328,7 +328,19 @@ def hook_library(capture, cls, label: str) -> list[str]:
             return r
         return wrapper
 
+    def raw_version(original):
+        def wrapper(self, *args, **kwargs):
+            r = original(self, *args, **kwargs)
+            try:
+                v = int(r)     # 22903 -> "2.29.3" (NCCL >= 2.9's encoding: major*10000 + minor*100 + patch)
+                capture.versions[f"nccl({label})"] = f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+            except Exception as exc:
+                failed(f"{label}.ncclGetRawVersion", exc)
+            return r
+        return wrapper
+
     others = {
+        "ncclGetRawVersion": raw_version,
         "ncclGroupStart": group_start,
         "ncclGroupEnd": group_end,
         "ncclCommInitRank": after("ncclCommInitRank",

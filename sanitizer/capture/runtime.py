@@ -52,6 +52,7 @@ class Capture:
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
         self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
         self.hooks_failed: dict[str, int] = {}   # hook name -> failures (trace header)
+        self.versions: dict[str, str] = {}       # versions hooks learnt (the NCCL pynccl loaded)
         self._cids = itertools.count(1)  # coll ids, unique within the file, for every hook
         self.writer.header_source = self.header_facts
 
