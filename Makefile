@@ -4,12 +4,25 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# SGLang for the tests that drive its real communicator code on CPU (tests/test_capture_sglang_real.py):
+# --no-deps, since its own dependencies are several GB of CUDA packages; then only the light packages
+# its distributed modules import. triton (about 1 GB) is not installed: tests/sglang_cpu.py stubs it.
+SGLANG_PIN ?= sglang==0.5.23
+SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq tqdm ipython aiohttp \
+	apache-tvm-ffi==0.1.11
+# vLLM's NCCLLibrary test (tests/test_capture_vllm_real.py) is opt-in: its wheel is 239 MB (473 MB
+# installed, compiled CUDA kernels) though its pynccl import needs only `regex`.
+# `make test VLLM_PIN=vllm==0.34.0` installs it (--no-deps) on a fresh venv.
+VLLM_PIN ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"
 	$(VPY) -m pip install -q -e ".[test,proof,report]"
+	$(VPY) -m pip install -q --no-deps "$(SGLANG_PIN)"
+	$(VPY) -m pip install -q $(SGLANG_LIGHT_DEPS)
+	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
 	touch $@
 
 .PHONY: venv test demo bench scan-report

@@ -88,7 +88,12 @@ def four(tmp_path_factory):
         header, events = _load(d / "traces" / f"rank{r}.jsonl")
         ptr = json.loads((d / f"ptr{r}.json").read_text())
         ranks[r] = (header, events, ptr)
-    assert sorted(os.listdir(d / "traces")) == [f"rank{r}.jsonl" for r in range(4)]
+    files = sorted(os.listdir(d / "traces"))
+    assert [f for f in files if f.startswith("rank")] == [f"rank{r}.jsonl" for r in range(4)]
+    for f in files:                 # the launcher imported torch but recorded nothing: its header
+        if not f.startswith("rank"):
+            header, events = _load(d / "traces" / f)
+            assert events == [] and "dispatch-mode" in header["hooks"]["installed"]
     return d, ranks
 
 
@@ -163,5 +168,6 @@ def test_whole_run_is_valid_and_clean(four):
     d, _ = four
     a = analyze([d / "traces"])
     assert not a.errors, a.errors
-    assert a.summary["ranks"] == 4 and not a.findings, [f.rule for f in a.findings]
+    launchers = [f for f in os.listdir(d / "traces") if not f.startswith("rank")]  # header only
+    assert a.summary["ranks"] == 4 + len(launchers) and not a.findings, [f.rule for f in a.findings]
     assert a.summary["hook_errors"] == 0 and a.summary["dropped_events"] == 0

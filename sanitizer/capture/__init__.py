@@ -11,7 +11,11 @@ in this process and every process it starts. Modules, in the order they come int
   window        CPU model of symmetric windows (placement by sanitizer.place)
   collectives   torch.distributed wrappers -> coll / coll_done
   torch_hooks   installs the above when torch is imported; torch.cuda.use_mem_pool on window pools
-  sglang_hooks  SGLang's SymmetricMemoryContext and Scheduler.run_batch
+  sglang_hooks  SGLang's SymmetricMemoryContext (scopes, pool windows) and Scheduler.run_batch
+  nccl          NCCLLibrary (SGLang's and vLLM's pynccl): coll / segment / window per ctypes call
+  ops           SGLang's non-NCCL collective kernels (custom AR, quick AR, symm-mem AR, MSCCL++, multimem AG)
+  facts         the trace header's hooks, versions and device facts
+  gpu_selfcheck_nccl  `python -m sanitizer.capture.gpu_selfcheck_nccl`: the NCCL capture on a real GPU
 
 This package imports nothing heavy at import time; torch is imported only by the modules that run
 after the program imported it.

@@ -14,6 +14,11 @@ import threading
 
 SGLANG_ALLOCATOR = "sglang.srt.distributed.device_communicators.pynccl_allocator"
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler"
+# NCCL's ctypes wrapper and the communicator built on it: SGLang's, and vLLM's (same class shape)
+PYNCCL_WRAPPERS = ("sglang.srt.distributed.device_communicators.pynccl_wrapper",
+                   "vllm.distributed.device_communicators.pynccl_wrapper")
+PYNCCL_COMMUNICATORS = ("sglang.srt.distributed.device_communicators.pynccl",
+                        "vllm.distributed.device_communicators.pynccl")
 
 
 def activate(environ=os.environ):
@@ -37,6 +42,18 @@ def activate(environ=os.environ):
     except Exception as exc:   # never break the host program's start-up
         print(f"hazsan: capture not started: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+
+
+def plugin() -> None:
+    """Entry point of the `sglang.srt.plugins` and `vllm.general_plugins` groups: start capture
+    where the .pth line is not read (an environment that skips .pth files, an embedded
+    interpreter). Same switch as the .pth line: nothing happens unless HAZSAN is set. Modules the
+    server imported already are patched at once (post-import hooks fire for them immediately)."""
+    from sanitizer.capture.config import requested
+    if requested():
+        cap = activate()
+        if cap is not None and "plugin" not in cap.installed:
+            cap.installed.append("plugin")
 
 
 def _register_import_hooks(cap) -> None:
@@ -66,8 +83,28 @@ def _register_import_hooks(cap) -> None:
         from sanitizer.capture import sglang_hooks
         sglang_hooks.on_scheduler(cap, module)
 
+    def on_wrapper(module):
+        from sanitizer.capture import sglang_hooks
+        sglang_hooks.on_pynccl_wrapper(cap, module)
+
+    def on_communicator(module):
+        from sanitizer.capture import sglang_hooks
+        sglang_hooks.on_pynccl(cap, module)
+
     hook(SGLANG_ALLOCATOR, on_allocator)
     hook(SGLANG_SCHEDULER, on_scheduler)
+    for name in PYNCCL_WRAPPERS:
+        hook(name, on_wrapper)
+    for name in PYNCCL_COMMUNICATORS:
+        hook(name, on_communicator)
+
+    def on_op_module(module):
+        from sanitizer.capture import ops
+        ops.install_for(cap, module)
+
+    from sanitizer.capture.ops import OPS     # a plain table: imports nothing
+    for name in OPS:
+        hook(name, on_op_module)
 
 
 def _install_sigterm(cap) -> None:

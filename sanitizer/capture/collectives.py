@@ -14,6 +14,14 @@ collectives in the same order); stream = "<backend>:<group_name>", the process g
 work, so treating the group as one in-order stream matches its ordering). Point-to-point ops use
 comm "<group>:p2p:<lo>-<hi>" (the pair of global ranks), so their seq is equal on both ends.
 Nested calls (a wrapped function calling another) record the outermost one only.
+
+NCCL process groups: the host observing that wait() returned does not mean the collective is done.
+ProcessGroupNCCL's Work.wait() (and a blocking call, which waits internally) makes the *current*
+CUDA stream wait for the collective's stream and returns at once. That is recorded as what it is,
+a stream-ordering edge: `record` of a synthetic event "coll<cid>" on the collective's stream, then
+`wait` of the current stream on it. Only Work.is_completed() returning True (it queries the
+collective's CUDA event) is a host observation, `coll_done`. Gloo and the other CPU backends block
+the host in wait(), so their wait() is `coll_done`.
 """
 from __future__ import annotations
 
@@ -56,7 +64,9 @@ SPECS = {
     "broadcast": (_rooted("tensor", "src", "r", "w"), None),
     "all_gather": (_cat(_one("tensor", "r"), _lst("tensor_list", "w")), None),
     "all_gather_into_tensor": (_cat(_one("input_tensor", "r"), _one("output_tensor", "w")), None),
+    "all_gather_single": (_cat(_one("input_tensor", "r"), _one("output_tensor", "w")), None),
     "reduce_scatter": (_cat(_lst("input_list", "r"), _one("output", "w")), None),
+    "reduce_scatter_single": (_cat(_one("input", "r"), _one("output", "w")), None),
     "reduce_scatter_tensor": (_cat(_one("input", "r"), _one("output", "w")), None),
     "all_to_all": (_cat(_lst("input_tensor_list", "r"), _lst("output_tensor_list", "w")), None),
     "all_to_all_single": (_cat(_one("input", "r"), _one("output", "w")), None),
@@ -77,8 +87,9 @@ class Collectives:
         self.capture = capture
         self.emit = capture.emit
         self.seq: dict[str, int] = {}
-        self.cids = itertools.count(1)
+        self.next_cid = getattr(capture, "next_cid", None) or itertools.count(1).__next__
         self.groups: dict = {}                  # ProcessGroup -> (name, stream)
+        self.device_streamed: dict[int, str] = {}   # cid -> the NCCL stream of a collective not yet waited for
         self.pending: dict[int, tuple] = {}     # id(Work or Future) -> (weakref, cid)
         self.local = threading.local()
 
@@ -120,7 +131,7 @@ class Collectives:
                     if async_op and result is not None:
                         self._remember(result, cid)
                     elif not async_op:
-                        self.done(cid)
+                        self.done(cid, waited=True)
                 except Exception as exc:
                     self.capture.failed(f"coll.{name}", exc)
             return result
@@ -152,9 +163,11 @@ class Collectives:
             r = table.buffer(t)
             if r is not None:
                 bufs.append({"addr": r[0], "size": r[1], "access": access})
-        cid = next(self.cids)
+        cid = self.next_cid()
         self.capture.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": name,
                             "stream": stream, "bufs": bufs})
+        if stream.startswith("nccl:"):
+            self.device_streamed[cid] = stream
         return cid, always_async or bool(a.get("async_op", False))
 
     # ------------------------------------------------------------------ completion
@@ -176,12 +189,12 @@ class Collectives:
         del self.pending[id(handle)]
         return entry[1]
 
-    def observed(self, handle) -> None:
-        """The host saw `handle` (a Work or its Future) complete."""
+    def observed(self, handle, waited: bool = True) -> None:
+        """The host saw `handle` (a Work or its Future) complete (waited=True: through wait())."""
         try:
             cid = self._take(handle)
             if cid is not None:
-                self.done(cid)
+                self.done(cid, waited)
                 # The process group's worker thread drops its own reference to the Work (and so to
                 # the buffers) just after marking it complete. Yield once so that it does so now:
                 # otherwise a buffer the program releases right after wait() dies later, on the
@@ -198,12 +211,29 @@ class Collectives:
         except Exception as exc:
             self.capture.failed("coll.future", exc)
 
-    def done(self, cid) -> None:
-        self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+    def done(self, cid, waited: bool = False) -> None:
+        nccl_stream = self.device_streamed.pop(cid, None)
+        if nccl_stream is not None and waited:
+            # NCCL: wait() orders the current stream after the collective; the host goes on
+            event = f"coll{cid}"
+            t = time.time_ns()
+            self.emit({"ev": "record", "event": event, "stream": nccl_stream, "t": t})
+            self.emit({"ev": "wait", "event": event, "stream": _current_stream(self.capture), "t": t})
+        else:
+            self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
         # the same collective may be observed through its Work and its Future: once is enough
         for key, (ref, c) in list(self.pending.items()):
             if c == cid:
                 self.pending.pop(key, None)
+
+
+def _current_stream(capture) -> str:
+    try:
+        if torch.cuda.is_available():
+            return capture.streams.current()
+    except Exception as exc:
+        capture.failed("coll.stream", exc)
+    return "cuda:0"
 
 
 def install(capture) -> Collectives:
@@ -239,7 +269,7 @@ def _patch_work(capture, colls) -> None:
     def is_completed(self):
         r = w_done(self)
         if r:
-            colls.observed(self)
+            colls.observed(self, waited=False)
         return r
 
     def get_future(self):
@@ -260,7 +290,7 @@ def _patch_work(capture, colls) -> None:
     def fdone(self):
         r = f_done(self)
         if r:
-            colls.observed(self)
+            colls.observed(self, waited=False)
         return r
 
     for cls, name, fn, orig in ((Work, "wait", wait, w_wait), (Work, "is_completed", is_completed, w_done),

@@ -8,6 +8,7 @@ explicit try/except that hands the exception to `failed()`, which counts it and 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -49,11 +50,25 @@ class Capture:
         self.step: int | None = None
         self.blocks = None        # memory.BlockTable, once torch is imported
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
-        self.installed: list[str] = []   # names of the hooks installed (for diagnostics and tests)
+        self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
+        self.hooks_failed: dict[str, int] = {}   # hook name -> failures (trace header)
+        self.versions: dict[str, str] = {}       # versions hooks learnt (the NCCL pynccl loaded)
+        self._cids = itertools.count(1)  # coll ids, unique within the file, for every hook
+        self.writer.header_source = self.header_facts
+
+    def next_cid(self) -> int:
+        return next(self._cids)
+
+    def header_facts(self) -> dict:
+        """Extra header keys, computed when the header is written: what was hooked, versions,
+        the device (see facts.py)."""
+        from sanitizer.capture.facts import header_facts
+        return header_facts(self)
 
     # ---------------------------------------------------------------- failures
     def failed(self, hook: str, exc: BaseException) -> None:
         try:
+            self.hooks_failed[hook] = self.hooks_failed.get(hook, 0) + 1
             self.writer.hook_failed(hook, exc)
             if os.environ.get("HAZSAN_DEBUG"):
                 import traceback
@@ -120,6 +135,9 @@ class Capture:
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
         try:
+            # A process where nothing was hooked (it never imported torch: a launcher, a resource
+            # tracker) is no rank and leaves no file; one with hooks leaves at least its header.
+            self.writer.write_empty = bool(self.installed)
             self.writer.close()
         except Exception:
             pass

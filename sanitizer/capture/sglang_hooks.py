@@ -2,9 +2,16 @@
 
 Written against SGLang 0.5.23 (see shared/REFERENCES.md); every attribute is looked up defensively
 and a missing one is a counted hook failure, never an error in the server.
-  * pynccl_allocator.SymmetricMemoryContext.__enter__/__exit__ -> `scope` events (pool "symm",
-    comm = runtime.comm_name(group coordinator): its device group's group_name, which is what
-    torch.distributed collectives on that group record, else its group_name, else unique_name).
+  * pynccl_allocator.SymmetricMemoryContext.__enter__/__exit__ -> `scope` events (pool "symm").
+    The pool's windows belong to the coordinator's pynccl communicator, so the scope carries that
+    communicator's name (nccl.py: "pynccl:<group_name>", what its `coll` and `window` events
+    carry); without one, runtime.comm_name(group coordinator).
+  * SymmetricMemoryContext._register_segments_for_comm (scope exit, where SGLang's C++ plugin
+    registers the pool's new segments with ncclCommWindowRegister, out of Python's sight) ->
+    `segment` and `window` events for every segment of the pool's own snapshot not yet reported
+    for that communicator. (allocate_symmetric_buffer goes through NCCLLibrary.ncclMemAlloc and
+    ncclCommWindowRegister: nccl.py records those.)
+  * pynccl_wrapper.NCCLLibrary and pynccl.PyNcclCommunicator: nccl.py's class-level hooks.
   * Scheduler.run_batch(batch) -> a `step` event per batch (phase = forward mode, tokens =
     len(batch.reqs) where known) and a flush: SGLang's decode-step boundary.
 """
@@ -14,7 +21,15 @@ import itertools
 
 
 def _comm_name(ctx) -> str:
-    from sanitizer.capture.runtime import comm_name
+    from sanitizer.capture.runtime import active, comm_name
+    from sanitizer.capture.nccl import comm_name_of
+    coordinator = getattr(ctx, "group_coordinator", None)
+    pynccl = getattr(coordinator, "pynccl_comm", None)
+    cap = active()
+    if pynccl is not None and cap is not None:
+        name = comm_name_of(cap, pynccl)
+        if name:
+            return name
     for attr in ("group_coordinator", "group"):
         holder = getattr(ctx, attr, None)
         if holder is not None:
@@ -48,6 +63,60 @@ def on_pynccl_allocator(capture, module) -> None:
 
     __enter__._hazsan = True
     ctx_cls.__enter__, ctx_cls.__exit__ = __enter__, __exit__
+    capture.installed.append("sglang.SymmetricMemoryContext")
+
+    register = getattr(ctx_cls, "_register_segments_for_comm", None)
+    if register is None:
+        raise RuntimeError("sglang: SymmetricMemoryContext._register_segments_for_comm not found; "
+                           "pool windows are not recorded")
+    reported: set = set()     # (segment address, comm) already written
+
+    def _register_segments_for_comm(self, *args, **kwargs):
+        r = register(self, *args, **kwargs)
+        try:
+            _report_pool_windows(capture, module, self, reported)
+        except Exception as exc:
+            capture.failed("sglang.windows", exc)
+        return r
+
+    _register_segments_for_comm._hazsan = True
+    ctx_cls._register_segments_for_comm = _register_segments_for_comm
+    capture.installed.append("sglang.pool-windows")
+
+
+def _report_pool_windows(capture, module, ctx, reported: set) -> None:
+    """`segment` + `window` for the pool's segments newly registered with ctx's communicator."""
+    pool = getattr(module, "_mem_pool", None)
+    if pool is None:
+        return
+    comm = getattr(ctx, "_hazsan_comm", None) or _comm_name(ctx)
+    for seg in pool.snapshot():
+        addr, size = int(seg["address"]), int(seg["total_size"])
+        if not any(a == addr for a, _ in reported):
+            capture.event({"ev": "segment", "addr": addr, "size": size, "pool": "symm"})
+        if (addr, comm) not in reported:
+            reported.add((addr, comm))
+            capture.event({"ev": "window", "addr": addr, "size": size, "comm": comm})
+
+
+def on_pynccl_wrapper(capture, module) -> None:
+    from sanitizer.capture import nccl
+    cls = getattr(module, "NCCLLibrary", None)
+    if cls is None:
+        raise RuntimeError(f"{module.__name__}: NCCLLibrary not found; pynccl collectives are not recorded")
+    label = module.__name__.split(".")[0] + ".NCCLLibrary"
+    if nccl.hook_library(capture, cls, label):
+        capture.installed.append(label)
+
+
+def on_pynccl(capture, module) -> None:
+    from sanitizer.capture import nccl
+    cls = getattr(module, "PyNcclCommunicator", None)
+    if cls is None:
+        raise RuntimeError(f"{module.__name__}: PyNcclCommunicator not found; communicators keep local names")
+    label = module.__name__.split(".")[0] + ".PyNcclCommunicator"
+    if nccl.hook_communicator(capture, cls, label):
+        capture.installed.append(label)
 
 
 def on_scheduler(capture, module) -> None:
@@ -71,3 +140,4 @@ def on_scheduler(capture, module) -> None:
 
     wrapped._hazsan = True
     sched.run_batch = wrapped
+    capture.installed.append("sglang.Scheduler.run_batch")

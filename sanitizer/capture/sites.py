@@ -23,11 +23,19 @@ class SiteFinder:
         self._names: dict = {}   # id(code) -> (code, display file name or None when internal)
 
     def add_internal(self, module) -> None:
-        """Treat every file under `module`'s package directory as internal (torch, wrapt, ...)."""
+        """Treat `module` as internal: every file of a package (torch, wrapt, ...), or the one file
+        of a single-file module (typing_extensions.py sits directly in site-packages: its folder
+        is where every installed package lives, sglang and the user's own included)."""
         path = getattr(module, "__file__", None)
-        if path:
-            self.prefixes += (os.path.dirname(os.path.abspath(path)) + os.sep,)
-            self._names.clear()
+        if not path:
+            return
+        path = os.path.abspath(path)
+        if hasattr(module, "__path__"):
+            prefix = os.path.dirname(path) + os.sep
+        else:
+            prefix = os.path.splitext(path)[0] + "."    # typing_extensions.py and its .pyc
+        self.prefixes += (prefix,)
+        self._names.clear()
 
     def _name(self, code):
         # Keyed by id(code): hashing a code object hashes its bytecode and constants on every

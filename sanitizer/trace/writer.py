@@ -44,6 +44,8 @@ class TraceWriter:
         self.buffer_events = max(1, buffer_events)
         self.flush_seconds = flush_seconds
         self.header_extra = dict(header_extra or {})
+        self.header_source = None   # callable -> dict of more header keys, asked when the header is written
+        self.write_empty = True     # close() writes the header even when no event was recorded
         self.rank: int | None = None
         self.world_size: int | None = None
         self.device = "cpu"
@@ -119,6 +121,11 @@ class TraceWriter:
         h = {"hazsan": SCHEMA_VERSION, "rank": rank, "world_size": self.world_size or 1,
              "device": self.device, "pid": os.getpid()}
         h.update(self.header_extra)
+        if self.header_source is not None:
+            try:
+                h.update(self.header_source())
+            except Exception as exc:
+                self.hook_failed("writer.header", exc)
         return orjson.dumps(h) + b"\n"
 
     def _open(self) -> None:
@@ -207,6 +214,11 @@ class TraceWriter:
             if self.closed:
                 return
             self.flush()
+            if self._fd is None and self.write_empty:   # nothing recorded: the header says what was hooked
+                try:
+                    self._open()
+                except Exception as exc:
+                    self.hook_failed("writer.open", exc)
             self.closed = True
             if self._fd is not None:
                 try:

@@ -1,0 +1,178 @@
+"""SGLang 0.5.23's real distributed code on a CPU: only the CUDA/NCCL boundary is faked.
+
+The package under test is SGLang from PyPI (installed with --no-deps by the Makefile); nothing of
+SGLang is replaced. What is faked, and only that:
+  * the NCCL library: NCCLLibrary's ctypes function table (`path_to_dict_mapping[so]`, the dict
+    its methods call through) holds Python functions with libnccl's signatures that work on host
+    memory (all-reduce, all-gather, ... move no data between processes: the trace is under test,
+    not the arithmetic);
+  * CUDA: torch.cuda.device / Stream / stream / current_device / synchronize /
+    is_current_stream_capturing, and the private pool calls SymmetricMemoryContext makes
+    (torch._C._cuda_beginAllocateCurrentThreadToPool, _cuda_endAllocateToPool, _cuda_releasePool);
+    the symmetric pool itself (pynccl_allocator._mem_pool, a MemPool over SGLang's C++ plugin
+    built with nvcc) is a stand-in whose snapshot() lists what the test says the pool holds, and
+    the C++ registration function (_register_func) records the comm it was called with;
+  * the stream handle: pynccl's get_current_device_stream_fast returns an object with the
+    `cuda_stream` handle the test chooses.
+
+Stubbed at import time (not faked behaviour, just made importable):
+  * `triton` (about 1 GB installed): sglang.srt.utils.common imports it at module level and sets
+    `triton.next_power_of_2`; no Triton kernel runs on the paths under test. torch._dynamo is
+    imported first, so torch itself saw no triton and keeps its CPU-only code paths.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.machinery
+import sys
+import types
+
+SO = "libnccl-fake.so.2"
+NCCL_VERSION = 22903
+
+
+def stub_triton() -> None:
+    if "triton" in sys.modules:
+        return
+    import torch._dynamo  # noqa: F401  (torch decides "no triton" before the stub exists)
+
+    def module(name):
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        m.__path__ = []
+
+        def __getattr__(attr, m=m):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            v = type(attr, (), {})       # any name SGLang refers to at import time is a class
+            setattr(m, attr, v)
+            return v
+        m.__getattr__ = __getattr__
+        sys.modules[name] = m
+        return m
+
+    t = module("triton")
+    t.jit = lambda fn=None, **k: fn if fn is not None else (lambda f: f)
+    t.autotune = t.heuristics = lambda *a, **k: (lambda f: f)
+    t.cdiv = lambda a, b: -(-a // b)
+    t.__version__ = "0.0.0"
+    t.language = module("triton.language")
+    t.runtime = module("triton.runtime")
+    t.runtime.jit = module("triton.runtime.jit")
+
+
+class FakeStream:
+    def __init__(self, handle=0, device_index=0):
+        self.cuda_stream = handle
+        self.device_index = device_index
+
+    def synchronize(self):
+        pass
+
+
+class FakePool:
+    """The symmetric MemPool: an id and the snapshot the test sets."""
+
+    def __init__(self):
+        self.id = (1, 0)
+        self.segments: list[dict] = []
+
+    def snapshot(self):
+        return list(self.segments)
+
+
+class FakeNccl:
+    """libnccl's functions, called with exactly the ctypes arguments NCCLLibrary passes."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.calls: list[tuple] = []
+        self.buffers: dict[int, object] = {}   # ncclMemAlloc: ptr -> ctypes buffer kept alive
+        self._next_comm = 0x5000 + rank
+
+    def table(self) -> dict:
+        def ok(name):
+            def fn(*args):
+                self.calls.append((name,) + args)
+                return 0
+            return fn
+
+        def get_version(ptr):
+            ptr._obj.value = NCCL_VERSION
+            return 0
+
+        def unique_id(ptr):
+            for i in range(128):
+                ptr._obj.internal[i] = (i * 7 + 3) % 128
+            return 0
+
+        def init_rank(ptr, nranks, uid, rank, *config):
+            self._next_comm += 0x100
+            ptr._obj.value = self._next_comm
+            return 0
+
+        def mem_alloc(ptr, size):
+            buf = ctypes.create_string_buffer(size)
+            addr = ctypes.addressof(buf)
+            self.buffers[addr] = buf
+            ptr._obj.value = addr
+            return 0
+
+        def mem_free(ptr):
+            self.buffers.pop(ptr.value, None)
+            return 0
+
+        def window_register(comm, buff, size, win, flags):
+            win._obj.value = 0x7000 + len(self.calls)
+            self.calls.append(("ncclCommWindowRegister", comm, buff, size, flags))
+            return 0
+
+        t = {name: ok(name) for name in (
+            "ncclAllReduce", "ncclAllGather", "ncclReduce", "ncclReduceScatter", "ncclSend", "ncclRecv",
+            "ncclBroadcast", "ncclCommDestroy", "ncclGroupStart", "ncclGroupEnd",
+            "ncclCommWindowDeregister")}
+        t.update(ncclGetErrorString=lambda r: b"fake error", ncclGetVersion=get_version,
+                 ncclGetUniqueId=unique_id, ncclCommInitRank=init_rank,
+                 ncclCommInitRankConfig=init_rank, ncclMemAlloc=mem_alloc, ncclMemFree=mem_free,
+                 ncclCommWindowRegister=window_register)
+        return t
+
+
+class Boundary:
+    """Install every fake listed in the module docstring; returns handles for the test."""
+
+    def __init__(self, rank: int, stream_handle: int = 0):
+        import torch
+        stub_triton()
+        from sglang.srt.distributed.device_communicators import pynccl, pynccl_allocator, pynccl_wrapper
+
+        self.nccl = FakeNccl(rank)
+        lib = pynccl_wrapper.NCCLLibrary
+        lib.path_to_library_cache[SO] = object()
+        lib.path_to_dict_mapping[SO] = self.nccl.table()
+
+        self.stream = FakeStream(stream_handle)
+        pynccl.get_current_device_stream_fast = lambda: self.stream
+
+        cuda = torch.cuda
+        cuda.device = lambda device=None: contextlib.nullcontext()
+        cuda.Stream = lambda *a, **k: FakeStream(0xDEAD0 + rank)
+        cuda.stream = lambda s=None: contextlib.nullcontext()
+        cuda.current_device = lambda: 0
+        cuda.synchronize = lambda device=None: None
+        cuda.is_current_stream_capturing = lambda: False
+        for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool",
+                     "_cuda_releasePool"):
+            setattr(torch._C, name, lambda *a: None)
+
+        self.pool = FakePool()
+        self.registered: list[int] = []
+
+        def register(comm_ptr):
+            self.registered.append(comm_ptr)
+            return 0
+        pynccl_allocator._allocator = object()
+        pynccl_allocator._mem_pool = self.pool
+        pynccl_allocator._cur_device = 0
+        pynccl_allocator._register_func = register
