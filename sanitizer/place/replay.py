@@ -563,6 +563,7 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=())
     try:
         with _open_out(tmp, out_path.name.endswith(".gz")) as fh:
             header = dict(tf.header)
+            header.pop("end_record", None)  # written by place, not by a capture writer that ends it
             header["placed"] = {"by": "hazsan place", "allocator_conf": config.describe(),
                                 "model": "c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.4-2.14)"}
             fh.write(dumps(header) + b"\n")

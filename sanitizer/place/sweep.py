@@ -308,7 +308,7 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                 evs = sc.build()
                 name = f.name[:-3] if f.name.endswith(".gz") else f.name
                 with open(raw_dir / name, "wb") as fh:
-                    fh.write(orjson.dumps({**header, "sweep": {
+                    fh.write(orjson.dumps({**{k: v for k, v in header.items() if k != "end_record"}, "sweep": {
                         "scale": scale, "source": str(f), "step": marker.get("n"),
                         "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens,
                         "repeat": repeat}}) + b"\n")

@@ -40,6 +40,10 @@ class ReadLimits:
 DEFAULT_LIMITS = ReadLimits()
 
 
+#: The last line a capture writer writes on a clean close (sanitizer.trace.writer).
+END_RECORD = b'{"ev":"end"'
+
+
 class TraceError(Exception):
     """Unusable input: a malformed line, a bad header, an unreadable file."""
 
@@ -58,6 +62,7 @@ class TraceFile:
     path: Path
     header: dict
     truncated: bool = False  # set once the last line turned out cut short (a killed writer)
+    ended: bool = False      # the writer's end record was read (header "end_record": true)
     compressed: bool = False
     warnings: list[str] = field(default_factory=list)
     _stream: io.BufferedIOBase | None = None
@@ -84,17 +89,26 @@ class TraceFile:
         self._stream = None
         lines = _tolerant_lines(self, stream) if self.compressed else stream
         first = 2
+        wants_end = self.header.get("end_record") is True
         try:
-            while True:
-                raws = list(islice(lines, size))
-                if not raws:
-                    return
+            raws = list(islice(lines, size))
+            while raws:
+                following = list(islice(lines, size)) if wants_end else None
+                if wants_end and not following and raws[-1].startswith(END_RECORD):
+                    self.ended = True
+                    raws.pop()      # the writer's closing line: not an event
+                    if not raws:
+                        break
                 yield first, raws
                 first += len(raws)
+                raws = following if wants_end else list(islice(lines, size))
         except OSError as exc:
             raise TraceError(self.path, first, f"read error: {exc}") from exc
         finally:
             stream.close()
+        if wants_end and not self.ended and not self.truncated:
+            self._truncate(first, "no end record: the process was killed, or its last writes failed; "
+                           "events may be missing")
 
     def batches(self, size: int = 4096) -> Iterator[tuple[int, list]]:
         """Yield (line_no of the first item, [parsed event or TraceError, ...]) in file order.
@@ -123,9 +137,9 @@ class TraceFile:
                             items.append(None)
             yield first, items
 
-    def _truncate(self, line_no: int, why: str = "last line cut short") -> None:
+    def _truncate(self, line_no: int, why: str = "last line cut short: the writer was killed?") -> None:
         self.truncated = True
-        self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why}: the writer was killed?)")
+        self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why})")
 
     def close(self) -> None:
         if self._stream is not None:
@@ -140,7 +154,7 @@ def _tolerant_lines(trace: TraceFile, stream):
         for line_no, raw in enumerate(stream, 2):
             yield raw
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        trace._truncate(line_no + 1, f"compressed stream ends early: {exc}")
+        trace._truncate(line_no + 1, f"compressed stream ends early: {exc}: the writer was killed?")
 
 
 _PEEK = 4096  # bytes searched at each end of a chunk read from a plain file
