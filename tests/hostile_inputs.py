@@ -19,48 +19,69 @@ STREAMS = (0, 1, 2, "s0", "comm")
 
 
 def _event(rng: random.Random, state: dict) -> dict:
+    """One event that keeps the trace well-formed (frees of live ids, completions of pending
+    collectives, paired scopes and graph captures), so unmutated traces reach the rules."""
     live = state["live"]
-    kind = rng.choice(("alloc", "alloc", "free", "launch", "launch", "coll", "coll_done", "record",
-                       "wait", "sync", "record_stream", "free_done", "graph_begin", "graph_end",
-                       "graph_replay", "graph_free", "scope", "window", "window_free", "segment",
-                       "segment_free", "step", "dropped", "hook_error", "mystery"))
+    kind = rng.choice(("alloc", "alloc", "alloc", "free", "free", "launch", "launch", "coll", "coll_done",
+                       "record", "wait", "sync", "record_stream", "free_done", "graph", "scope",
+                       "window", "step", "dropped", "hook_error", "mystery"))
     addr = rng.choice((0x1000, 0x10000, 0x40000000, rng.randrange(0, 1 << 40)))
     size = rng.choice((512, 4096, 1 << 20, rng.randrange(0, 1 << 22)))
-    if kind == "alloc":
+    if kind == "alloc" or (kind in ("free", "record_stream", "launch") and not live):
         state["next_id"] += 1
         bid = state["next_id"]
         live.append((bid, addr, size))
-        return {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": rng.choice(STREAMS),
-                "pool": rng.choice(("default", "symm", 0)), "shape": [rng.randrange(1, 64), 128],
-                "site": "model.py:1:forward"}
-    if kind in ("free", "record_stream", "free_done"):
-        bid = rng.choice(live)[0] if live else 1
-        ev = {"ev": kind, "id": bid}
-        if kind == "record_stream":
-            ev["stream"] = rng.choice(STREAMS)
-        return ev
+        stream = state["streams"][bid] = rng.choice(STREAMS)
+        pool = "symm" if state["scopes"] else rng.choice(("default", 0))
+        return {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream,
+                "pool": pool, "shape": [rng.randrange(1, 64), 128], "site": f"model.py:{rng.randrange(9)}:forward"}
+    if kind == "free":
+        bid, _, _ = live.pop(rng.randrange(len(live)))
+        if bid in state["recorded"]:
+            state["pending_done"].append(bid)
+        return {"ev": "free", "id": bid}
+    if kind == "record_stream":
+        bid = rng.choice(live)[0]
+        state["recorded"].add(bid)  # on another stream than its own (that one PyTorch ignores)
+        return {"ev": "record_stream", "id": bid,
+                "stream": rng.choice([s for s in STREAMS if s != state["streams"][bid]])}
+    if kind == "free_done" and state["pending_done"]:
+        return {"ev": "free_done", "id": state["pending_done"].pop(0)}
     if kind == "launch":
-        pick = [(a, s) for _, a, s in rng.sample(live, min(len(live), 2))] or [(addr, size)]
+        pick = [(a, s) for _, a, s in rng.sample(live, min(len(live), 2))]
         return {"ev": "launch", "stream": rng.choice(STREAMS), "reads": [list(pick[0])],
                 "writes": [list(p) for p in pick[1:]]}
     if kind == "coll":
         state["cid"] += 1
+        state["pending_cids"].append(state["cid"])
+        bufs = [{"addr": a, "size": s, "access": "rw"} for _, a, s in live[-2:]] or \
+            [{"addr": addr, "size": size, "access": "rw"}]
         return {"ev": "coll", "cid": state["cid"], "comm": "tp", "seq": state["cid"], "op": "all_reduce",
-                "stream": rng.choice(STREAMS), "bufs": [{"addr": addr, "size": size, "access": "rw"}]}
-    if kind == "coll_done":
-        return {"ev": "coll_done", "cid": rng.randrange(1, state["cid"] + 2)}
+                "stream": rng.choice(STREAMS), "bufs": bufs}
+    if kind == "coll_done" and state["pending_cids"]:
+        return {"ev": "coll_done", "cid": state["pending_cids"].pop(rng.randrange(len(state["pending_cids"])))}
     if kind in ("record", "wait"):
         return {"ev": kind, "event": rng.choice(("e1", "e2", 7)), "stream": rng.choice(STREAMS)}
-    if kind == "sync":
-        return rng.choice(({"ev": "sync"}, {"ev": "sync", "stream": 1}, {"ev": "sync", "event": "e1"}))
-    if kind.startswith("graph"):
-        return {"ev": kind, "graph": rng.choice((1, 2, "g")), "stream": rng.choice(STREAMS)}
+    if kind == "graph":
+        g = state["graph"]
+        if g is None:
+            state["graph"] = g = rng.choice((len(state["graphs"]), f"g{len(state['graphs'])}"))
+            return {"ev": "graph_begin", "graph": g, "stream": 0}
+        state["graph"] = None
+        state["graphs"].append(g)
+        return {"ev": "graph_end", "graph": g, "stream": 0}
     if kind == "scope":
-        return {"ev": "scope", "name": "symm", "enter": rng.random() < 0.5, "pool": "symm", "comm": "tp"}
-    if kind in ("window", "segment"):
-        return {"ev": kind, "addr": addr, "size": size, "comm": "tp", "pool": "symm"}
-    if kind in ("window_free", "segment_free"):
-        return {"ev": kind, "addr": addr, "comm": "tp"}
+        if state["scopes"] and rng.random() < 0.5:
+            state["scopes"].pop()
+            return {"ev": "scope", "name": "symm", "enter": False, "pool": "symm", "comm": "tp"}
+        state["scopes"].append(1)
+        return {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"}
+    if kind == "window":
+        if state["windows"] and rng.random() < 0.3:
+            return {"ev": "window_free", "addr": state["windows"].pop(), "comm": "tp"}
+        w = 0x7000_0000_0000 + len(state["windows"]) * (1 << 30)
+        state["windows"].append(w)
+        return {"ev": "window", "addr": w, "size": 1 << 28, "comm": "tp"}
     if kind == "step":
         state["step"] += 1
         return {"ev": "step", "n": state["step"], "tokens": rng.randrange(1, 64)}
@@ -68,7 +89,9 @@ def _event(rng: random.Random, state: dict) -> dict:
         return {"ev": "dropped", "count": rng.randrange(1, 9), "reason": "max_events"}
     if kind == "hook_error":
         return {"ev": "hook_error", "count": 1, "hook": "alloc", "error": "RuntimeError"}
-    return {"ev": kind, "x": 1}
+    if kind == "mystery":
+        return {"ev": "mystery", "x": 1}
+    return {"ev": "sync"}
 
 
 def _mutate(rng: random.Random, ev: dict) -> dict:
@@ -96,11 +119,14 @@ def _mutate(rng: random.Random, ev: dict) -> dict:
 def trace_lines(rng: random.Random, *, rank: int = 0, events: int = 40, mutation_rate: float = 0.15) -> bytes:
     """One rank file's bytes: a header, then grammar events of which some are mutated, and now and
     then a garbage line, a blank line, a non-object, a cut last line or a hostile header."""
-    state = {"live": [], "next_id": 0, "cid": 0, "step": 0}
+    state = {"live": [], "next_id": 0, "cid": 0, "step": 0, "recorded": set(), "pending_done": [],
+             "pending_cids": [], "graph": None, "graphs": [], "scopes": [], "windows": [], "streams": {}}
     header = {"hazsan": 1, "rank": rank, "world_size": 2}
-    if rng.random() < 0.05:
+    hostile = mutation_rate > 0
+    if hostile and rng.random() < 0.05:
         header = rng.choice(({"hazsan": 2}, {"hazsan": 1, "rank": [0]}, [1], {"rank": 0}, "x"))
     lines = [orjson.dumps(header)]
+    lines.append(orjson.dumps({"ev": "step", "n": 0, "tokens": 16}))  # sweep needs a step with tokens
     for _ in range(rng.randrange(0, events + 1)):
         ev = _event(rng, state)
         if rng.random() < mutation_rate:
@@ -110,7 +136,7 @@ def trace_lines(rng: random.Random, *, rank: int = 0, events: int = 40, mutation
         except orjson.JSONEncodeError:  # an integer past 64 bits: write it by hand, as a file could hold it
             lines.append(repr(ev).replace("'", '"').replace("None", "null").replace("True", "true")
                          .replace("False", "false").encode())
-        r = rng.random()
+        r = rng.random() if hostile else 1.0
         if r < 0.01:
             lines.append(b"{not json")
         elif r < 0.02:
@@ -118,7 +144,7 @@ def trace_lines(rng: random.Random, *, rank: int = 0, events: int = 40, mutation
         elif r < 0.03:
             lines.append(rng.choice((b"[1,2]", b"3", b'"s"', b"null", b"\xff\xfe")))
     data = b"\n".join(lines) + b"\n"
-    if rng.random() < 0.05:
+    if hostile and rng.random() < 0.05:
         data = data[: rng.randrange(1, len(data))]  # cut anywhere: a killed writer, a half copy
     return data
 
