@@ -33,7 +33,7 @@ def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
-def worker(rank, world, init, target, sample, out, captured):
+def worker(rank, world, init, target, sample, out, captured, steps_marked):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -42,7 +42,8 @@ def worker(rank, world, init, target, sample, out, captured):
     samples, step, t0 = [], 0, time.monotonic()
     events_per_step = None
     while True:
-        sanitizer.step(step, tokens=16)
+        if steps_marked:
+            sanitizer.step(step, tokens=16)   # flushes: the buffer holds one step
         x = torch.randn(16, 256)
         for i, w in enumerate(layers):
             h = torch.relu(x @ w)
@@ -79,16 +80,17 @@ def worker(rank, world, init, target, sample, out, captured):
 
 if __name__ == "__main__":
     target, sample, out, world = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    steps_marked = sys.argv[5] == "1"
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     mp.start_processes(worker, args=(world, f"tcp://127.0.0.1:{port}", target, sample, out,
-                                     runtime.active() is not None),
+                                     runtime.active() is not None, steps_marked),
                        nprocs=world, start_method="fork")
 '''
 
 
-def _run(label, target, sample, ranks, env_extra, workdir):
+def _run(label, target, sample, ranks, env_extra, workdir, steps_marked=True):
     out = os.path.join(workdir, label)
     os.makedirs(out, exist_ok=True)
     script = os.path.join(workdir, "soak_worker.py")
@@ -97,7 +99,8 @@ def _run(label, target, sample, ranks, env_extra, workdir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
     env.update(env_extra, PYTHONWARNINGS="ignore")
     t0 = time.monotonic()
-    subprocess.run([sys.executable, script, str(target), str(sample), out, str(ranks)], env=env, check=True)
+    subprocess.run([sys.executable, script, str(target), str(sample), out, str(ranks), "1" if steps_marked else "0"],
+                   env=env, check=True)
     wall = time.monotonic() - t0
     return wall, [json.load(open(os.path.join(out, f"soak{r}.json"))) for r in range(ranks)]
 
@@ -138,6 +141,9 @@ def main(argv=None):
     ap.add_argument("--sample", type=int, default=50, help="sample RSS every N steps")
     ap.add_argument("--max-events", type=int, default=None, help="HAZSAN_MAX_EVENTS for the capture run")
     ap.add_argument("--buffer-events", type=int, default=None, help="HAZSAN_BUFFER_EVENTS")
+    ap.add_argument("--no-steps", action="store_true",
+                    help="no step markers: the writer flushes only when its buffer is full or every "
+                         "HAZSAN_FLUSH_SECONDS, so its buffer bound shows")
     ap.add_argument("--keep", metavar="DIR", help="keep traces and samples here")
     args = ap.parse_args(argv)
 
@@ -149,9 +155,10 @@ def main(argv=None):
     if args.buffer_events:
         env["HAZSAN_BUFFER_EVENTS"] = str(args.buffer_events)
     print(f"soak: {args.ranks} ranks, >= {args.events:,} events per rank, RSS every {args.sample} steps; {workdir}")
-    cap_wall, cap = _run("capture", args.events, args.sample, args.ranks, env, workdir)
+    marked = not args.no_steps
+    cap_wall, cap = _run("capture", args.events, args.sample, args.ranks, env, workdir, marked)
     steps = cap[0]["steps"]
-    base_wall, base = _run("baseline", -steps, args.sample, args.ranks, {}, workdir)
+    base_wall, base = _run("baseline", -steps, args.sample, args.ranks, {}, workdir, marked)
     print(f"capture run: {cap_wall:.1f} s wall, {steps} steps; baseline (no capture) {base_wall:.1f} s, "
           f"{base[0]['steps']} steps")
     print(f"{'rank':>4} {'events':>9} {'dropped':>8} {'RSS MB at 10%':>14} {'50%':>7} {'100%':>7} "
