@@ -39,6 +39,7 @@ from sanitizer.trace.schema import SCHEMA_VERSION
 
 
 _ENCODE_SLICE = 1024
+_CAPPED_RECORD_SECONDS = 60.0
 
 
 class TraceWriter:
@@ -67,6 +68,8 @@ class TraceWriter:
         self._hook_errors: dict[str, list] = {}   # hook -> [count since last record, last error]
         self._in_file = 0            # events in the current file (lost with it if it is removed)
         self._warned = False         # one line on stderr the first time the trace cannot be written
+        self._closing = False
+        self._last_record = 0.0      # when counts were last written (rate-limited past max_events)
         self._last_flush = time.monotonic()
         self._tick = 0
         self.closed = False
@@ -189,6 +192,14 @@ class TraceWriter:
         if len(batch) > room:
             self.count_drop(len(batch) - max(room, 0), "max-events")
             batch = batch[:max(room, 0)]
+        if room <= 0 and not self._closing and time.monotonic() - self._last_record < _CAPPED_RECORD_SECONDS:
+            return  # past the cap, the counts go out once a minute and at close: the file stays bounded
+        self._last_record = time.monotonic()
+        try:
+            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+                self._file_removed()   # before the records below, so that they count it
+        except OSError:
+            pass
         if self._hook_errors:
             for hook, (count, error) in self._hook_errors.items():
                 batch.append({"ev": "hook_error", "hook": hook, "count": count, "error": error})
@@ -200,13 +211,8 @@ class TraceWriter:
             return
         done = 0
         try:
-            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
-                self._file_removed()
             if self._fd is None:
                 self._open()
-                if self._dropped:   # events lost before this file (removed with its folder)
-                    batch.insert(0, {"ev": "dropped", "count": self._dropped, "reason": self._drop_reason})
-                    self._dropped = 0
             # orjson's result keeps its ~4 KiB working buffer: holding a whole batch of them at
             # once would add ~270 MB to the host's peak RSS per 65k events. Slices keep it ~4 MB.
             for i in range(0, len(batch), _ENCODE_SLICE):
@@ -247,6 +253,7 @@ class TraceWriter:
         with self._lock:
             if self.closed:
                 return
+            self._closing = True
             self.flush()
             self.closed = True
             if self._fd is not None:
@@ -276,6 +283,8 @@ class TraceWriter:
         self._dropped = 0
         self._hook_errors = {}
         self.closed = False
+        self._closing = False
+        self._last_record = 0.0
         env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
         self.rank = env_rank
         self.world_size = None
