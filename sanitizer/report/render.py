@@ -154,7 +154,11 @@ def render_text(analysis) -> str:
     else:
         lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s)")
     if analysis.errors:
-        lines.append(f"hazsan: {s.get('malformed', len(analysis.errors))} malformed line(s): the input is unusable (exit 2); --lenient skips them")
+        malformed = s.get("malformed", len(analysis.errors))
+        if malformed:
+            lines.append(f"hazsan: {malformed} malformed line(s): the input is unusable (exit 2); --lenient skips them")
+        else:  # a file that cannot be read at all (no header, a limit reached): no line to skip
+            lines.append("hazsan: the input is unusable (exit 2): see the error above")
     return "\n".join(lines) + "\n"
 
 
