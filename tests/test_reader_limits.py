@@ -58,7 +58,7 @@ def test_small_gzip_holding_a_huge_line_is_not_decompressed_whole(tmp_path):
     r = _check(str(path), "--format", "json")
     assert r.returncode == 2
     assert _error_lines(r.stderr) == [f"hazsan: error: {path}:3: line longer than 8388608 bytes "
-                                      "(not a hazsan trace? `hazsan check --max-line-bytes` raises the limit)"]
+                                      "(not a hazsan trace? --max-line-bytes raises the limit)"]
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if peak_kib > before:  # this child set a new high-water mark: it is its own peak
         assert peak_kib < 200 * 1024, f"peak RSS {peak_kib} KiB: the line was held whole"
@@ -135,3 +135,17 @@ def test_line_limit_is_exact_and_names_the_first_long_line(tmp_path_factory, len
                 got.extend(batch)
         assert info.value.line == first_long + 2
         assert got == lines[: len(got)] and len(got) <= first_long
+
+
+def test_place_and_sweep_take_the_same_limits(tmp_path, capsys):
+    from sanitizer.cli import main
+
+    path = tmp_path / "rank0.jsonl"
+    path.write_bytes(HEADER + b'{"ev":"step","n":1,"tokens":4}\n' + orjson.dumps({"ev": "sync", "pad": "x" * 3000}) + b"\n")
+    assert main(["place", str(path), "--out", str(tmp_path / "o"), "--max-line-bytes", "1KiB"]) == 2
+    assert f"{path}:3: line longer than 1024 bytes" in capsys.readouterr().err
+    assert main(["place", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    assert main(["sweep", str(path), "--max-line-bytes", "1KiB"]) == 2
+    assert f"{path}:3: line longer than 1024 bytes" in capsys.readouterr().err
+    assert main(["place", "/dev/zero", "--out", str(tmp_path / "z")]) == 2
+    assert capsys.readouterr().err.startswith("hazsan place: /dev/zero:1: line longer than 8388608 bytes")

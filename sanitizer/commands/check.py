@@ -49,7 +49,9 @@ def _ratio(text: str) -> float:
 
 def add_limit_arguments(p) -> None:
     """The reader's limits (sanitizer.trace.reader.ReadLimits): what one trace file may cost."""
-    from sanitizer.trace.reader import DEFAULT_LIMITS
+    from sanitizer.trace.reader import ReadLimits
+
+    DEFAULT_LIMITS = ReadLimits()  # the built-in defaults, not whatever an earlier run set
 
     p.add_argument("--max-line-bytes", type=_size, default=DEFAULT_LIMITS.max_line_bytes, metavar="N",
                    help=f"longest trace line read (default {DEFAULT_LIMITS.max_line_bytes >> 20}MiB; "

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-split", action="append", default=[], metavar="POOL")
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="keep the scaled and placed traces under DIR (one folder per scale)")
-
+    from sanitizer.commands.check import add_limit_arguments
+    add_limit_arguments(p)
 
 def _site(f) -> str:
     block = f.block or {}
@@ -62,6 +63,9 @@ def run(args) -> int:
     from sanitizer.place.sweep import LATENT_RULES, REALISED_RULES, SweepError, sweep
     from sanitizer.trace.reader import TraceError
 
+    from sanitizer.commands.check import apply_limits
+
+    apply_limits(args)
     if args.repeat < 1:
         print("hazsan sweep: --repeat must be >= 1", file=sys.stderr)
         return 2

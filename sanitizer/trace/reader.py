@@ -217,7 +217,7 @@ class _BoundedRaw(io.RawIOBase):
             count = (lambda: data.count(b"\n")) if self.count_lines else None
         if limit and self.run + (n if first < 0 else first) > limit:
             raise self._error(self.line_start, f"line longer than {limit} bytes (not a hazsan trace? "
-                              "`hazsan check --max-line-bytes` raises the limit)")
+                              "--max-line-bytes raises the limit)")
         if first < 0:
             self.run += n
         else:
@@ -231,8 +231,7 @@ class _BoundedRaw(io.RawIOBase):
             packed = max(self.compressed_source.tell(), 1)
             if self.produced > ratio * packed:
                 raise self._error(self.produced, f"gzip data expands more than {ratio:g}x ({self.produced} "
-                                  f"bytes from {packed}): a decompression bomb? (`hazsan check "
-                                  "--max-gzip-ratio` raises the limit)")
+                                  f"bytes from {packed}): a decompression bomb? (--max-gzip-ratio raises the limit)")
         return n
 
     def _error(self, offset: int, message: str) -> TraceError:
