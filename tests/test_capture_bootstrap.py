@@ -235,7 +235,8 @@ def test_event_cap_drops_are_counted_in_trace_and_report(tmp_path):
     events = load(path)[1:]
     drops = [e for e in events if e["ev"] == "dropped"]
     assert drops and drops[0]["reason"] == "max-events"
-    assert len([e for e in events if e["ev"] not in ("dropped", "hook_error")]) == 30
+    assert len([e for e in events if e["ev"] not in ("dropped", "hook_error", "end")]) == 30
+    assert events[-1]["ev"] == "end" and events[-1]["dropped"] >= 80
     a = analyze([path])                   # a prefix of the event stream: still well-formed
     assert not a.errors
     assert a.summary["dropped_events"] == sum(e["count"] for e in drops) >= 80
@@ -268,7 +269,7 @@ def test_writer_renames_pid_file_when_rank_becomes_known(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["rank2.jsonl"]
     lines = load(tmp_path / "rank2.jsonl")
     assert lines[0]["rank"] == 2 and lines[0]["world_size"] == 4
-    assert [e["n"] for e in lines[1:]] == [0, 1]
+    assert [e["n"] for e in lines[1:-1]] == [0, 1] and lines[-1]["ev"] == "end"
 
 
 def test_writer_never_clobbers_another_process_file(tmp_path, monkeypatch):
@@ -299,4 +300,4 @@ def test_writer_flushes_on_interval(tmp_path, monkeypatch):
     files = os.listdir(tmp_path)
     assert files and len(load(tmp_path / files[0])) >= 513     # header + the first 512, unflushed rest
     w.close()
-    assert len(load(tmp_path / files[0])) == 601
+    assert len(load(tmp_path / files[0])) == 602   # header, 600 events, the end record

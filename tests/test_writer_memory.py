@@ -21,4 +21,5 @@ def test_flushing_65k_events_costs_little_memory(tmp_path):
     # The buffered events themselves take ~20 MB; encoding them all at once took ~270 MB more.
     assert grown_mb < 80, grown_mb
     lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
-    assert len(lines) == 65537 and '"id":65535' in lines[-1]
+    assert len(lines) == 65538 and '"id":65535' in lines[-2]
+    assert lines[-1] == '{"ev":"end","events":65536,"dropped":0}'  # a clean close's last line

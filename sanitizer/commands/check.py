@@ -18,13 +18,62 @@ def add_arguments(p) -> None:
                         "same communicator is (for barrier-less symmetric kernels)")
     p.add_argument("--lenient", action="store_true",
                    help="skip and count malformed lines instead of failing with exit 2")
+    add_limit_arguments(p)
     p.add_argument("--max-per-group", type=int, default=100, metavar="N",
                    help="list at most N findings per rule and call site (all are counted; 0: no limit)")
+
+
+def _size(text: str) -> int:
+    """A byte count: 8388608, 8MiB, 512KiB, 1GiB (0: no limit)."""
+    import argparse
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]i?B?)?\s*", text, re.I)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 8388608 or 8MiB, got {text!r}")
+    unit = (m.group(2) or " ")[0].upper()
+    return int(m.group(1)) << {"K": 10, "M": 20, "G": 30}.get(unit, 0)
+
+
+def _ratio(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def add_limit_arguments(p) -> None:
+    """The reader's limits (sanitizer.trace.reader.ReadLimits): what one trace file may cost."""
+    from sanitizer.trace.reader import ReadLimits
+
+    DEFAULT_LIMITS = ReadLimits()  # the built-in defaults, not whatever an earlier run set
+
+    p.add_argument("--max-line-bytes", type=_size, default=DEFAULT_LIMITS.max_line_bytes, metavar="N",
+                   help=f"longest trace line read (default {DEFAULT_LIMITS.max_line_bytes >> 20}MiB; "
+                        "0: no limit); a longer one is an error")
+    p.add_argument("--max-gzip-ratio", type=_ratio, default=DEFAULT_LIMITS.max_gzip_ratio, metavar="R",
+                   help=f"a .gz trace may expand at most R times (default {DEFAULT_LIMITS.max_gzip_ratio:g}; "
+                        "0: no limit), beyond its first "
+                        f"{DEFAULT_LIMITS.gzip_ratio_floor >> 20}MiB")
+
+
+def apply_limits(args) -> None:
+    from sanitizer.trace import reader
+
+    reader.DEFAULT_LIMITS = reader.ReadLimits(max_line_bytes=args.max_line_bytes,
+                                              max_gzip_ratio=args.max_gzip_ratio)
 
 
 def run(args) -> int:
     from sanitizer.report import render
     from sanitizer.rules.engine import analyze
+
+    apply_limits(args)
 
     analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
                        max_per_group=args.max_per_group)

@@ -18,18 +18,22 @@ def add_arguments(p) -> None:
                    help="...only when #running-req is at least N (default 1): idle servers log low values")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--html", metavar="OUT", help="also write an HTML report (with a plot if matplotlib is installed)")
+    p.add_argument("--max-line-chars", type=int, default=4 << 20, metavar="N",
+                   help="longest log line read (default 4 MiB; 0: no limit); a longer one is an error")
     p.add_argument("--max-lines", type=int, default=50, metavar="N",
                    help="text output: show at most N flagged and N unparsed lines (0: all)")
 
 
 def run(args) -> int:
     from sanitizer.logscan import LogError, LogScanner
+    from sanitizer.logscan.parse import MAX_ACCEPT_LEN
     from sanitizer.logscan.render import MATPLOTLIB_MISSING, render_html, render_json, render_text
 
-    if args.threshold != args.threshold or args.min_running < 0:
-        print("hazsan logscan: error: --threshold must be a number and --min-running >= 0", file=sys.stderr)
+    if not 0 <= args.threshold <= MAX_ACCEPT_LEN or args.min_running < 0 or args.max_line_chars < 0:  # also refuses nan
+        print(f"hazsan logscan: error: --threshold must be a number from 0 to {MAX_ACCEPT_LEN:g} "
+              "and --min-running, --max-line-chars >= 0", file=sys.stderr)
         return 2
-    scanner = LogScanner(args.threshold, args.min_running)
+    scanner = LogScanner(args.threshold, args.min_running, max_line_chars=args.max_line_chars)
     try:
         for path in args.logs:
             scanner.scan_file(path)

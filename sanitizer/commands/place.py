@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-split", action="append", default=[], metavar="POOL",
                    help="treat POOL as a no_split pool (torch symmetric memory); repeatable")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
+    from sanitizer.commands.check import add_limit_arguments
+    add_limit_arguments(p)
 
 
 def run(args) -> int:
@@ -43,7 +45,10 @@ def run(args) -> int:
 
     from sanitizer.place import AllocatorConfig, ConfigError
     from sanitizer.place.replay import PlaceError, place_file
+    from sanitizer.commands.check import apply_limits
     from sanitizer.trace.reader import TraceError, expand_paths
+
+    apply_limits(args)
 
     try:
         config = (AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None

@@ -16,13 +16,16 @@ bytes a collective still uses); the latent hazards `free-in-flight` and `transie
 independent of the shape. Exit 0 when no shape collides, 1 when one does, 2 on unusable input."""
 
 
+MAX_SCALE = 1024.0  # token counts beyond a thousand times the recorded one are not a decode step
+
+
 def _scales(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--scale expects numbers separated by commas, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError("--scale values must be positive")
+    if not vals or not all(0 < v <= MAX_SCALE for v in vals):  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"--scale values must be positive and at most {MAX_SCALE:g}")
     return vals
 
 
@@ -43,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-split", action="append", default=[], metavar="POOL")
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="keep the scaled and placed traces under DIR (one folder per scale)")
-
+    from sanitizer.commands.check import add_limit_arguments
+    add_limit_arguments(p)
 
 def _site(f) -> str:
     block = f.block or {}
@@ -59,6 +63,9 @@ def run(args) -> int:
     from sanitizer.place.sweep import LATENT_RULES, REALISED_RULES, SweepError, sweep
     from sanitizer.trace.reader import TraceError
 
+    from sanitizer.commands.check import apply_limits
+
+    apply_limits(args)
     if args.repeat < 1:
         print("hazsan sweep: --repeat must be >= 1", file=sys.stderr)
         return 2

@@ -38,10 +38,13 @@ _BRACKET = re.compile(
 )
 _RANK_TAG = re.compile(r"[A-Z][A-Z_]*\d+")
 # Fields are `key: value` separated by commas; a value may hold a bracketed list with commas
-# (`est uncap acc len: 3.40 [3.10, 3.70]`), so split only on commas outside brackets.
-_FIELD_SPLIT = re.compile(r",(?![^\[]*\])")
+# (`est uncap acc len: 3.40 [3.10, 3.70]`), so a comma whose next bracket is a `]` does not split.
+_DELIMS = re.compile(r"[,\[\]]")
 
 ACCEPT_LEN = "accept len"
+#: Far beyond any speculative draft length (tokens accepted per verify step): larger values are
+#: not rates but damage, and would only stretch the histogram and the plot to infinity.
+MAX_ACCEPT_LEN = 1e6
 RUNNING_REQ = "#running-req"
 
 
@@ -74,6 +77,29 @@ class BrokenLine:
     reason: str
 
 
+def split_fields(text: str) -> list[str]:
+    """Split on the commas whose next bracket (if any) is not a `]`.
+
+    One pass from the right over the commas and brackets, so linear in the line's length (the
+    lookahead `,(?![^[]*])` it replaces rescanned the rest of the line at every comma).
+    """
+    cuts = []
+    closing_ahead = False  # the nearest bracket to the right is a `]`
+    for m in reversed(list(_DELIMS.finditer(text))):
+        pos, c = m.start(), m.group()
+        if c == ",":
+            if not closing_ahead:
+                cuts.append(pos)
+        else:
+            closing_ahead = c == "]"
+    parts, start = [], 0
+    for pos in reversed(cuts):
+        parts.append(text[start:pos])
+        start = pos + 1
+    parts.append(text[start:])
+    return parts
+
+
 def parse_line(text: str) -> DecodeLine | BrokenLine | None:
     """Parse one log line. None: not a decode line at all (prefill, HTTP, warnings, ...)."""
     at = text.find(MARKER)
@@ -94,7 +120,7 @@ def parse_line(text: str) -> DecodeLine | BrokenLine | None:
         ts = bracket.group("ts")
         prefix = " ".join(_RANK_TAG.findall(bracket.group("ranks")))
     fields: dict[str, str] = {}
-    for part in _FIELD_SPLIT.split(head.group("fields")):
+    for part in split_fields(head.group("fields")):
         part = part.strip()
         if not part:
             continue  # older formats end with ", "
@@ -117,7 +143,7 @@ def parse_line(text: str) -> DecodeLine | BrokenLine | None:
             accept_len = float(raw)
         except ValueError:
             return BrokenLine(f"'{ACCEPT_LEN}' is not a number: {raw[:20]!r}")
-        if accept_len != accept_len or accept_len < 0:  # nan or negative: not a real rate
+        if not 0 <= accept_len <= MAX_ACCEPT_LEN:  # nan, inf, negative or huge: not a real rate
             return BrokenLine(f"'{ACCEPT_LEN}' out of range: {raw[:20]!r}")
     it = head.group("iter")
     return DecodeLine(prefix=prefix, time=ts, iter=int(it) if it else None,

@@ -23,22 +23,28 @@ def histogram(values, threshold: float, max_bins: int = 16) -> list[tuple[float,
     wholly flagged (hi <= threshold) or wholly not. Returns (lo, hi, count) from the lowest to
     the highest occupied bin, empty bins in between included.
     """
-    if not len(values):
+    values = [v for v in values if math.isfinite(v)]  # the parser keeps none that are not
+    if not values:
         return []
     lo_v, hi_v = min(values), max(values)
     span = max(hi_v - lo_v, 1e-9)
     width = next((w for w in _NICE_WIDTHS if span / w <= max_bins), _NICE_WIDTHS[-1])
     while span / width > max_bins:
         width *= 2
+    # The threshold is a bin edge when it lies near the values; a threshold far away (1e308, or
+    # below every value) would only make the bin indices overflow, so the edges then start at a
+    # multiple of the width below the smallest value.
+    anchor = threshold if math.isfinite(threshold) and lo_v - width <= threshold <= hi_v + width \
+        else math.floor(lo_v / width) * width
 
-    def index(v: float) -> int:  # bin j is (threshold + (j-1)*width, threshold + j*width]
-        return math.ceil(round((v - threshold) / width, 9))
+    def index(v: float) -> int:  # bin j is (anchor + (j-1)*width, anchor + j*width]
+        return math.ceil(round((v - anchor) / width, 9))
 
     first, last = index(lo_v), index(hi_v)
     counts = [0] * (last - first + 1)
     for v in values:
         counts[index(v) - first] += 1
-    return [(threshold + (first + i - 1) * width, threshold + (first + i) * width, c)
+    return [(anchor + (first + i - 1) * width, anchor + (first + i) * width, c)
             for i, c in enumerate(counts)]
 
 

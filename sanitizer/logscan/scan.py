@@ -20,6 +20,7 @@ from statistics import median
 from sanitizer.logscan.parse import BrokenLine, DecodeLine, parse_line
 
 GZIP_MAGIC = b"\x1f\x8b"
+MAX_LINE_CHARS = 4 << 20  # a `Decode batch` line is a few hundred characters
 
 
 class LogError(Exception):
@@ -110,9 +111,11 @@ class ScanResult:
 class LogScanner:
     """Feeds lines through `parse_line` and keeps the tallies. Nothing here raises on bad lines."""
 
-    def __init__(self, threshold: float = 2.0, min_running: int = 1, max_unparsed: int = 1000):
+    def __init__(self, threshold: float = 2.0, min_running: int = 1, max_unparsed: int = 1000,
+                 max_line_chars: int = MAX_LINE_CHARS):
         self.result = ScanResult(threshold=threshold, min_running=min_running)
         self.max_unparsed = max_unparsed
+        self.max_line_chars = max_line_chars  # 0: no limit
 
     def feed(self, file: str, line_no: int, text: str) -> None:
         r = self.result
@@ -151,7 +154,13 @@ class LogScanner:
         line_no = 0
         try:
             with _open_text(path) as stream:
-                for line_no, text in enumerate(stream, 1):
+                limit = self.max_line_chars
+                lines = iter(lambda: stream.readline(limit + 1), "") if limit else stream
+                for line_no, text in enumerate(lines, 1):
+                    if limit and len(text) > limit:
+                        # Reading on would hold the whole line (`/dev/zero` never ends one).
+                        raise LogError(f"{path}:{line_no}", f"line longer than {limit} characters "
+                                       "(not a server log? --max-line-chars raises the limit)")
                     self.feed(path, line_no, text)
         except LogError:
             raise

@@ -44,6 +44,7 @@ from .segments import DEFAULT_PLUGGABLE_BASE, Arena, DeviceDriver, OutOfMemory, 
 
 WINDOW_BASE = 0x7D0000000000      # where arena windows are put
 FOREIGN_BASE = 1 << 48            # memory the allocator never handed out
+ADDRESS_LIMIT = 1 << 64           # a device address, a size and their sum fit in 64 bits
 _DEFAULT_NAMES = (None, "", DEFAULT_POOL, 0, "0", "native")
 
 
@@ -186,8 +187,35 @@ class RankPlacer:
             raise self._err(line, f"{ev.get('ev')!r} event lacks field {name!r}")
         v = ev[name]
         if types and (not isinstance(v, types) or isinstance(v, bool)):
-            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} has the wrong type: {v!r}")
+            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} has the wrong type: {_short(v)}")
         return v
+
+    def _u64(self, ev, name, line, *, positive=False):
+        """An address or size: an integer in [0, 2^64) (a size > 0 with `positive`)."""
+        v = self._field(ev, name, line)
+        if not (0 < v if positive else 0 <= v) or v >= ADDRESS_LIMIT:
+            want = "positive" if positive else "at least 0"
+            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} must be {want} and below 2^64, got {v}")
+        return v
+
+    def _ident(self, ev, name, line, *, required=True, default=None):
+        """An id, stream, graph, comm or pool name: an integer or a string (a dict key here)."""
+        if name not in ev or ev[name] is None:
+            if required:
+                raise self._err(line, f"{ev.get('ev')!r} event lacks field {name!r}")
+            return default
+        v = ev[name]
+        if type(v) not in (int, str):
+            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} must be an integer or a string, "
+                                  f"got {_short(v)}")
+        return v
+
+    def _placed(self, addr: int, line, what: str) -> int:
+        """An address written out: past 2^64 no device has it (and JSON readers refuse it)."""
+        if not 0 <= addr < ADDRESS_LIMIT:
+            raise self._err(line, f"{what} would be placed at {addr:#x}, past 2^64: "
+                                  "the input address or size is out of any device's range")
+        return addr
 
     def _pool_for(self, ev) -> str:
         for s in reversed(self.scopes):
@@ -218,24 +246,26 @@ class RankPlacer:
         self.stats.pools[name] = {"kind": kind, "no_split": no_split,
                                   "source": source.name if source else "cudaMalloc"}
 
-    def map_addr(self, addr: int) -> int:
+    def map_addr(self, addr: int, line=None) -> int:
         e = self.inputs.find(addr)
         if e is not None:
             return e[2] + (addr - e[0])
         for (waddr, comm), (model, size) in self.windows.items():
             if waddr <= addr < waddr + size:
-                return model + (addr - waddr)
+                return self._placed(model + (addr - waddr), line, f"address {addr:#x}")
         self.stats.foreign_buffers += 1
-        return FOREIGN_BASE + addr
+        return self._placed(FOREIGN_BASE + addr, line, f"address {addr:#x} (outside every block)")
 
     def _map_range_list(self, ranges, line, what):
         if not isinstance(ranges, list):
             raise self._err(line, f"{what} must be a list of [addr, size]")
         out = []
         for r in ranges:
-            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)):
-                raise self._err(line, f"{what} entries must be [addr, size], got {r!r}")
-            out.append([self.map_addr(r[0]), r[1]])
+            if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)):
+                raise self._err(line, f"{what} entries must be [addr, size], got {_short(r)}")
+            if not (0 <= r[0] < ADDRESS_LIMIT and 0 <= r[1] < ADDRESS_LIMIT):
+                raise self._err(line, f"{what} entry {r!r}: addr and size must be in [0, 2^64)")
+            out.append([self.map_addr(r[0], line), r[1]])
         return out
 
     # ---- the event loop ---------------------------------------------------------------------
@@ -251,7 +281,12 @@ class RankPlacer:
         if handler is None:
             yield ev
             return
-        yield from handler(line, ev)
+        try:
+            yield from handler(line, ev)
+        except (TypeError, ValueError, OverflowError, KeyError) as exc:
+            # Every field is checked where it is read; this only keeps a check that was missed
+            # from becoming a traceback, and still names the line.
+            raise self._err(line, f"cannot place this {kind!r} event: {type(exc).__name__}: {exc}") from None
 
     def _ev_segment(self, line, ev):
         # The model makes its own segments. One kind of input segment matters, though: a segment
@@ -260,7 +295,7 @@ class RankPlacer:
         # an allocation lands in it (then it was an ordinary segment) or a window claims it.
         self.stats.dropped_segment_events += 1
         addr, size = ev.get("addr"), ev.get("size")
-        if isinstance(addr, int) and isinstance(size, int) and size > 0:
+        if type(addr) is int and type(size) is int and size > 0:
             self.pending_segments[addr] = (size, ev.get("pool"), line)
             if len(self.pending_segments) > 64:
                 self.pending_segments.pop(next(iter(self.pending_segments)))
@@ -272,7 +307,8 @@ class RankPlacer:
         # frees every unsplit cached segment of the default pool. The first segment_free of a run
         # replays that on the model; the model's own segment_free events replace the input's.
         self.stats.dropped_segment_events += 1
-        if self.pending_segments.pop(ev.get("addr"), None) is not None or self._releasing:
+        addr = ev.get("addr")
+        if type(addr) is int and self.pending_segments.pop(addr, None) is not None or self._releasing:
             return
         self._releasing = True
         for bid, b in list(self.held.items()):
@@ -293,11 +329,12 @@ class RankPlacer:
         if not isinstance(enter, bool):
             raise self._err(line, "scope event needs a boolean 'enter'")
         if enter:
+            pool = self._ident(ev, "pool", line, required=False)
+            comm = self._ident(ev, "comm", line, required=False)
             self.scopes.append(ev)
-            pool = ev.get("pool")
             if pool not in (None, ""):
-                if ev.get("comm") is not None:
-                    self.pool_comm.setdefault(str(pool), ev["comm"])
+                if comm is not None:
+                    self.pool_comm.setdefault(str(pool), comm)
                 if ev.get("no_split"):
                     self.pool_no_split.add(str(pool))
         else:
@@ -308,23 +345,23 @@ class RankPlacer:
         yield ev
 
     def _ev_graph_begin(self, line, ev):
-        g = ev.get("graph")
-        self.captures[g] = str(ev["pool"]) if ev.get("pool") not in (None, "") else f"graph:{g}"
+        g = self._ident(ev, "graph", line)
+        pool = self._ident(ev, "pool", line, required=False)
+        self.captures[g] = str(pool) if pool not in (None, "") else f"graph:{g}"
         yield ev
 
     def _ev_graph_end(self, line, ev):
-        self.captures.pop(ev.get("graph"), None)
+        self.captures.pop(self._ident(ev, "graph", line), None)
         yield ev
 
     def _ev_alloc(self, line, ev):
-        bid = ev.get("id")
-        if bid is None:
-            raise self._err(line, "alloc event lacks field 'id'")
-        addr = self._field(ev, "addr", line)
-        size = self._field(ev, "size", line)
-        stream = ev.get("stream", 0)
-        if size < 0:
-            raise self._err(line, f"negative alloc size {size}")
+        bid = self._ident(ev, "id", line)
+        addr = self._u64(ev, "addr", line)
+        size = self._u64(ev, "size", line)
+        stream = self._ident(ev, "stream", line, required=False, default=0)
+        self._ident(ev, "pool", line, required=False)
+        if addr + size > ADDRESS_LIMIT:
+            raise self._err(line, f"alloc [{addr:#x}, +{size}) ends past 2^64")
         if bid in self.blocks and bid not in self.freed:
             raise self._err(line, f"alloc of id {bid!r} which is still allocated")
         self.freed.discard(bid)
@@ -348,7 +385,7 @@ class RankPlacer:
         self.inputs.add(addr, addr + max(size, 1), block)
         yield from self._flush_segments(ev)
         out = dict(ev)
-        out["addr"] = block.addr
+        out["addr"] = self._placed(block.addr, line, f"alloc {bid!r}")
         if has_request:
             out["size"] = block.size       # the input's size was its allocator's block size
         out["pool"] = pool
@@ -370,9 +407,7 @@ class RankPlacer:
         self._new_segments.clear()
 
     def _block(self, line, ev):
-        bid = ev.get("id")
-        if bid is None:
-            raise self._err(line, f"{ev.get('ev')} event lacks field 'id'")
+        bid = self._ident(ev, "id", line)
         b = self.blocks.get(bid)
         if b is None:
             raise self._err(line, f"{ev.get('ev')} of unknown id {bid!r}")
@@ -393,8 +428,7 @@ class RankPlacer:
 
     def _ev_record_stream(self, line, ev):
         b = self._block(line, ev)
-        if "stream" not in ev:
-            raise self._err(line, "record_stream event lacks field 'stream'")
+        self._ident(ev, "stream", line)
         if ev["id"] not in self.freed:
             self.alloc.record_stream(b, ev["stream"])
         yield ev
@@ -421,16 +455,20 @@ class RankPlacer:
                 raise self._err(line, "coll 'bufs' must be a list")
             nb = []
             for b in bufs:
-                if not isinstance(b, dict) or not isinstance(b.get("addr"), int):
-                    raise self._err(line, f"coll buffer needs an integer 'addr': {b!r}")
-                nb.append({**b, "addr": self.map_addr(b["addr"])})
+                if not isinstance(b, dict) or type(b.get("addr")) is not int:
+                    raise self._err(line, f"coll buffer needs an integer 'addr': {_short(b)}")
+                if not 0 <= b["addr"] < ADDRESS_LIMIT:
+                    raise self._err(line, f"coll buffer 'addr' must be in [0, 2^64), got {b['addr']}")
+                nb.append({**b, "addr": self.map_addr(b["addr"], line)})
             out["bufs"] = nb
         yield out
 
     def _ev_window(self, line, ev):
-        addr = self._field(ev, "addr", line)
-        size = self._field(ev, "size", line)
-        comm = ev.get("comm")
+        addr = self._u64(ev, "addr", line)
+        size = self._u64(ev, "size", line, positive=True)
+        comm = self._ident(ev, "comm", line, required=False)
+        if addr + size > ADDRESS_LIMIT:
+            raise self._err(line, f"window [{addr:#x}, +{size}) ends past 2^64")
         covered = self.inputs.overlapping_live(addr, addr + size)
         pre = self.pending_segments.pop(addr, None)
         if not covered and pre is not None:
@@ -488,17 +526,21 @@ class RankPlacer:
         yield {**ev, "addr": base}
 
     def _ev_window_free(self, line, ev):
-        addr = ev.get("addr")
-        if (addr, ev.get("comm")) in self._replaced_windows:
-            self._replaced_windows.discard((addr, ev.get("comm")))
+        addr = self._u64(ev, "addr", line)
+        comm = self._ident(ev, "comm", line, required=False)
+        if (addr, comm) in self._replaced_windows:
+            self._replaced_windows.discard((addr, comm))
             return
-        model = self.windows.get((addr, ev.get("comm")))
+        model = self.windows.get((addr, comm))
         out = dict(ev)
-        if model is not None:
-            out["addr"] = model[0]
-        elif isinstance(addr, int):
-            out["addr"] = self.map_addr(addr)
+        out["addr"] = model[0] if model is not None else self.map_addr(addr, line)
         yield out
+
+
+def _short(value, limit: int = 60) -> str:
+    """A field's value for an error message: a hostile line may hold megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ---------------------------------------------------------------- files ------------------
@@ -521,6 +563,7 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=())
     try:
         with _open_out(tmp, out_path.name.endswith(".gz")) as fh:
             header = dict(tf.header)
+            header.pop("end_record", None)  # written by place, not by a capture writer that ends it
             header["placed"] = {"by": "hazsan place", "allocator_conf": config.describe(),
                                 "model": "c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.4-2.14)"}
             fh.write(dumps(header) + b"\n")
@@ -528,7 +571,10 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=())
                 if isinstance(ev, TraceError):
                     raise ev
                 for out in placer.place(line_no, ev):
-                    fh.write(dumps(out) + b"\n")
+                    try:
+                        fh.write(dumps(out) + b"\n")
+                    except orjson.JSONEncodeError as exc:
+                        raise PlaceError(in_path, line_no, f"placed event cannot be written: {exc}") from None
         os.replace(tmp, out_path)
     except BaseException:
         tmp.unlink(missing_ok=True)

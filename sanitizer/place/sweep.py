@@ -76,8 +76,48 @@ def _read(path: Path):
     for line, ev in tf.events():
         if isinstance(ev, TraceError):
             raise ev
+        problem = _check_event(ev)
+        if problem:
+            raise TraceError(path, line, problem)
         events.append((line, ev))
     return tf.header, events
+
+
+_IDENT_FIELDS = ("id", "stream", "graph", "comm", "pool", "cid")
+_U64 = 1 << 64
+
+
+def _u64(v) -> bool:
+    return type(v) is int and 0 <= v < _U64
+
+
+def _check_event(ev) -> str | None:
+    """What is wrong with the fields the scaler reads, or None. The placer checks the rest."""
+    if not isinstance(ev, dict):
+        return f"event is not a JSON object: {str(ev)[:60]}"
+    kind = ev.get("ev")
+    for name in _IDENT_FIELDS:
+        v = ev.get(name)
+        if v is not None and type(v) not in (int, str):
+            return f"field {name!r} of {kind!r} must be an integer or a string, got {str(v)[:60]}"
+    if kind == "step" and ev.get("n") is not None and type(ev["n"]) is not int:
+        return f"field 'n' of 'step' must be an integer, got {str(ev['n'])[:60]}"
+    if kind in ("alloc", "window"):
+        for name in ("addr", "size"):
+            if name in ev and not _u64(ev[name]):
+                return f"field {name!r} of {kind!r} must be an integer in [0, 2^64), got {str(ev[name])[:60]}"
+    if kind == "launch":
+        for key in ("reads", "writes"):
+            ranges = ev.get(key)
+            if ranges is not None and not (isinstance(ranges, list) and all(
+                    isinstance(r, list) and len(r) == 2 and _u64(r[0]) and _u64(r[1]) for r in ranges)):
+                return f"{key} must be a list of [addr, size] with both in [0, 2^64)"
+    if kind == "coll" and ev.get("bufs") is not None:
+        bufs = ev["bufs"]
+        if not (isinstance(bufs, list) and all(
+                isinstance(b, dict) and _u64(b.get("addr")) and _u64(b.get("size", 0)) for b in bufs)):
+            return "coll 'bufs' must be a list of {addr, size} with both in [0, 2^64)"
+    return None
 
 
 def split_step(events, step: int | None):
@@ -268,7 +308,7 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                 evs = sc.build()
                 name = f.name[:-3] if f.name.endswith(".gz") else f.name
                 with open(raw_dir / name, "wb") as fh:
-                    fh.write(orjson.dumps({**header, "sweep": {
+                    fh.write(orjson.dumps({**{k: v for k, v in header.items() if k != "end_record"}, "sweep": {
                         "scale": scale, "source": str(f), "step": marker.get("n"),
                         "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens,
                         "repeat": repeat}}) + b"\n")

@@ -18,10 +18,28 @@ def render(analysis, fmt: str = "text") -> str:
     return render_text(analysis)
 
 
+def incomplete(summary: dict) -> list[str]:
+    """Why the traces do not hold every event of the run (empty: they do). A report with any of
+    these is never a plain "no hazards": what was lost may have held one."""
+    out = []
+    if summary.get("dropped_events"):
+        out.append(f"{summary['dropped_events']} event(s) dropped by capture")
+    if summary.get("hook_errors"):
+        out.append(f"{summary['hook_errors']} capture hook failure(s)")
+    truncated = sum("trace truncated" in w for w in summary.get("warnings", []))
+    if truncated:
+        out.append(f"{truncated} trace(s) truncated")
+    if summary.get("skipped_lines"):
+        out.append(f"{summary['skipped_lines']} malformed line(s) skipped")
+    return out
+
+
 def render_json(analysis) -> str:
+    lost = incomplete(analysis.summary)
     doc = {
         "findings": [f.to_dict() for f in analysis.findings],
-        "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors]},
+        "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors],
+                    "complete": not lost, "incomplete": lost},
     }
     return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
 
@@ -124,13 +142,23 @@ def render_text(analysis) -> str:
     lines.append("=" * 78)
     for w in s.get("warnings", []):
         lines.append(f"hazsan: warning: {w}")
+    lost = incomplete(s)
     if counts:
         total = ", ".join(f"{rule}: {counts[rule]}" for rule in RULES if rule in counts)
         lines.append(f"hazsan: {s['findings']} finding(s) in {s['events']} events, {s['ranks']} rank(s): {total}")
+        if lost:
+            lines.append(f"hazsan: INCOMPLETE capture ({', '.join(lost)}): more hazards may be missing")
+    elif lost:
+        lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s), but the capture "
+                     f"is INCOMPLETE ({', '.join(lost)}): hazards may be missing")
     else:
         lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s)")
     if analysis.errors:
-        lines.append(f"hazsan: {s.get('malformed', len(analysis.errors))} malformed line(s): the input is unusable (exit 2); --lenient skips them")
+        malformed = s.get("malformed", len(analysis.errors))
+        if malformed:
+            lines.append(f"hazsan: {malformed} malformed line(s): the input is unusable (exit 2); --lenient skips them")
+        else:  # a file that cannot be read at all (no header, a limit reached): no line to skip
+            lines.append("hazsan: the input is unusable (exit 2): see the error above")
     return "\n".join(lines) + "\n"
 
 
@@ -162,6 +190,13 @@ def render_sarif(analysis) -> str:
                 {"id": r, "shortDescription": {"text": d}, "defaultConfiguration": {"level": sev}}
                 for r, (sev, d) in RULES.items()]}},
             "results": results,
+            "invocations": [{
+                "executionSuccessful": not analysis.errors,
+                "toolExecutionNotifications": [
+                    {"level": "warning", "message": {"text": f"incomplete capture: {why}"}}
+                    for why in incomplete(analysis.summary)]
+                + [{"level": "note", "message": {"text": w}} for w in analysis.summary.get("warnings", [])],
+            }],
         }],
     }
     return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,30 @@ from typing import Iterator
 import orjson
 
 from sanitizer.trace.schema import NON_TRACE_FILES, SCHEMA_VERSION
+
+
+@dataclass
+class ReadLimits:
+    """What one trace file may cost to read; 0 turns a limit off.
+
+    `max_line_bytes`: the longest line (its newline not counted). Without it `/dev/zero`, or a
+    line that never ends, is read until memory runs out.
+    `max_gzip_ratio`: decompressed bytes of a `.gz` file per compressed byte read so far (after
+    the first `gzip_ratio_floor` bytes). Deflate reaches about 1000x on repeated bytes; hazsan's
+    own traces compress 5-20x.
+    """
+
+    max_line_bytes: int = 8 << 20
+    max_gzip_ratio: float = 200.0
+    gzip_ratio_floor: int = 64 << 20
+
+
+#: The limits `open_trace` applies when none are passed (`hazsan check --max-line-bytes ...` sets them).
+DEFAULT_LIMITS = ReadLimits()
+
+
+#: The last line a capture writer writes on a clean close (sanitizer.trace.writer).
+END_RECORD = b'{"ev":"end"'
 
 
 class TraceError(Exception):
@@ -37,6 +62,8 @@ class TraceFile:
     path: Path
     header: dict
     truncated: bool = False  # set once the last line turned out cut short (a killed writer)
+    ended: bool = False      # the writer's end record was read (header "end_record": true)
+    compressed: bool = False
     warnings: list[str] = field(default_factory=list)
     _stream: io.BufferedIOBase | None = None
 
@@ -60,19 +87,28 @@ class TraceFile:
         if stream is None:
             raise RuntimeError("trace already consumed")
         self._stream = None
-        lines = _tolerant_lines(self, stream) if isinstance(stream, gzip.GzipFile) else stream
+        lines = _tolerant_lines(self, stream) if self.compressed else stream
         first = 2
+        wants_end = self.header.get("end_record") is True
         try:
-            while True:
-                raws = list(islice(lines, size))
-                if not raws:
-                    return
+            raws = list(islice(lines, size))
+            while raws:
+                following = list(islice(lines, size)) if wants_end else None
+                if wants_end and not following and raws[-1].startswith(END_RECORD):
+                    self.ended = True
+                    raws.pop()      # the writer's closing line: not an event
+                    if not raws:
+                        break
                 yield first, raws
                 first += len(raws)
+                raws = following if wants_end else list(islice(lines, size))
         except OSError as exc:
             raise TraceError(self.path, first, f"read error: {exc}") from exc
         finally:
             stream.close()
+        if wants_end and not self.ended and not self.truncated:
+            self._truncate(first, "no end record: the process was killed, or its last writes failed; "
+                           "events may be missing")
 
     def batches(self, size: int = 4096) -> Iterator[tuple[int, list]]:
         """Yield (line_no of the first item, [parsed event or TraceError, ...]) in file order.
@@ -101,9 +137,9 @@ class TraceFile:
                             items.append(None)
             yield first, items
 
-    def _truncate(self, line_no: int, why: str = "last line cut short") -> None:
+    def _truncate(self, line_no: int, why: str = "last line cut short: the writer was killed?") -> None:
         self.truncated = True
-        self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why}: the writer was killed?)")
+        self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why})")
 
     def close(self) -> None:
         if self._stream is not None:
@@ -118,17 +154,125 @@ def _tolerant_lines(trace: TraceFile, stream):
         for line_no, raw in enumerate(stream, 2):
             yield raw
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        trace._truncate(line_no + 1, f"compressed stream ends early: {exc}")
+        trace._truncate(line_no + 1, f"compressed stream ends early: {exc}: the writer was killed?")
 
 
-def open_trace(path: str | os.PathLike) -> TraceFile:
+_PEEK = 4096  # bytes searched at each end of a chunk read from a plain file
+
+
+class _BoundedRaw(io.RawIOBase):
+    """The bytes of one trace file, checked as they are read: no line longer than the limit, no
+    gzip stream expanding past the ratio. Either raises TraceError naming the line, so memory and
+    time stay bounded whatever the file holds; line iteration above it stays in C.
+
+    Newlines are not counted on the way (bytes.count costs as much as the reading itself): the
+    error's line number is counted again from the start of a regular file; a pipe or a device
+    cannot be read twice, so for those every chunk's newlines are counted as it passes."""
+
+    def __init__(self, path: Path, source, limits: ReadLimits, compressed_source=None):
+        self.path, self.source, self.limits = path, source, limits
+        # read1: what one decompression step gives (GzipFile.read would keep reading and lose
+        # the part before a cut-short end with the EOFError)
+        self._read = getattr(source, "read1", source.read)
+        self._readinto = source.readinto if compressed_source is None else None
+        self.compressed_source = compressed_source  # the .gz file under a GzipFile, for its position
+        try:
+            self.count_lines = not stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            self.count_lines = True
+        self.newlines = 0    # newlines so far, when count_lines
+        self.run = 0         # bytes of the current line so far
+        self.line_start = 0  # offset of the current line
+        self.produced = 0    # bytes handed out
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        limit = self.limits.max_line_bytes
+        want = len(buffer) if not limit else min(len(buffer), limit)  # lines inside one read stay < limit
+        if self._readinto is not None:
+            # a plain file: read straight into the buffer, and search copies of its two ends only
+            # (lines are short; a copy of every chunk costs more than the reading)
+            n = self._readinto(buffer[:want])
+            if not n:
+                return 0
+            head = bytes(buffer[:min(n, _PEEK)])
+            first = head.find(b"\n")
+            if first < 0 and n > _PEEK:
+                head = bytes(buffer[:n])
+                first = head.find(b"\n")
+            tail_at = max(0, n - _PEEK)
+            last = bytes(buffer[tail_at:n]).rfind(b"\n")
+            last = tail_at + last if last >= 0 else (head.rfind(b"\n") if first >= 0 else -1)
+            count = (lambda: bytes(buffer[:n]).count(b"\n")) if self.count_lines else None
+        else:
+            data = self._read(want)
+            n = len(data)
+            if not n:
+                return 0
+            buffer[:n] = data
+            first = data.find(b"\n")
+            last = data.rfind(b"\n")
+            count = (lambda: data.count(b"\n")) if self.count_lines else None
+        if limit and self.run + (n if first < 0 else first) > limit:
+            raise self._error(self.line_start, f"line longer than {limit} bytes (not a hazsan trace? "
+                              "--max-line-bytes raises the limit)")
+        if first < 0:
+            self.run += n
+        else:
+            self.run = n - 1 - last
+            self.line_start = self.produced + last + 1
+            if count is not None:
+                self.newlines += count()
+        self.produced += n
+        ratio = self.limits.max_gzip_ratio
+        if ratio and self.compressed_source is not None and self.produced > self.limits.gzip_ratio_floor:
+            packed = max(self.compressed_source.tell(), 1)
+            if self.produced > ratio * packed:
+                raise self._error(self.produced, f"gzip data expands more than {ratio:g}x ({self.produced} "
+                                  f"bytes from {packed}): a decompression bomb? (--max-gzip-ratio raises the limit)")
+        return n
+
+    def _error(self, offset: int, message: str) -> TraceError:
+        """A TraceError naming the line that holds byte `offset` (within the line counted so far)."""
+        if self.count_lines:
+            return TraceError(self.path, self.newlines + 1, message)
+        newlines = 0
+        try:
+            with (gzip.open(self.path, "rb") if self.compressed_source is not None else open(self.path, "rb")) as f:
+                left = offset
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 20))
+                    if not chunk:
+                        break
+                    newlines += chunk.count(b"\n")
+                    left -= len(chunk)
+        except (OSError, EOFError, zlib.error):
+            return TraceError(self.path, None, f"{message} (at byte {offset})")
+        return TraceError(self.path, newlines + 1, message)
+
+    def close(self) -> None:
+        try:
+            self.source.close()
+            if self.compressed_source is not None:
+                self.compressed_source.close()
+        finally:
+            super().close()
+
+
+def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> TraceFile:
     """Open one rank file and parse its header. Raises TraceError on unusable input."""
     path = Path(path)
+    limits = limits or DEFAULT_LIMITS
+    compressed = path.name.endswith(".gz")
     try:
-        if path.name.endswith(".gz"):
-            stream = gzip.open(path, "rb")  # buffered itself; a bigger buffer would hit a cut tail early
+        if compressed:
+            packed = open(path, "rb")
+            raw = _BoundedRaw(path, gzip.GzipFile(fileobj=packed, mode="rb"), limits, packed)
+            stream = io.BufferedReader(raw, 1 << 16)  # a bigger buffer would hit a cut tail early
         else:
-            stream = open(path, "rb", buffering=1 << 20)
+            stream = io.BufferedReader(_BoundedRaw(path, open(path, "rb", buffering=0), limits), 1 << 20)
     except OSError as exc:
         raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from exc
     try:
@@ -136,6 +280,9 @@ def open_trace(path: str | os.PathLike) -> TraceFile:
     except (EOFError, OSError, zlib.error) as exc:
         stream.close()
         raise TraceError(path, 1, f"cannot read header: {exc}") from exc
+    except TraceError:
+        stream.close()
+        raise
     if not first:
         stream.close()
         raise TraceError(path, 1, "empty file: expected a header line {\"hazsan\": 1, ...}")
@@ -154,7 +301,7 @@ def open_trace(path: str | os.PathLike) -> TraceFile:
     if type(rank) is not int:
         stream.close()
         raise TraceError(path, 1, f"header field 'rank' must be an integer, got {rank!r}")
-    tf = TraceFile(path=path, header=header, _stream=stream)
+    tf = TraceFile(path=path, header=header, compressed=compressed, _stream=stream)
     return tf
 
 

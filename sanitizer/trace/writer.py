@@ -13,6 +13,13 @@ Every drop is written into the trace as ``{"ev": "dropped", "count": N, "reason"
 number dropped since the previous such record) so that every report says findings may be missing.
 Hook failures are likewise written as ``{"ev": "hook_error", "hook": name, "count": N, "error": ...}``.
 
+Failing safe: a write that fails (disk full, folder unwritable) drops and counts, and the next write
+that succeeds records the count; a trace folder removed while the process runs is made again at
+the next flush, its file starting with a ``dropped`` record for the events the removed file held.
+The header says ``"end_record": true`` and a clean close writes ``{"ev": "end", ...}`` as the last
+line, so a trace without it (a killed process, a disk that stayed full) is reported as truncated.
+Folders and files are created owner-only (0700 / 0600): traces hold addresses and call sites.
+
 File naming: ``rank<R>.jsonl`` once the rank is known (torch.distributed, else RANK / LOCAL_RANK),
 else ``pid<PID>.jsonl`` with header rank ``-PID`` (a process without a distributed rank; distinct
 from every real rank and from other such processes). Files are created with O_EXCL; a name already
@@ -32,6 +39,7 @@ from sanitizer.trace.schema import SCHEMA_VERSION
 
 
 _ENCODE_SLICE = 1024
+_CAPPED_RECORD_SECONDS = 60.0
 
 
 class TraceWriter:
@@ -60,6 +68,10 @@ class TraceWriter:
         self._drop_reason = None
         self.dropped_total = 0
         self._hook_errors: dict[str, list] = {}   # hook -> [count since last record, last error]
+        self._in_file = 0            # events in the current file (lost with it if it is removed)
+        self._warned = False         # one line on stderr the first time the trace cannot be written
+        self._closing = False
+        self._last_record = 0.0      # when counts were last written (rate-limited past max_events)
         self._last_flush = time.monotonic()
         self._tick = 0
         self.closed = False
@@ -119,7 +131,7 @@ class TraceWriter:
     def _header(self) -> bytes:
         rank = self.rank if self.rank is not None else -os.getpid()
         h = {"hazsan": SCHEMA_VERSION, "rank": rank, "world_size": self.world_size or 1,
-             "device": self.device, "pid": os.getpid()}
+             "device": self.device, "pid": os.getpid(), "end_record": True}
         h.update(self.header_extra)
         if self.header_source is not None:
             try:
@@ -129,18 +141,19 @@ class TraceWriter:
         return orjson.dumps(h) + b"\n"
 
     def _open(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         names = ([f"rank{self.rank}.jsonl", f"rank{self.rank}.pid{os.getpid()}.jsonl"]
                  if self.rank is not None else [f"pid{os.getpid()}.jsonl"])
         last_exc = None
         for name in names:
             path = os.path.join(self.directory, name)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
             except FileExistsError as exc:
                 last_exc = exc
                 continue
             self._fd, self.path = fd, path
+            self._in_file = 0
             _write_all(fd, self._header())
             return
         raise last_exc  # type: ignore[misc]
@@ -155,6 +168,7 @@ class TraceWriter:
                 body = f.read()
             self._open()
             _write_all(self._fd, body)
+            self._in_file = self._written
             os.unlink(old_path)
         except OSError as exc:
             self.hook_failed("writer.rename", exc)
@@ -185,6 +199,14 @@ class TraceWriter:
         if len(batch) > room:
             self.count_drop(len(batch) - max(room, 0), "max-events")
             batch = batch[:max(room, 0)]
+        if room <= 0 and not self._closing and time.monotonic() - self._last_record < _CAPPED_RECORD_SECONDS:
+            return  # past the cap, the counts go out once a minute and at close: the file stays bounded
+        self._last_record = time.monotonic()
+        try:
+            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+                self._file_removed()   # before the records below, so that they count it
+        except OSError:
+            pass
         if self._hook_errors:
             for hook, (count, error) in self._hook_errors.items():
                 batch.append({"ev": "hook_error", "hook": hook, "count": count, "error": error})
@@ -205,14 +227,40 @@ class TraceWriter:
                 _write_all(self._fd, b"".join([_dumps(ev) for ev in part]))
                 done += len(part)
                 self._written += len(part)
+                self._in_file += len(part)
         except Exception as exc:   # disk full, unserialisable field, directory gone
             self.count_drop(len(batch) - done, f"write-failed: {type(exc).__name__}")
             self.hook_failed("writer.flush", exc)
+            self._warn(exc)
+
+    def _file_removed(self) -> None:
+        """The trace file was unlinked (its folder removed mid-run): what it held is lost. Count
+        it, and let the next _open make the folder and the file again."""
+        lost = self._in_file
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = None
+        self.path = None
+        self.count_drop(lost, "trace-file-removed")
+        self.hook_failed("writer.flush", FileNotFoundError(f"trace file removed while running ({lost} events lost)"))
+
+    def _warn(self, exc: BaseException) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        try:
+            os.write(2, f"hazsan: cannot write the trace in {self.directory}: {type(exc).__name__}: {exc} "
+                        "(the program runs on; lost events are counted)\n".encode(errors="replace"))
+        except OSError:
+            pass
 
     def close(self) -> None:
         with self._lock:
             if self.closed:
                 return
+            self._closing = True
             self.flush()
             if self._fd is None and self.write_empty:   # nothing recorded: the header says what was hooked
                 try:
@@ -221,6 +269,13 @@ class TraceWriter:
                     self.hook_failed("writer.open", exc)
             self.closed = True
             if self._fd is not None:
+                try:
+                    if not self._dropped and not self._hook_errors and os.fstat(self._fd).st_nlink:
+                        # the last line of a complete trace; without it the reader says truncated
+                        _write_all(self._fd, _dumps({"ev": "end", "events": self._written,
+                                                     "dropped": self.dropped_total}))
+                except Exception:
+                    pass
                 try:
                     os.close(self._fd)
                 except OSError:
@@ -236,9 +291,12 @@ class TraceWriter:
         self._fd = None
         self.path = None
         self._written = 0
+        self._in_file = 0
         self._dropped = 0
         self._hook_errors = {}
         self.closed = False
+        self._closing = False
+        self._last_record = 0.0
         env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
         self.rank = env_rank
         self.world_size = None

@@ -1,0 +1,140 @@
+"""Capture fails safe (issue 14): a two-rank gloo program (tests/failsafe_workload.py) under
+HAZSAN=1 with a fault injected: every capture service a hook calls made to raise, the trace
+folder unwritable, the disk full (/dev/full), the folder removed mid-run, a rank killed with a
+collective in flight. The program's numbers must stay right (each rank checks them every step),
+nothing may raise into it, and `hazsan check` must never call such a trace plainly clean."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+WORKLOAD = Path(__file__).with_name("failsafe_workload.py")
+MODES = ("none", "raise", "full", "removed", "unwritable", "kill")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """All modes started together (each is mostly waiting on torch's import and gloo)."""
+    root = tmp_path_factory.mktemp("failsafe")
+    blocker = root / "a-file"
+    blocker.write_text("")
+    procs = {}
+    for mode in MODES:
+        out = root / mode / "out"
+        out.mkdir(parents=True)
+        traces = (blocker / "traces") if mode == "unwritable" else (root / mode / "traces")
+        env = {**os.environ, "HAZSAN": "1", "HAZSAN_DIR": str(traces), "PYTHONWARNINGS": "ignore"}
+        procs[mode] = (subprocess.Popen([sys.executable, str(WORKLOAD), mode, str(out)], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                       out, traces)
+    done = {}
+    for mode, (p, out, traces) in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        results = {int(f.stem[-1]): json.loads(f.read_text()) for f in out.glob("result*.json")}
+        done[mode] = {"rc": p.returncode, "stderr": stderr, "results": results, "traces": traces}
+    return done
+
+
+def _check(traces):
+    r = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None)
+
+
+def _all_steps_right(run):
+    assert run["rc"] == 0, run["stderr"][-2000:]
+    assert sorted(run["results"]) == [0, 1]
+    for res in run["results"].values():
+        assert res["error"] is None, res.get("traceback")
+        assert res["capture"] and res["steps"] == 24 and res["total"] == 100608.0
+
+
+def test_baseline_is_complete(runs):
+    run = runs["none"]
+    _all_steps_right(run)
+    code, doc = _check(run["traces"])
+    assert code in (0, 1) and doc["summary"]["complete"] and doc["summary"]["incomplete"] == []
+
+
+def test_every_capture_service_raising_changes_nothing_in_the_program(runs):
+    run = runs["raise"]
+    _all_steps_right(run)
+    code, doc = _check(run["traces"])
+    assert code in (0, 1), doc
+    s = doc["summary"]
+    assert not s["complete"] and s["hook_errors"] > 100
+    assert s["malformed"] == 0  # a failing hook leaves no half-written event
+    hooks = set()
+    for f in Path(run["traces"]).glob("*.jsonl"):
+        for line in f.read_text().splitlines()[1:]:
+            ev = json.loads(line)
+            if ev["ev"] == "hook_error":
+                hooks.add(ev["hook"])
+    # the allocator hook, frees, collectives and their completion, the scope API and the window model
+    assert {"dispatch", "free", "coll.all_reduce", "coll.done", "symmetric_scope", "window"} <= hooks
+
+
+def test_trace_folder_and_files_are_owner_only(runs):
+    traces = Path(runs["none"]["traces"])
+    assert stat.S_IMODE(traces.stat().st_mode) == 0o700
+    files = list(traces.glob("*.jsonl"))
+    assert len(files) == 2 and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+
+
+def test_disk_full_mid_run(runs):
+    run = runs["full"]
+    _all_steps_right(run)
+    assert run["stderr"].count("No space left on device") == 2  # one line per process, not per write
+    code, doc = _check(run["traces"])
+    assert code in (0, 1)
+    assert not doc["summary"]["complete"]
+    assert sum("no end record" in w for w in doc["summary"]["warnings"]) == 2
+
+
+def test_trace_folder_removed_mid_run(runs):
+    run = runs["removed"]
+    _all_steps_right(run)
+    code, doc = _check(run["traces"])  # made again at the next flush
+    assert code in (0, 1)
+    s = doc["summary"]
+    assert not s["complete"] and s["dropped_events"] > 0
+    assert any("dropped" in why for why in s["incomplete"])
+
+
+def test_trace_folder_unwritable(runs):
+    run = runs["unwritable"]
+    _all_steps_right(run)
+    assert run["stderr"].count("hazsan: cannot write the trace") == 2
+    code, _ = _check(run["traces"])
+    assert code == 2  # nothing to check: not "clean"
+
+
+def test_rank_killed_mid_collective(runs):
+    run = runs["kill"]
+    assert run["rc"] == 3  # the launcher reports its child's SIGKILL; rank 0 is stopped by it
+    files = sorted(Path(run["traces"]).glob("*.jsonl"))
+    assert [f.name for f in files] == ["rank0.jsonl", "rank1.jsonl"]
+    code, doc = _check(run["traces"])
+    assert code in (0, 1)
+    assert not doc["summary"]["complete"]
+    assert any("rank1.jsonl" in w and "no end record" in w for w in doc["summary"]["warnings"])
+
+
+def test_text_report_never_says_plainly_clean_when_incomplete(runs):
+    r = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(runs["removed"]["traces"])],
+                       capture_output=True, text=True, timeout=120)
+    last = r.stdout.strip().splitlines()[-1]
+    assert "INCOMPLETE" in last
+    r = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(runs["raise"]["traces"]),
+                        "--format", "sarif"], capture_output=True, text=True, timeout=120)
+    notes = json.loads(r.stdout)["runs"][0]["invocations"][0]["toolExecutionNotifications"]
+    assert any("incomplete capture" in n["message"]["text"] for n in notes)

@@ -1,0 +1,52 @@
+"""Bounded fuzz of `hazsan check` (issue 14): mutated traces (tests/hostile_inputs.py) end in exit
+0, 1 or 2, never a traceback. The black-box test runs the real command line; the in-process one
+runs many more inputs through both engines. benchmarks/fuzz.py is the long run."""
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hostile_inputs import trace_lines
+from sanitizer.cli import main
+from sanitizer.rules import native
+
+ENGINES = ["python"] + (["native"] if native.available else [])
+
+
+def _write(d, seed, ranks, rate):
+    rng = random.Random(seed)
+    for r in range(ranks):
+        (d / f"rank{r}.jsonl").write_bytes(trace_lines(rng, rank=r, events=60, mutation_rate=rate))
+
+
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 2), rate=st.sampled_from([0.0, 0.02, 0.2]),
+       fmt=st.sampled_from(["text", "json", "sarif"]))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_check_command_line(tmp_path_factory, seed, ranks, rate, fmt):
+    d = tmp_path_factory.mktemp("fuzz")
+    _write(d, seed, ranks, rate)
+    r = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(d), "--format", fmt],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1, 2), r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 3), rate=st.sampled_from([0.0, 0.01, 0.05, 0.3]),
+       lenient=st.booleans())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_check_in_process(tmp_path_factory, monkeypatch, engine, seed, ranks, rate, lenient):
+    monkeypatch.setenv("HAZSAN_ENGINE", engine)
+    d = tmp_path_factory.mktemp("fuzz")
+    _write(d, seed, ranks, rate)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["check", str(d), "--format", "json"] + (["--lenient"] if lenient else []))
+    assert code in (0, 1, 2)

@@ -1,0 +1,96 @@
+"""The trace writer when writing goes wrong (issue 14): the disk full, the folder removed, the
+event cap reached; what it leaves must say so, and nothing may raise."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+
+from sanitizer.report.render import incomplete
+from sanitizer.rules.engine import analyze
+from sanitizer.trace.reader import open_trace
+from sanitizer.trace.writer import TraceWriter
+
+
+def _lines(path):
+    return [json.loads(x) for x in open(path, "rb").read().splitlines()]
+
+
+def _writer(d, monkeypatch, **kw):
+    monkeypatch.setenv("RANK", "0")
+    return TraceWriter(str(d), **kw)
+
+
+def test_clean_close_ends_with_the_end_record_and_reads_complete(tmp_path, monkeypatch):
+    w = _writer(tmp_path / "t", monkeypatch)
+    for n in range(5):
+        w.emit({"ev": "step", "n": n})
+    w.close()
+    lines = _lines(w.path)
+    assert lines[0]["end_record"] is True and lines[-1] == {"ev": "end", "events": 5, "dropped": 0}
+    a = analyze([tmp_path / "t"])
+    assert a.summary["events"] == 5 and not a.errors and incomplete(a.summary) == []
+    assert stat.S_IMODE(os.stat(tmp_path / "t").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(w.path).st_mode) == 0o600
+
+
+def test_a_file_without_its_end_record_is_reported_truncated(tmp_path, monkeypatch):
+    w = _writer(tmp_path, monkeypatch)
+    w.emit({"ev": "step", "n": 0})
+    w.flush()                                  # and then the process dies: no close
+    tf = open_trace(w.path)
+    list(tf.line_batches())
+    assert tf.truncated and "no end record" in tf.warnings[0]
+    a = analyze([w.path])
+    assert not a.errors and incomplete(a.summary) == ["1 trace(s) truncated"]
+
+
+def test_disk_full_drops_counts_and_never_raises(tmp_path, monkeypatch):
+    w = _writer(tmp_path, monkeypatch)
+    w.emit({"ev": "step", "n": 0})
+    w.flush()
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, w._fd)
+    os.close(full)
+    for n in range(1, 50):
+        w.emit({"ev": "step", "n": n})
+    w.flush()
+    w.close()
+    assert w.dropped_total >= 49
+    lines = _lines(w.path)
+    assert [e["n"] for e in lines[1:]] == [0] and lines[-1]["ev"] != "end"
+    a = analyze([w.path])
+    assert "1 trace(s) truncated" in incomplete(a.summary)
+
+
+def test_folder_removed_mid_run_is_made_again_with_the_loss_counted(tmp_path, monkeypatch):
+    d = tmp_path / "t"
+    w = _writer(d, monkeypatch)
+    for n in range(10):
+        w.emit({"ev": "step", "n": n})
+    w.flush()
+    shutil.rmtree(d)
+    for n in range(10, 15):
+        w.emit({"ev": "step", "n": n})
+    w.close()
+    lines = _lines(d / "rank0.jsonl")
+    assert {"ev": "dropped", "count": 10, "reason": "trace-file-removed"} in lines
+    assert lines[-1]["ev"] == "end"
+    assert [e["n"] for e in lines[1:] if e["ev"] == "step"] == list(range(10, 15))
+    a = analyze([d])
+    assert a.summary["dropped_events"] == 10 and a.summary["hook_errors"] == 1
+    assert not a.errors and incomplete(a.summary)
+
+
+def test_past_the_event_cap_the_file_stops_growing(tmp_path, monkeypatch):
+    w = _writer(tmp_path, monkeypatch, max_events=10)
+    for n in range(2000):
+        w.emit({"ev": "step", "n": n})
+        if n % 5 == 0:
+            w.flush()                          # a step marker's flush: 400 of them past the cap
+    w.close()
+    lines = _lines(w.path)
+    assert len(lines) <= 1 + 10 + 3            # header, the cap, a drop record or two, the end
+    drops = sum(e["count"] for e in lines[1:] if e["ev"] == "dropped")
+    assert drops == 1990 and lines[-1] == {"ev": "end", "events": len(lines) - 2, "dropped": 1990}
