@@ -20,14 +20,22 @@ def add_arguments(p) -> None:
                    help="skip and count malformed lines instead of failing with exit 2")
     p.add_argument("--max-per-group", type=int, default=100, metavar="N",
                    help="list at most N findings per rule and call site (all are counted; 0: no limit)")
+    p.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                   help="analyse rank files in N processes, then join them (default 1); "
+                        "a progress bar shows on a terminal")
 
 
 def run(args) -> int:
     from sanitizer.report import render
     from sanitizer.rules.engine import analyze
 
-    analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
-                       max_per_group=args.max_per_group)
+    if args.jobs > 1:
+        from sanitizer.rules.parallel import analyze_parallel
+        analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
+                                    lenient=args.lenient, max_per_group=args.max_per_group)
+    else:
+        analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
+                           max_per_group=args.max_per_group)
     sys.stdout.write(render(analysis, args.format))
     if args.format != "text":
         for e in analysis.errors:
