@@ -9,7 +9,8 @@ HELP = "analyse one or more rank traces (files or directories) and report hazard
 def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR",
                    help="rank trace files (*.jsonl, *.jsonl.gz) or directories holding them")
-    p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text",
+                   help="markdown: for CI step summaries (e.g. >> $GITHUB_STEP_SUMMARY)")
     p.add_argument("--fail-on", choices=("error", "warning"), default="error",
                    help="lowest severity that makes the exit code 1 (default: error)")
     p.add_argument("--peer-completion", choices=("local", "successor"), default="local",
