@@ -255,6 +255,10 @@ class HazsanSession:
             if cap is not None:
                 from sanitizer.capture.rotate import rotate
                 rotate(cap, self.idle_dir)
+            try:
+                os.rmdir(directory)     # nothing was captured: no folder (`hazsan check DIR/*/` stays valid)
+            except OSError:
+                pass
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -268,6 +272,10 @@ class HazsanSession:
         except AllowListError as exc:
             rep.outcome = "failed"
             rep.longrepr = f"hazsan: {exc}"
+            return
+        except Exception as exc:   # hazsan's own failure: say so, never break the test run
+            rep.sections.append(("hazsan", f"hazsan could not analyse {verdict.directory}: "
+                                           f"{type(exc).__name__}: {exc}"))
             return
         if text:
             if rep.when == "call" and rep.passed:
