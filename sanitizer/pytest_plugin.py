@@ -174,7 +174,7 @@ def _slug(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid.split("/")[-1])[:80].strip("_") or "test"
 
 
-class TestVerdict:
+class HazardVerdict:
     """What hazsan found in one test (built in the process that ran it)."""
 
     def __init__(self, nodeid, directory):
@@ -208,7 +208,7 @@ class HazsanSession:
         self.is_worker = hasattr(config, "workerinput")
         self.dir = self._session_dir(config)
         self.index = 0
-        self.verdicts: dict[str, TestVerdict] = {}
+        self.verdicts: dict[str, HazardVerdict] = {}
         self.records: list[dict] = []          # controller / single process: one per test
         os.makedirs(self.dir, exist_ok=True)
         os.environ[ENV_SESSION_DIR] = self.dir
@@ -237,7 +237,7 @@ class HazsanSession:
         name = f"{self.worker or 'main'}-{self.index:04d}-{_slug(item.nodeid)}"
         directory = os.path.join(self.dir, "tests", name)
         os.makedirs(directory, exist_ok=True)
-        self.verdicts[item.nodeid] = TestVerdict(item.nodeid, directory)
+        self.verdicts[item.nodeid] = HazardVerdict(item.nodeid, directory)
         os.environ["HAZSAN_DIR"] = directory
         cap = self.capture
         if cap is not None:
@@ -289,7 +289,7 @@ class HazsanSession:
         if rep.when == "teardown":
             rep.user_properties = [*rep.user_properties, ("hazsan", verdict.record())]
 
-    def _judge(self, item, verdict: TestVerdict) -> str | None:
+    def _judge(self, item, verdict: HazardVerdict) -> str | None:
         """Analyse the test's folder; return the report of new failing findings, or None."""
         from sanitizer.report.render import render_text
         from sanitizer.rules.engine import Analysis, analyze
