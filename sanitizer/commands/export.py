@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from sanitizer.report.perfetto import export_perfetto, write_perfetto
+    from sanitizer.report.perfetto import export_perfetto
     from sanitizer.rules.engine import analyze
     from sanitizer.trace.reader import TraceError
 
@@ -26,16 +26,14 @@ def run(args) -> int:
     if analysis.errors:
         return 2
     try:
-        doc = export_perfetto(args.paths, analysis.findings)
         with open(args.output, "wb") as fh:
-            write_perfetto(doc, fh)
+            done = export_perfetto(args.paths, analysis.findings, fh)
     except TraceError as exc:
         print(f"hazsan: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"hazsan export: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    n = len(doc["traceEvents"])
-    print(f"hazsan export: {args.output}: {n} trace events, {doc['otherData']['ranks']} rank(s), "
+    print(f"hazsan export: {args.output}: {done['events']} trace events, {done['ranks']} rank(s), "
           f"{len(analysis.findings)} finding(s); open it in https://ui.perfetto.dev", file=sys.stderr)
     return 0

@@ -14,10 +14,14 @@ line). Mapping:
   counter "memory"    bytes allocated per pool ("C"), on every alloc and free
   instant "i"         each finding, on the track of the stream or host where it fired (scope "t")
   flow "s"/"t"/"f"    the same collective (comm, seq) across ranks, one flow id per collective
+
+Events are written as they are made (a slice waits only while a collective ahead of it on its
+stream is not yet known done), so memory stays small whatever the trace length.
 """
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import orjson
 
@@ -27,19 +31,72 @@ from sanitizer.trace.reader import TraceError, expand_paths, open_trace
 LAUNCH_US = 1.0
 
 
+class _Writer:
+    """The traceEvents array, written one event at a time."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.count = 0
+        fh.write(b'{"traceEvents":[\n')
+
+    def __call__(self, ev: dict) -> None:
+        self.fh.write((b",\n" if self.count else b"") + orjson.dumps(ev))
+        self.count += 1
+
+    def close(self, extra: dict) -> None:
+        self.fh.write(b"\n]," + orjson.dumps(extra)[1:] + b"\n")
+
+
+class _Track:
+    """One stream of one rank: slices wait here while a collective ahead of them is not known done."""
+
+    __slots__ = ("queue", "cursor")
+
+    def __init__(self):
+        self.queue: deque = deque()
+        self.cursor = 0.0
+
+
 class _Rank:
-    def __init__(self, pid, trace):
+    def __init__(self, pid, trace, emit):
         self.pid = pid
         self.trace = trace
+        self.emit = emit
         self.tids: dict = {}
-        self.events: list = []
-        self.coll_slices: dict = {}  # (comm, seq) -> its slice (placed at the end of _convert)
+        self.tracks: dict = {}
+        self.coll_slices: dict = {}  # (comm, seq) -> (tid, start ts) of its slice
 
     def tid(self, stream) -> int:
         t = self.tids.get(stream)
         if t is None:
             t = self.tids[stream] = len(self.tids) + 1
+            self.tracks[t] = _Track()
+            self.emit({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": t,
+                       "args": {"name": f"stream {stream}"}})
+            self.emit({"ph": "M", "name": "thread_sort_index", "pid": self.pid, "tid": t,
+                       "args": {"sort_index": t}})
         return t
+
+    def place(self, tid) -> None:
+        """Emit the track's slices up to the first collective not yet known done. A stream runs
+        its work in order: a slice starts when enqueued or when the previous one ended, whichever
+        is later; a collective lasts until it is known done."""
+        track = self.tracks[tid]
+        queue = track.queue
+        while queue:
+            sl = queue[0]
+            if "done" in sl and sl["done"] is None:
+                return
+            queue.popleft()
+            start = max(sl["ts"], track.cursor)
+            end = start + LAUNCH_US
+            if "done" in sl:
+                end = max(end, sl.pop("done"))
+                args = sl["args"]
+                self.coll_slices[(args["comm"], args["seq"])] = (tid, start)
+            sl["ts"], sl["dur"] = start, end - start
+            track.cursor = end
+            self.emit(sl)
 
 
 def _first_t(path):
@@ -57,47 +114,41 @@ def _first_t(path):
     return None
 
 
-def export_perfetto(paths, findings=()) -> dict:
+def export_perfetto(paths, findings, fh) -> dict:
+    """Write the Chrome trace of `paths` (with `findings` as instants) to the binary file `fh`.
+    Returns {"events": written, "ranks": converted}."""
     files = expand_paths(paths)
     starts = [t for t in (_first_t(p) for p in files) if t is not None]
     t0 = min(starts) if starts else 0
     by_file: dict = {}
     for f in findings:
         by_file.setdefault(str(f.file), {}).setdefault(f.line, []).append(f)
+    emit = _Writer(fh)
     ranks = []
     for pid, path in enumerate(files):
         try:
             trace = open_trace(path)
         except TraceError:
             continue
-        rank = _Rank(pid, trace)
+        rank = _Rank(pid, trace, emit)
+        emit({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+              "args": {"name": f"rank {trace.rank} ({trace.path.name})"}})
+        emit({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        emit({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "host"}})
         _convert(rank, t0, by_file.get(str(path), {}))
         ranks.append(rank)
-    events: list = []
-    for r in ranks:
-        events.append({"ph": "M", "name": "process_name", "pid": r.pid, "tid": 0,
-                       "args": {"name": f"rank {r.trace.rank} ({r.trace.path.name})"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": r.pid, "tid": 0,
-                       "args": {"sort_index": r.pid}})
-        events.append({"ph": "M", "name": "thread_name", "pid": r.pid, "tid": 0, "args": {"name": "host"}})
-        for stream, tid in r.tids.items():
-            events.append({"ph": "M", "name": "thread_name", "pid": r.pid, "tid": tid,
-                           "args": {"name": f"stream {stream}"}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": r.pid, "tid": tid,
-                           "args": {"sort_index": tid}})
-        events.extend(r.events)
-    events.extend(_flows(ranks))
-    return {"traceEvents": events, "displayTimeUnit": "ns",
-            "otherData": {"producer": "hazsan export --perfetto", "ranks": len(ranks)}}
+    for ev in _flows(ranks):
+        emit(ev)
+    emit.close({"displayTimeUnit": "ns", "otherData": {"producer": "hazsan export --perfetto", "ranks": len(ranks)}})
+    return {"events": emit.count, "ranks": len(ranks)}
 
 
-def _flows(ranks) -> list:
+def _flows(ranks):
     """One flow per collective seen on two or more ranks: s on the first, t between, f on the last."""
     keys: dict = {}
     for r in ranks:
-        for key, sl in r.coll_slices.items():
-            keys.setdefault(key, []).append((r.pid, sl["tid"], sl["ts"]))
-    out = []
+        for key, (tid, ts) in r.coll_slices.items():
+            keys.setdefault(key, []).append((r.pid, tid, ts))
     ids = itertools.count(1)
     for key, hops in keys.items():
         if len(hops) < 2:
@@ -109,15 +160,13 @@ def _flows(ranks) -> list:
             ev = {"ph": ph, "name": name, "cat": "collective", "id": fid, "pid": pid, "tid": tid, "ts": ts}
             if ph == "f":
                 ev["bp"] = "e"
-            out.append(ev)
-    return out
+            yield ev
 
 
 def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
-    out = r.events
+    emit = r.emit
     clocks = StreamClocks()
-    tracks: dict = {}              # tid -> [(slice, enqueue ts)] in stream order
-    pending: list = []             # [op stream, epoch, slice]: collectives not yet known done
+    pending: list = []             # (op stream, epoch, slice): collectives not yet known done
     coll_clock: dict = {}
     blocks: dict = {}              # id -> (pool, size)
     pools: dict = {}               # pool -> bytes live
@@ -134,19 +183,19 @@ def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
             if kind == "step":
                 if step_open is not None:
                     step_open["dur"] = max(ts - step_open["ts"], 0.0)
+                    emit(step_open)
                 step_open = {"ph": "X", "name": f"step {ev.get('n')}", "cat": "step", "pid": r.pid, "tid": 0,
                              "ts": ts, "dur": 0.0, "args": {"n": ev.get("n"), "tokens": ev.get("tokens"), "line": line}}
-                out.append(step_open)
             elif kind == "alloc":
                 pool, size = str(ev.get("pool")), ev["size"]
                 blocks[ev["id"]] = (pool, size)
                 pools[pool] = pools.get(pool, 0) + size
-                out.append({"ph": "C", "name": "memory", "pid": r.pid, "tid": 0, "ts": ts, "args": dict(pools)})
+                emit({"ph": "C", "name": "memory", "pid": r.pid, "tid": 0, "ts": ts, "args": pools})
             elif kind == "free":
                 got = blocks.pop(ev["id"], None)
                 if got is not None:
                     pools[got[0]] -= got[1]
-                    out.append({"ph": "C", "name": "memory", "pid": r.pid, "tid": 0, "ts": ts, "args": dict(pools)})
+                    emit({"ph": "C", "name": "memory", "pid": r.pid, "tid": 0, "ts": ts, "args": pools})
             elif kind == "graph_begin":
                 capturing += 1
             elif kind == "graph_end":
@@ -157,13 +206,13 @@ def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
                 tid = r.tid(stream)
                 sl = {"ph": "X", "name": str(ev.get("op") or kind), "cat": kind, "pid": r.pid, "tid": tid,
                       "ts": ts, "dur": LAUNCH_US, "args": {"line": line, "site": ev.get("site")}}
-                tracks.setdefault(tid, []).append(sl)
                 if kind == "coll":
                     sl["args"].update(cid=ev.get("cid"), comm=ev.get("comm"), seq=ev.get("seq"))
                     sl["done"] = None
                     coll_clock[ev.get("cid")] = clocks.snapshot(stream)
                     pending.append((stream, epoch, sl))
-                    r.coll_slices[(ev.get("comm"), ev.get("seq"))] = sl
+                r.tracks[tid].queue.append(sl)
+                r.place(tid)
             elif kind == "record":
                 clocks.record(ev["event"], ev["stream"])
             elif kind == "wait":
@@ -188,32 +237,21 @@ def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
                 if clocks.knows(None, op_stream) >= epoch or any(
                         s != op_stream and clocks.is_done_for(op_stream, epoch, s) for s in clocks.streams):
                     sl["done"] = ts
+                    r.place(sl["tid"])
                 else:
                     still.append((op_stream, epoch, sl))
             pending = still
         for f in findings_at.get(line, ()):
             stream = (f.block or {}).get("stream")
             tid = r.tids.get(stream, 0) if stream is not None else 0
-            out.append({"ph": "i", "name": f.rule, "cat": "finding", "s": "t", "pid": r.pid, "tid": tid, "ts": ts,
-                        "args": {"severity": f.severity, "line": f.line, "step": f.step, "site": f.site,
-                                 "detail": f.detail, "overlap": list(f.overlap) if f.overlap else None}})
+            emit({"ph": "i", "name": f.rule, "cat": "finding", "s": "t", "pid": r.pid, "tid": tid, "ts": ts,
+                  "args": {"severity": f.severity, "line": f.line, "step": f.step, "site": f.site,
+                           "detail": f.detail, "overlap": list(f.overlap) if f.overlap else None}})
     if step_open is not None:
         step_open["dur"] = max(ts - step_open["ts"], 0.0)
-    # A stream runs its work in order: each slice starts when it was enqueued or when the previous
-    # one ended, whichever is later; a collective lasts until it was known done (or the end).
-    for slices in tracks.values():
-        cursor = 0.0
-        for sl in slices:
-            start = max(sl["ts"], cursor)
-            end = start + LAUNCH_US
-            if "done" in sl:
-                done = sl.pop("done")
-                end = max(end, ts if done is None else done)
-            sl["ts"], sl["dur"] = start, end - start
-            cursor = end
-            out.append(sl)
+        emit(step_open)
+    for _, _, sl in pending:               # never known done: until the end of the trace
+        sl["done"] = ts
+    for tid in r.tracks:
+        r.place(tid)
     r.trace.close()
-
-
-def write_perfetto(doc: dict, out) -> None:
-    out.write(orjson.dumps(doc))
