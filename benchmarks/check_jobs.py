@@ -4,14 +4,15 @@
 Generates (or reuses, under --trace-dir) --ranks rank files of --events events each with
 gen_decode_trace.py (with --inject planted hazards, the same on every rank), then runs
 `python -m sanitizer check DIR --format json --jobs J` for each J in --jobs, one after the other,
-in subprocesses on the whole machine, and prints wall seconds, events per second and the speed-up
-against the first J. It also checks that every run printed the same report (findings, summary).
+in subprocesses on the whole machine, and prints wall seconds, events per second, the speed-up
+against the first J, and CPU seconds (the check and its workers: the cost of splitting and joining). It also checks that every run printed the same report (findings, summary).
 Each J runs --repeat times; the best wall time counts (other load on the machine only slows down).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -40,14 +41,17 @@ def ensure_traces(args) -> Path:
     return out
 
 
-def run(trace: Path, jobs: int) -> tuple[float, dict]:
+def run(trace: Path, jobs: int) -> tuple[float, float, dict]:
     cmd = [sys.executable, "-m", "sanitizer", "check", str(trace), "--format", "json", "--jobs", str(jobs)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, cwd=ROOT)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)   # the check and its pool workers
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if done.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.decode()[-2000:]}")
-    return wall, orjson.loads(done.stdout)
+    return wall, cpu, orjson.loads(done.stdout)
 
 
 def main(argv=None) -> int:
@@ -68,14 +72,15 @@ def main(argv=None) -> int:
     for j in [int(x) for x in args.jobs.split(",")]:
         best = None
         for _ in range(args.repeat):
-            wall, report = run(trace, j)
-            best = wall if best is None else min(best, wall)
+            wall, cpu, report = run(trace, j)
+            if best is None or wall < best[0]:
+                best = (wall, cpu)
         reports[j] = report
-        rows.append((j, best))
+        rows.append((j, *best))
     base = rows[0][1]
-    print(f"{'jobs':>5} {'wall s':>8} {'events/s':>12} {'speed-up':>9}")
-    for j, wall in rows:
-        print(f"{j:>5} {wall:>8.2f} {total / wall:>12,.0f} {base / wall:>8.2f}x")
+    print(f"{'jobs':>5} {'wall s':>8} {'events/s':>12} {'speed-up':>9} {'CPU s':>8}")
+    for j, wall, cpu in rows:
+        print(f"{j:>5} {wall:>8.2f} {total / wall:>12,.0f} {base / wall:>8.2f}x {cpu:>8.2f}")
     first = next(iter(reports.values()))
     same = all(r == first for r in reports.values())
     print(f"findings: {first['summary']['by_rule']}; identical reports across job counts: {same}")

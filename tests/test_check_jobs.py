@@ -127,3 +127,13 @@ def test_progress_bar_only_on_a_terminal(decode_dir):
     os.close(master)
     assert proc.wait() == 1
     assert b"hazsan check:" in seen and b"%|" in seen, seen
+
+
+def test_jobs_counts_collectives_missing_on_a_rank_as_serial_does(decode_dir, tmp_path):
+    d = tmp_path / "short"
+    shutil.copytree(decode_dir, d)
+    lines = (d / "rank2.jsonl").read_bytes().splitlines()
+    (d / "rank2.jsonl").write_bytes(b"\n".join(lines[: len(lines) // 2]) + b"\n")   # rank 2 stopped early
+    serial = analyze([str(d)], max_per_group=0)
+    assert any("were not seen on every rank" in w for w in serial.warnings)
+    _same(serial, analyze_parallel([str(d)], jobs=2, max_per_group=0))

@@ -22,6 +22,7 @@ worker process only.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -136,6 +137,9 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = engine.LOCAL, l
             sizes[f] = 0
     bar = _progress(sum(sizes.values()), progress)
     results = {}
+    # the results are many small objects without cycles (as in analyze): no cyclic GC passes
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=_pool_context()) as pool:
             futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors)
@@ -145,10 +149,12 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = engine.LOCAL, l
                 results[res[0]] = res
                 if bar is not None:
                     bar.update(sizes.get(res[0], 0))
+        return join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors)
     finally:
         if bar is not None:
             bar.close()
-    return join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors)
+        if was_enabled:
+            gc.enable()
 
 
 def _finding_order(f: Finding):
@@ -167,16 +173,38 @@ def join(parts, *, max_per_group: int, max_errors: int):
         ranks_seen.setdefault(rank, path)
     opened = [p for p in parts if p[1] is not None]   # files whose header could be read
 
-    # asymmetric-offset: the engine's matcher, fed every rank's collectives
+    # asymmetric-offset: a collective seen on every rank of its communicator with one signature
+    # gives nothing; every other one goes to the engine's own matcher, which makes the findings.
     cross = FindingSink(max_per_group=0)
     matcher = engine.CollectiveMatcher(cross, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(opened))
+    unmatched = 0
     if matcher.enabled:
+        members: dict = {}
+        sigs: dict = {}          # (comm, seq) -> [signature, ranks seen, all equal so far]
         for path, rank, *_rest, colls in opened:
-            an = _RankStandIn(rank, path)
-            for comm, seq, sig, step, desc, line, site in colls:
-                an.step = step
-                matcher.submit(an, comm, seq, _RecordedOp(desc, line, site), sig)
-        matcher.finish()
+            for comm, seq, sig, *_ in colls:
+                members.setdefault(comm, set()).add(rank)
+                entry = sigs.get((comm, seq))
+                if entry is None:
+                    sigs[(comm, seq)] = [sig, 1, True]
+                else:
+                    entry[1] += 1
+                    if entry[2] and sig != entry[0]:
+                        entry[2] = False
+        suspects = set()
+        for key, (_, seen, equal) in sigs.items():
+            if seen < len(members[key[0]]):
+                unmatched += 1
+            if not equal:
+                suspects.add(key)
+        if suspects:
+            for path, rank, *_rest, colls in opened:
+                an = _RankStandIn(rank, path)
+                for comm, seq, sig, step, desc, line, site in colls:
+                    if (comm, seq) in suspects:
+                        an.step = step
+                        matcher.submit(an, comm, seq, _RecordedOp(desc, line, site), sig)
+            matcher.finish()
 
     by_rule: dict[str, int] = {}
     every: list[Finding] = []
@@ -215,8 +243,8 @@ def join(parts, *, max_per_group: int, max_errors: int):
     omitted = total - len(listed)
     listed_errors = errors[:max_errors]
 
-    if matcher.unmatched:
-        warnings.append(f"{matcher.unmatched} collective(s) were not seen on every rank of their communicator")
+    if unmatched:
+        warnings.append(f"{unmatched} collective(s) were not seen on every rank of their communicator")
     if skipped:
         warnings.append(f"--lenient: skipped {skipped} malformed line(s)")
     if available > len(listed_errors):
