@@ -119,3 +119,11 @@ def test_report_renders_in_headless_chromium(decode_report, tmp_path):
     assert blue > 2000, blue
     assert red > 30, red
     assert white < r.size * 0.97          # not a blank page
+
+
+def test_report_on_unusable_input_exits_2_with_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope"), "-o", str(tmp_path / "r.html")]) == 2
+    assert "nope: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "rank0.jsonl").write_text('{"hazsan": 1, "rank": 0}\n{"ev": "free", "id": 9}\n')
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
+    assert "Unusable input" in (tmp_path / "r.html").read_text()

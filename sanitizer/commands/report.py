@@ -29,7 +29,13 @@ def run(args) -> int:
 
     analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
                                 lenient=args.lenient, max_per_group=100)
-    page = render_html(analysis, args.paths, max_items=args.max_items)
+    from sanitizer.trace.reader import TraceError
+
+    try:
+        page = render_html(analysis, args.paths, max_items=args.max_items)
+    except TraceError as exc:          # no such file, a folder without traces
+        print(f"hazsan: error: {exc}", file=sys.stderr)
+        return 2
     try:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(page)
