@@ -9,7 +9,8 @@ HELP = "analyse one or more rank traces (files or directories) and report hazard
 def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR",
                    help="rank trace files (*.jsonl, *.jsonl.gz) or directories holding them")
-    p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text",
+                   help="markdown: for CI step summaries (e.g. >> $GITHUB_STEP_SUMMARY)")
     p.add_argument("--fail-on", choices=("error", "warning"), default="error",
                    help="lowest severity that makes the exit code 1 (default: error)")
     p.add_argument("--peer-completion", choices=("local", "successor"), default="local",
@@ -21,6 +22,9 @@ def add_arguments(p) -> None:
     add_limit_arguments(p)
     p.add_argument("--max-per-group", type=int, default=100, metavar="N",
                    help="list at most N findings per rule and call site (all are counted; 0: no limit)")
+    p.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                   help="analyse rank files in N processes, then join them (default 1); "
+                        "a progress bar shows on a terminal")
 
 
 def _size(text: str) -> int:
@@ -75,8 +79,13 @@ def run(args) -> int:
 
     apply_limits(args)
 
-    analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
-                       max_per_group=args.max_per_group)
+    if args.jobs > 1:
+        from sanitizer.rules.parallel import analyze_parallel
+        analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
+                                    lenient=args.lenient, max_per_group=args.max_per_group)
+    else:
+        analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
+                           max_per_group=args.max_per_group)
     sys.stdout.write(render(analysis, args.format))
     if args.format != "text":
         for e in analysis.errors:

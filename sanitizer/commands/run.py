@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
                    help="call-site detail recorded (HAZSAN_STACKS; default site)")
     p.add_argument("--max-events", type=int, metavar="N",
                    help="events per trace file before counted drops (HAZSAN_MAX_EVENTS)")
-    p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text")
     p.add_argument("--fail-on", choices=("error", "warning"), default="error")
     p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
     p.add_argument("--lenient", action="store_true",

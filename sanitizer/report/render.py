@@ -15,6 +15,9 @@ def render(analysis, fmt: str = "text") -> str:
         return render_json(analysis)
     if fmt == "sarif":
         return render_sarif(analysis)
+    if fmt == "markdown":
+        from sanitizer.report.markdown import render_markdown
+        return render_markdown(analysis)
     return render_text(analysis)
 
 

@@ -282,6 +282,26 @@ class TraceWriter:
                     pass
                 self._fd = None
 
+    def reopen(self, directory: str, preamble: list | None = None) -> None:
+        """Continue in a new file in `directory` (same rank and naming): what is buffered goes to
+        the old file first; the new file starts with `preamble` (events that re-declare the live
+        state, so the new file reads on its own). Used by the pytest plugin: one trace per test."""
+        with self._lock:
+            self.flush()
+            with self._buf_lock:
+                if self._fd is not None:
+                    try:
+                        os.close(self._fd)
+                    except OSError:
+                        pass
+                self._fd = None
+                self.path = None
+                self._written = 0
+                self.directory = directory
+                self.closed = False
+                if preamble:
+                    self._buf = list(preamble) + self._buf
+
     def discard_after_fork(self) -> None:
         """In a forked child: forget the parent's buffer and file (they belong to the parent)."""
         self._lock = threading.RLock()

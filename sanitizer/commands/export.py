@@ -1,0 +1,39 @@
+"""`hazsan export --perfetto TRACES -o trace.json`: Chrome Trace Event Format, for ui.perfetto.dev."""
+from __future__ import annotations
+
+import sys
+
+HELP = "export rank traces for other tools (--perfetto: Chrome trace format for the Perfetto UI)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR")
+    p.add_argument("--perfetto", action="store_true", required=True,
+                   help="Chrome Trace Event Format (JSON): streams, collectives, memory, findings")
+    p.add_argument("-o", "--output", required=True, metavar="FILE")
+    p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
+    p.add_argument("--lenient", action="store_true")
+
+
+def run(args) -> int:
+    from sanitizer.report.perfetto import export_perfetto
+    from sanitizer.rules.engine import analyze
+    from sanitizer.trace.reader import TraceError
+
+    analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient, max_per_group=0)
+    for err in analysis.errors:
+        print(f"hazsan: error: {err}", file=sys.stderr)
+    if analysis.errors:
+        return 2
+    try:
+        with open(args.output, "wb") as fh:
+            done = export_perfetto(args.paths, analysis.findings, fh)
+    except TraceError as exc:
+        print(f"hazsan: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"hazsan export: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"hazsan export: {args.output}: {done['events']} trace events, {done['ranks']} rank(s), "
+          f"{len(analysis.findings)} finding(s); open it in https://ui.perfetto.dev", file=sys.stderr)
+    return 0

@@ -1,0 +1,48 @@
+"""`hazsan report TRACES -o report.html`: one self-contained HTML file (opens offline)."""
+from __future__ import annotations
+
+import sys
+
+HELP = "write a self-contained HTML report: window timelines per rank, findings per step and call site"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the HTML file to write")
+    p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
+    p.add_argument("--lenient", action="store_true",
+                   help="skip and count malformed lines instead of failing with exit 2")
+    p.add_argument("--max-items", type=int, default=5000, metavar="N",
+                   help="draw at most N collective buffers and N blocks per window (the first ones)")
+    p.add_argument("--fail-on", choices=("error", "warning"), default="error")
+    p.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="as for hazsan check")
+
+
+def run(args) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("hazsan report: needs matplotlib (pip install 'hazsan[report]')", file=sys.stderr)
+        return 2
+    from sanitizer.report.html import render_html
+    from sanitizer.rules.parallel import analyze_parallel
+
+    analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
+                                lenient=args.lenient, max_per_group=100)
+    from sanitizer.trace.reader import TraceError
+
+    try:
+        page = render_html(analysis, args.paths, max_items=args.max_items)
+    except TraceError as exc:          # no such file, a folder without traces
+        print(f"hazsan: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(page)
+    except OSError as exc:
+        print(f"hazsan report: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    for err in analysis.errors:
+        print(f"hazsan: error: {err}", file=sys.stderr)
+    print(f"hazsan report: {args.output} ({analysis.summary.get('findings', 0)} finding(s))", file=sys.stderr)
+    return analysis.exit_code(args.fail_on)

@@ -1,0 +1,367 @@
+"""pytest plugin: hazard checks in CI, test by test (`pytest --hazsan`).
+
+Registered through the `pytest11` entry point, so every pytest run of an environment with hazsan
+loads it; it does nothing unless asked for (`--hazsan`, or `hazsan = true` in the ini file).
+Importing it imports nothing beyond pytest and the standard library.
+
+What it does when asked:
+
+* capture on in the pytest process (and, through HAZSAN=1 in the environment, in every process a
+  test starts: rank processes, pytest-xdist workers);
+* one trace folder per test, `<dir>/tests/<worker>-<n>-<test>/`: the pytest process switches to a
+  new trace file there when the test's setup starts (the live blocks and windows re-declared at its
+  top, so it reads on its own) and marks the test as step n; HAZSAN_DIR points there, so the rank
+  processes the test spawns write their rank files next to it;
+* after the test's call phase the folder is analysed (`hazsan check`'s engine, leniently: a trace cut
+  at a test boundary is not the test's fault). Findings at or above `--hazsan-fail-on` fail the test,
+  with the report (rule, both stacks, the colliding collective) as its failure text; findings that
+  appear only during teardown make a teardown error;
+* accepted findings: `@pytest.mark.hazsan_allow(rule=..., site=..., reason=...)` on a test, and an
+  allow-list file (`--hazsan-allow FILE`, TOML/JSON `[[allow]]` tables with rule, site, test,
+  reason) for the session. `site` is an fnmatch pattern matched against every call site of the
+  finding (the block's, the op's, the access's, and their stacks) and against its tail, so
+  "test_x.py:12" matches "tests/test_x.py:12:test_fn";
+* the terminal summary lists the findings per test (with -v every captured test).
+
+Each test's outcome for hazsan travels in its teardown report's `user_properties` (key "hazsan",
+a JSON string), which is how pytest-xdist workers hand it to the controller.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import time
+
+import pytest
+
+ENV_SESSION_DIR = "HAZSAN_PYTEST_DIR"   # the session folder, handed to xdist workers
+FAIL_ON = ("error", "warning")
+_THRESHOLD = {"error": ("error",), "warning": ("error", "warning")}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("hazsan", "hazsan memory-allocation hazard checks")
+    group.addoption("--hazsan", action="store_true", default=None,
+                    help="capture every test (and the processes it starts) and fail tests with hazards")
+    group.addoption("--hazsan-fail-on", choices=FAIL_ON, default=None,
+                    help="lowest severity that fails a test (default: error)")
+    group.addoption("--hazsan-allow", action="append", default=None, metavar="FILE",
+                    help="allow-list file (TOML or JSON, [[allow]] rule/site/test/reason) for the session")
+    group.addoption("--hazsan-dir", default=None, metavar="DIR",
+                    help="where the traces go (default: hazsan-traces/pytest-<time>-<pid>)")
+    group.addoption("--hazsan-stacks", choices=("none", "site", "full"), default=None,
+                    help="call-site detail recorded (default: full, so reports show both stacks)")
+    parser.addini("hazsan", "capture every test with hazsan (as --hazsan)", type="bool", default=False)
+    parser.addini("hazsan_fail_on", "lowest severity that fails a test (error or warning)", default="error")
+    parser.addini("hazsan_allow", "allow-list files for the session", type="paths", default=[])
+    parser.addini("hazsan_dir", "where the traces go", default="")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "hazsan_allow(rule=None, site=None, reason=None): accept hazsan findings of this rule "
+        "and/or call site in this test")
+    if not (config.getoption("hazsan") or config.getini("hazsan")):
+        return
+    try:
+        plugin = HazsanSession(config)
+    except AllowListError as exc:
+        raise pytest.UsageError(f"hazsan: {exc}") from None
+    config.pluginmanager.register(plugin, "hazsan-session")
+
+
+# ------------------------------------------------------------------------------- allowances
+
+
+class AllowListError(Exception):
+    pass
+
+
+class Allowance:
+    """One accepted kind of finding: any of rule, site, test may be None (matches everything)."""
+
+    __slots__ = ("rule", "site", "test", "reason", "source")
+
+    def __init__(self, rule=None, site=None, test=None, reason=None, source=""):
+        if rule is None and site is None:
+            raise AllowListError(f"{source}: an allowance needs a rule, a site or both")
+        from sanitizer.rules.findings import RULES
+        if rule is not None and rule not in RULES:
+            raise AllowListError(f"{source}: unknown rule {rule!r} (one of {', '.join(RULES)})")
+        self.rule, self.site, self.test, self.reason, self.source = rule, site, test, reason, source
+
+    def accepts(self, finding, nodeid: str) -> bool:
+        if self.rule is not None and finding.rule != self.rule:
+            return False
+        if self.test is not None and not fnmatch.fnmatchcase(nodeid, self.test):
+            return False
+        if self.site is None:
+            return True
+        return any(_site_matches(s, self.site) for s in _sites_of(finding))
+
+
+def _sites_of(f) -> list[str]:
+    out = [f.site] if f.site else []
+    for part in (f.block, f.op):
+        if part:
+            if part.get("site"):
+                out.append(part["site"])
+            out.extend(part.get("stack") or ())
+    return [s for s in out if isinstance(s, str)]
+
+
+def _site_matches(site: str, pattern: str) -> bool:
+    for p in (pattern, pattern + ":*"):
+        if fnmatch.fnmatchcase(site, p) or fnmatch.fnmatchcase(site, "*/" + p):
+            return True
+    return False
+
+
+def load_allow_list(path) -> list[Allowance]:
+    path = str(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise AllowListError(f"{path}: cannot read allow-list: {exc.strerror or exc}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(raw)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(raw.decode("utf-8"))
+    except Exception as exc:
+        raise AllowListError(f"{path}: not a valid allow-list: {exc}") from None
+    items = data.get("allow") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise AllowListError(f"{path}: expected a list of tables under 'allow'")
+    out = []
+    for i, item in enumerate(items, 1):
+        where = f"{path}: allow entry {i}"
+        if not isinstance(item, dict) or set(item) - {"rule", "site", "test", "reason"}:
+            raise AllowListError(f"{where}: expected a table with rule, site, test, reason")
+        if not all(isinstance(v, str) for v in item.values()):
+            raise AllowListError(f"{where}: values must be strings")
+        if not item.get("reason"):
+            raise AllowListError(f"{where}: say why it is accepted (reason)")
+        out.append(Allowance(item.get("rule"), item.get("site"), item.get("test"), item["reason"], where))
+    return out
+
+
+def marker_allowances(item) -> list[Allowance]:
+    out = []
+    for m in item.iter_markers("hazsan_allow"):
+        kw = dict(m.kwargs)
+        if m.args:
+            kw.setdefault("rule", m.args[0])
+        unknown = set(kw) - {"rule", "site", "reason"}
+        if unknown:
+            raise AllowListError(f"{item.nodeid}: hazsan_allow takes rule=, site=, reason= (not {sorted(unknown)})")
+        out.append(Allowance(kw.get("rule"), kw.get("site"), None, kw.get("reason"), f"{item.nodeid} marker"))
+    return out
+
+
+# ------------------------------------------------------------------------------- the session
+
+
+def _slug(nodeid: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid.split("/")[-1])[:80].strip("_") or "test"
+
+
+class HazardVerdict:
+    """What hazsan found in one test (built in the process that ran it)."""
+
+    def __init__(self, nodeid, directory):
+        self.nodeid = nodeid
+        self.directory = directory
+        self.seen: set = set()          # findings already reported (call phase) by identity
+        self.failing: dict[str, int] = {}
+        self.allowed: dict[str, int] = {}
+        self.below: dict[str, int] = {}   # findings under the --hazsan-fail-on threshold
+        self.events = 0
+        self.files: list[str] = []
+        self.ranks: list[int] = []
+        self.warnings = 0
+
+    def record(self) -> str:
+        return json.dumps({"nodeid": self.nodeid, "dir": self.directory, "failing": self.failing,
+                           "allowed": self.allowed, "below": self.below, "events": self.events,
+                           "files": self.files, "ranks": self.ranks, "warnings": self.warnings})
+
+
+class HazsanSession:
+    def __init__(self, config):
+        self.config = config
+        fail_on = config.getoption("hazsan_fail_on") or config.getini("hazsan_fail_on") or "error"
+        if fail_on not in FAIL_ON:
+            raise AllowListError(f"hazsan_fail_on must be error or warning, got {fail_on!r}")
+        self.threshold = _THRESHOLD[fail_on]
+        allow_files = list(config.getoption("hazsan_allow") or []) + [str(p) for p in config.getini("hazsan_allow")]
+        self.allowances = [a for f in allow_files for a in load_allow_list(f)]
+        self.worker = os.environ.get("PYTEST_XDIST_WORKER")
+        self.is_worker = hasattr(config, "workerinput")
+        self.dir = self._session_dir(config)
+        self.index = 0
+        self.verdicts: dict[str, HazardVerdict] = {}
+        self.records: list[dict] = []          # controller / single process: one per test
+        os.makedirs(self.dir, exist_ok=True)
+        os.environ[ENV_SESSION_DIR] = self.dir
+        os.environ["HAZSAN"] = "1"
+        self.idle_dir = os.path.join(self.dir, "_session")
+        os.environ["HAZSAN_DIR"] = self.idle_dir
+        stacks = config.getoption("hazsan_stacks") or os.environ.get("HAZSAN_STACKS") or "full"
+        os.environ["HAZSAN_STACKS"] = stacks
+        from sanitizer.capture.bootstrap import activate
+        self.capture = activate(os.environ)
+
+    def _session_dir(self, config) -> str:
+        inherited = os.environ.get(ENV_SESSION_DIR)
+        if self.is_worker and inherited:
+            return inherited
+        chosen = config.getoption("hazsan_dir") or config.getini("hazsan_dir")
+        if not chosen:
+            chosen = os.path.join("hazsan-traces", f"pytest-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        return os.path.abspath(os.path.join(str(config.invocation_params.dir), chosen))
+
+    # ------------------------------------------------------------------ per test
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.index += 1
+        name = f"{self.worker or 'main'}-{self.index:04d}-{_slug(item.nodeid)}"
+        directory = os.path.join(self.dir, "tests", name)
+        os.makedirs(directory, exist_ok=True)
+        self.verdicts[item.nodeid] = HazardVerdict(item.nodeid, directory)
+        os.environ["HAZSAN_DIR"] = directory
+        cap = self.capture
+        if cap is not None:
+            from sanitizer.capture.rotate import rotate
+            rotate(cap, directory)
+            try:
+                cap.mark_step(self.index, phase="test")
+            except Exception as exc:
+                cap.failed("pytest.step", exc)
+        try:
+            yield
+        finally:
+            os.environ["HAZSAN_DIR"] = self.idle_dir
+            self.verdicts.pop(item.nodeid, None)
+            if cap is not None:
+                from sanitizer.capture.rotate import rotate
+                rotate(cap, self.idle_dir)
+            try:
+                os.rmdir(directory)     # nothing was captured: no folder (`hazsan check DIR/*/` stays valid)
+            except OSError:
+                pass
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        rep = outcome.get_result()
+        verdict = self.verdicts.get(item.nodeid)
+        if verdict is None or rep.when == "setup":
+            return
+        try:
+            text = self._judge(item, verdict)
+        except AllowListError as exc:
+            rep.outcome = "failed"
+            rep.longrepr = f"hazsan: {exc}"
+            return
+        except Exception as exc:   # hazsan's own failure: say so, never break the test run
+            rep.sections.append(("hazsan", f"hazsan could not analyse {verdict.directory}: "
+                                           f"{type(exc).__name__}: {exc}"))
+            return
+        if text:
+            if rep.when == "call" and rep.passed:
+                rep.outcome = "failed"
+                rep.longrepr = text
+            elif rep.when == "teardown" and rep.passed:
+                rep.outcome = "failed"
+                rep.longrepr = "hazsan findings during teardown:\n" + text
+            else:
+                rep.sections.append(("hazsan findings", text))
+        if rep.when == "teardown":
+            rep.user_properties = [*rep.user_properties, ("hazsan", verdict.record())]
+
+    def _judge(self, item, verdict: HazardVerdict) -> str | None:
+        """Analyse the test's folder; return the report of new failing findings, or None."""
+        from sanitizer.report.render import render_text
+        from sanitizer.rules.engine import Analysis, analyze
+
+        if self.capture is not None:
+            self.capture.writer.flush()
+        if not any(n.endswith((".jsonl", ".jsonl.gz")) for n in os.listdir(verdict.directory)):
+            return None
+        analysis = analyze([verdict.directory], lenient=True)
+        verdict.events = analysis.summary.get("events", 0)
+        verdict.ranks = sorted(int(r) for r in analysis.summary.get("steps_by_rank", {}))
+        verdict.files = sorted(n for n in os.listdir(verdict.directory) if n.endswith((".jsonl", ".jsonl.gz")))
+        verdict.warnings = len(analysis.warnings)
+        allow = marker_allowances(item) + self.allowances
+        failing = []
+        for f in analysis.findings:
+            key = (f.rule, os.path.basename(f.file), f.line)
+            if key in verdict.seen:
+                continue
+            verdict.seen.add(key)
+            if any(a.accepts(f, item.nodeid) for a in allow):
+                verdict.allowed[f.rule] = verdict.allowed.get(f.rule, 0) + 1
+            elif f.severity in self.threshold:
+                verdict.failing[f.rule] = verdict.failing.get(f.rule, 0) + 1
+                failing.append(f)
+            else:
+                verdict.below[f.rule] = verdict.below.get(f.rule, 0) + 1
+        if not failing:
+            return None
+        by_rule: dict[str, int] = {}
+        for f in failing:
+            by_rule[f.rule] = by_rule.get(f.rule, 0) + 1
+        summary = dict(analysis.summary, by_rule=by_rule, findings=len(failing))
+        report = render_text(Analysis(failing, summary, [], analysis.warnings))
+        return f"hazsan: traces in {verdict.directory}\n{report}"
+
+    # ------------------------------------------------------------------ summary
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "teardown":
+            return
+        for key, value in getattr(report, "user_properties", ()):
+            if key == "hazsan":
+                try:
+                    self.records.append(json.loads(value))
+                except (TypeError, ValueError):
+                    pass
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        if self.is_worker:
+            return
+        tr = terminalreporter
+        records = self.records
+        tr.write_sep("=", "hazsan")
+        verbose = config.getoption("verbose") > 0
+        for r in records:
+            found = r["failing"] or r["allowed"] or r["below"]
+            if not (found or verbose):
+                continue
+            ranks = ",".join(str(x) for x in r["ranks"]) or "-"
+            tr.write_line(f"{r['nodeid']}: {r['events']} events, {len(r['files'])} trace(s), ranks {ranks}")
+            for label, counts, markup in (("FAIL", r["failing"], {"red": True}),
+                                          ("allowed", r["allowed"], {"yellow": True}),
+                                          ("below --hazsan-fail-on", r["below"], {})):
+                for rule, n in sorted(counts.items()):
+                    tr.write_line(f"    {label}: {rule} x{n}", **markup)
+        failed = sum(1 for r in records if r["failing"])
+        events = sum(r["events"] for r in records)
+        tr.write_line(f"hazsan: {len(records)} test(s) captured, {events} events, "
+                      f"{failed} failed on hazards; traces in {self.dir}")
+        try:
+            with open(os.path.join(self.dir, "summary.json"), "w") as fh:
+                json.dump({"tests": records}, fh, indent=1)
+        except OSError:
+            pass

@@ -1,0 +1,267 @@
+"""`hazsan check --jobs N`: rank files analysed in parallel processes, then joined.
+
+Every rule but one is per rank, so each rank file is analysed on its own, by `engine.analyze` (the
+same entry point `hazsan check` uses), in a pool of N processes. The one cross-rank rule,
+asymmetric-offset, needs only each collective's window signature (comm, seq -> the (window
+ordinal, offset, size) of its buffers in its communicator's windows): each worker records those
+as its rank's engine submits them, and the parent feeds all of them, rank by rank, to the engine's
+own `CollectiveMatcher`, so the finding is made by the same code as in a serial run.
+
+The join gives what the serial run gives: the same findings and counts, the same per-file
+warnings, errors and summary. Two differences, both where the serial run is bounded in memory:
+when a rule and call site has more than --max-per-group findings, which of them are listed may
+differ (the counts do not); and every collective is matched against every rank, however far the
+ranks drift apart (the serial matcher gives up on a rank that lags by more than a few thousand
+events and counts its collectives as unmatched).
+
+The seam with the engine (what a new engine must offer for this module): `analyze([one file])`,
+and a matcher object that the engine calls as ``submit(analyzer, comm, seq, op, sig)`` (analyzer
+with .rank/.step/.file, op with .describe()/.line/.site), created as
+``CollectiveMatcher(sink, enabled=...)``; the worker swaps that class for a recorder, in the
+worker process only.
+"""
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from sanitizer.rules import engine
+from sanitizer.rules.findings import Finding, FindingSink
+from sanitizer.trace.reader import TraceError, expand_paths
+
+# Warnings the engine computes over all files at once: recomputed after the join.
+_AGGREGATE_WARNINGS = ("--lenient: skipped ", " more malformed line(s) not listed",
+                       " repeated finding(s) counted but not listed",
+                       " collective(s) were not seen on every rank")
+
+
+class _RecordedOp:
+    """A collective as the matcher sees it: its description, line and site."""
+
+    __slots__ = ("desc", "line", "site")
+
+    def __init__(self, desc, line, site):
+        self.desc, self.line, self.site = desc, line, site
+
+    def describe(self) -> dict:
+        return dict(self.desc)
+
+
+class _RankStandIn:
+    """The analyzer as the matcher sees it: rank, file, and the step at submission time."""
+
+    __slots__ = ("rank", "file", "step")
+
+    def __init__(self, rank, file):
+        self.rank, self.file, self.step = rank, file, None
+
+
+class SignatureRecorder:
+    """Stands in for CollectiveMatcher inside a worker: keeps every submitted collective."""
+
+    enabled = True
+
+    def __init__(self, *args, **kwargs):
+        self.colls: list[tuple] = []   # (comm, seq, sig, step, describe(), line, site)
+        self.unmatched = 0
+
+    def submit(self, analyzer, comm, seq, op, sig) -> None:
+        self.colls.append((comm, seq, sig, analyzer.step, op.describe(), op.line, op.site))
+
+    def end_round(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int):
+    """Worker: one rank file. Returns plain data (TraceError does not survive pickling)."""
+    recorder = SignatureRecorder()
+    original = engine.CollectiveMatcher
+    engine.CollectiveMatcher = lambda *a, **k: recorder
+    try:
+        a = engine.analyze([path], peer_completion=peer_completion, lenient=lenient,
+                           max_per_group=max_per_group, max_errors=max_errors)
+    finally:
+        engine.CollectiveMatcher = original
+    errors = [(e.path, e.line, e.message) if isinstance(e, TraceError) else (path, None, str(e))
+              for e in a.errors]
+    steps = a.summary.get("steps_by_rank", {})
+    rank = next(iter(steps), None)
+    return path, rank, a.findings, a.summary, errors, a.warnings, recorder.colls
+
+
+def _pool_context():
+    # fork: the workers start without importing anything again (the parent holds no threads)
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _progress(total_bytes: int, enabled: bool | None):
+    """A tqdm bar on stderr when it is a terminal (and tqdm is installed), else None."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    try:
+        width = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        width = 0
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="hazsan check", file=sys.stderr,
+                leave=False, ncols=width or 80, mininterval=0.5)
+
+
+def analyze_parallel(paths, *, jobs: int, peer_completion: str = engine.LOCAL, lenient: bool = False,
+                     max_per_group: int = 100, max_errors: int = 50, progress: bool | None = None):
+    """`engine.analyze`, with rank files analysed in `jobs` processes and joined."""
+    try:
+        files = [str(p) for p in expand_paths(paths)]
+    except TraceError:
+        files = []
+    if jobs <= 1 or len(files) <= 1:
+        return engine.analyze(paths, peer_completion=peer_completion, lenient=lenient,
+                              max_per_group=max_per_group, max_errors=max_errors)
+    sizes = {}
+    for f in files:
+        try:
+            sizes[f] = os.path.getsize(f)
+        except OSError:
+            sizes[f] = 0
+    bar = _progress(sum(sizes.values()), progress)
+    results = {}
+    # the results are many small objects without cycles (as in analyze): no cyclic GC passes
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=_pool_context()) as pool:
+            futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors)
+                       for f in files]
+            for fut in as_completed(futures):
+                res = fut.result()
+                results[res[0]] = res
+                if bar is not None:
+                    bar.update(sizes.get(res[0], 0))
+        return join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors)
+    finally:
+        if bar is not None:
+            bar.close()
+        if was_enabled:
+            gc.enable()
+
+
+def _finding_order(f: Finding):
+    return (0 if f.severity == "error" else 1, f.rule, f.rank, f.file, f.line)
+
+
+def join(parts, *, max_per_group: int, max_errors: int):
+    """One Analysis from per-file results (in file order), as engine.analyze would give."""
+    warnings: list[str] = []
+    ranks_seen: dict = {}
+    for path, rank, *_ in parts:
+        if rank is None:
+            continue
+        if rank in ranks_seen:
+            warnings.append(f"{path}: rank {rank} also in {ranks_seen[rank]}; asymmetric-offset is checked per distinct rank")
+        ranks_seen.setdefault(rank, path)
+    opened = [p for p in parts if p[1] is not None]   # files whose header could be read
+
+    # asymmetric-offset: a collective seen on every rank of its communicator with one signature
+    # gives nothing; every other one goes to the engine's own matcher, which makes the findings.
+    cross = FindingSink(max_per_group=0)
+    matcher = engine.CollectiveMatcher(cross, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(opened))
+    unmatched = 0
+    if matcher.enabled:
+        members: dict = {}
+        sigs: dict = {}          # (comm, seq) -> [signature, ranks seen, all equal so far]
+        for path, rank, *_rest, colls in opened:
+            for comm, seq, sig, *_ in colls:
+                members.setdefault(comm, set()).add(rank)
+                entry = sigs.get((comm, seq))
+                if entry is None:
+                    sigs[(comm, seq)] = [sig, 1, True]
+                else:
+                    entry[1] += 1
+                    if entry[2] and sig != entry[0]:
+                        entry[2] = False
+        suspects = set()
+        for key, (_, seen, equal) in sigs.items():
+            if seen < len(members[key[0]]):
+                unmatched += 1
+            if not equal:
+                suspects.add(key)
+        if suspects:
+            for path, rank, *_rest, colls in opened:
+                an = _RankStandIn(rank, path)
+                for comm, seq, sig, step, desc, line, site in colls:
+                    if (comm, seq) in suspects:
+                        an.step = step
+                        matcher.submit(an, comm, seq, _RecordedOp(desc, line, site), sig)
+            matcher.finish()
+
+    by_rule: dict[str, int] = {}
+    every: list[Finding] = []
+    events = skipped = drops = hook_errors = malformed = available = 0
+    steps_by_rank: dict = {}
+    errors: list[TraceError] = []
+    for path, rank, findings, summary, errs, warns, _ in parts:
+        every.extend(findings)
+        for rule, n in summary.get("by_rule", {}).items():
+            by_rule[rule] = by_rule.get(rule, 0) + n
+        events += summary.get("events", 0)
+        skipped += summary.get("skipped_lines", 0)
+        drops += summary.get("dropped_events", 0)
+        hook_errors += summary.get("hook_errors", 0)
+        malformed += summary.get("malformed", 0)
+        # errors the serial run could have listed: every malformed line, or the file's open error
+        available += summary.get("malformed", 0) if rank is not None else len(errs)
+        steps_by_rank.update(summary.get("steps_by_rank", {}))
+        warnings.extend(w for w in warns if not any(tag in w for tag in _AGGREGATE_WARNINGS))
+        for epath, line, message in errs:
+            errors.append(TraceError(epath, line, message))
+    for rule, n in cross.by_rule.items():
+        by_rule[rule] = by_rule.get(rule, 0) + n
+    every.extend(cross.findings)
+
+    # at most max_per_group listed per rule and call site, in report order
+    every.sort(key=_finding_order)
+    listed: list[Finding] = []
+    per_group: dict = {}
+    for f in every:
+        key = f.group_key()
+        n = per_group[key] = per_group.get(key, 0) + 1
+        if not max_per_group or n <= max_per_group:
+            listed.append(f)
+    total = sum(by_rule.values())
+    omitted = total - len(listed)
+    listed_errors = errors[:max_errors]
+
+    if unmatched:
+        warnings.append(f"{unmatched} collective(s) were not seen on every rank of their communicator")
+    if skipped:
+        warnings.append(f"--lenient: skipped {skipped} malformed line(s)")
+    if available > len(listed_errors):
+        warnings.append(f"{available - len(listed_errors)} more malformed line(s) not listed")
+    if omitted:
+        warnings.append(f"{omitted} repeated finding(s) counted but not listed (max {max_per_group} per rule and call site)")
+    summary = {
+        "events": events,
+        "ranks": len(opened),
+        "by_rule": dict(sorted(by_rule.items())),
+        "findings": total,
+        "listed": len(listed),
+        "skipped_lines": skipped,
+        "dropped_events": drops,
+        "hook_errors": hook_errors,
+        "warnings": warnings,
+        "malformed": malformed,
+        "steps_by_rank": steps_by_rank,
+    }
+    return engine.Analysis(listed, summary, listed_errors, warnings)
