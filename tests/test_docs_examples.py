@@ -140,7 +140,7 @@ def test_links_between_pages_resolve():
         anchors[page.resolve()] = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
     broken = []
     for page in anchors:
-        text = page.read_text(encoding="utf-8")
+        text = re.sub(r"`[^`\n]*`", "", page.read_text(encoding="utf-8"))   # code spans hold no links
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):
                 continue
