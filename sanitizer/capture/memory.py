@@ -48,6 +48,7 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 # Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
 # the plain tensors inside them are recorded when they are made or first used.
+_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)   # absent on CPU builds
 _PLAIN = frozenset(c for c in (torch.Tensor, torch.nn.Parameter,
                                getattr(torch.nn.parameter, "Buffer", None)) if c is not None)
 
@@ -80,6 +81,7 @@ class BlockTable:
         self._ids = itertools.count(1)       # next() is atomic under the GIL
         self._names: dict = {}               # OpOverload -> "aten.add.Tensor"
         self._dtypes: dict = {}              # torch.float32 -> "float32"
+        self._stream_ids: dict = {}          # c10 current-stream tuple -> stream id
         self._plans: dict = {}               # OpOverload -> launch plan (or False: no kernel)
         self.graph_pool: str | None = None   # set by cuda_hooks while a CUDA graph is captured
         self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
@@ -169,6 +171,15 @@ class BlockTable:
         if device.type != "cuda":
             return f"{device.type}:{device.index or 0}"
         index = device.index or 0
+        if _CURRENT_STREAM is not None:
+            # (c10 stream id, device, type) is cheap to get and names one cudaStream_t for the
+            # process's life; the handle is looked up once per stream
+            key = _CURRENT_STREAM(index)
+            sid = self._stream_ids.get(key)
+            if sid is None:
+                handle = torch.cuda.current_stream(index).cuda_stream
+                sid = self._stream_ids[key] = self.capture.streams.of_handle(handle, index)
+            return sid
         return self.capture.streams.of_handle(torch.cuda.current_stream(index).cuda_stream, index)
 
     def _output(self, t, func, live) -> None:

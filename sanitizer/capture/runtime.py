@@ -49,6 +49,7 @@ class Capture:
         self.step: int | None = None
         self.blocks = None        # memory.BlockTable, once torch is imported
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
+        self.cuda = None          # cuda_hooks.CudaOrdering, once torch is imported
         self.installed: list[str] = []   # names of the hooks installed (for diagnostics and tests)
 
     # ---------------------------------------------------------------- failures
