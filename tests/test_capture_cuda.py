@@ -208,8 +208,11 @@ def test_launches_follow_the_schema(full):
 def test_alloc_level_records_no_launch_but_everything_else(full, alloc):
     _, events, _, _ = alloc
     assert not [e for e in events if e["ev"] == "launch"]
-    kinds = lambda evs: [e["ev"] for e in evs if e["ev"] != "launch"]   # noqa: E731
+    # full adds launches, and a sync of the cpu stream before device work that follows CPU ops
+    extra = lambda e: e["ev"] == "launch" or e == {**e, "ev": "sync", "stream": "cpu"}   # noqa: E731
+    kinds = lambda evs: [e["ev"] for e in evs if not extra(e)]   # noqa: E731
     assert kinds(events) == kinds(full[1])
+    assert any(e["ev"] == "sync" and e.get("stream") == "cpu" for e in full[1])
 
 
 @pytest.mark.parametrize("which", ["full", "alloc"])

@@ -136,12 +136,16 @@ class BlockTable:
                 device = self._ranges(out, writes, device)
             if not reads and not writes:
                 return
-            ev = {"ev": "launch", "stream": self._stream_of(device), "op": name}
+            stream = self._stream_of(device)
+            ev = {"ev": "launch", "stream": stream, "op": name}
             if reads:
                 ev["reads"] = reads
             if writes:
                 ev["writes"] = writes
-            self.capture.event(ev)
+            cap = self.capture
+            cap.event(ev)
+            if stream == "cpu":
+                cap.host_work_unsynced = True
         except Exception as exc:
             self.capture.failed("launch", exc)
 
