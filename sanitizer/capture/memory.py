@@ -87,8 +87,9 @@ class BlockTable:
         self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
 
     # ------------------------------------------------------------------ dispatch hot path
-    def on_op(self, func, args, out) -> None:
-        """alloc level: record the op's new storages (and adopt unknown inputs)."""
+    def on_op(self, func, args, out, where=None) -> None:
+        """alloc level: record the op's new storages (and adopt unknown inputs). `where`: the
+        (site, stack) of the op when the caller already looked it up."""
         try:
             live = self.live
             plain = _PLAIN
@@ -99,27 +100,33 @@ class BlockTable:
                         self._new(a, s, "adopted", live, False)
             t = type(out)
             if t in plain:
-                self._output(out, func, live)
+                self._output(out, func, live, where)
             elif t is tuple or t is list:
                 for o in out:
                     if type(o) in plain:
-                        self._output(o, func, live)
+                        self._output(o, func, live, where)
                     elif type(o) is list or type(o) is tuple:
                         for p in o:
                             if type(p) in plain:
-                                self._output(p, func, live)
+                                self._output(p, func, live, where)
         except Exception as exc:
             self.capture.failed("dispatch", exc)
 
     def on_op_full(self, func, args, kwargs, out) -> None:
         """full level: as on_op, then one `launch` with the ranges the op read and wrote."""
-        self.on_op(func, args, out)
-        try:
-            plan = self._plans.get(func)
-            if plan is None:
+        plan = self._plans.get(func)
+        if plan is None:
+            try:
                 plan = self._plans[func] = _launch_plan(func)
-            if plan is False:
-                return
+            except Exception as exc:
+                self.capture.failed("launch", exc)
+                plan = self._plans[func] = False
+        if plan is False:
+            self.on_op(func, args, out)
+            return
+        where = self.sites.where()       # one lookup for the op's allocations and its launch
+        self.on_op(func, args, out, where)
+        try:
             name, reads_at, writes_at, fresh = plan
             reads, writes = [], []
             device = None
@@ -136,14 +143,21 @@ class BlockTable:
                 device = self._ranges(out, writes, device)
             if not reads and not writes:
                 return
-            stream = self._stream_of(device)
-            ev = {"ev": "launch", "stream": stream, "op": name}
+            stream = "cpu" if device is None or device.type == "cpu" else self.stream_of_device(device)
+            cap = self.capture
+            if cap.host_work_unsynced and stream != "cpu":
+                cap.host_ran_cpu_work()
+            ev = {"ev": "launch", "stream": stream, "op": name, "t": time_ns()}
             if reads:
                 ev["reads"] = reads
             if writes:
                 ev["writes"] = writes
-            cap = self.capture
-            cap.event(ev)
+            site, frames = where
+            if site is not None:
+                ev["site"] = site
+                if frames is not None:
+                    ev["stack"] = frames
+            self.emit(ev)
             if stream == "cpu":
                 cap.host_work_unsynced = True
         except Exception as exc:
@@ -154,9 +168,20 @@ class BlockTable:
         device wins over cpu: a CPU scalar tensor passed to a CUDA kernel is read by the host)."""
         t = type(v)
         if t in _PLAIN:
-            r = self.buffer(v)
-            if r is not None and r[1]:
-                acc.append([r[0], r[1]])
+            if v.layout != _STRIDED:
+                return device
+            s = v.untyped_storage()
+            b = self.live.get(s._cdata)
+            if b is None:
+                b = self._new(v, s, "adopted", self.live, False)
+                if b is None:
+                    return device
+            if v.is_contiguous():
+                size = v.numel() * v.element_size()
+            else:
+                size = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()) if n > 1)) * v.element_size()
+            if size:
+                acc.append([b.addr + (v.data_ptr() - b.real), size])
                 if device is None or device.type == "cpu":
                     device = v.device
         elif t is list or t is tuple:
@@ -186,7 +211,7 @@ class BlockTable:
             return sid
         return self.capture.streams.of_handle(torch.cuda.current_stream(index).cuda_stream, index)
 
-    def _output(self, t, func, live) -> None:
+    def _output(self, t, func, live, where=None) -> None:
         if t.layout != _STRIDED:
             return
         s = t.untyped_storage()
@@ -195,15 +220,15 @@ class BlockTable:
             name = self._names.get(func)
             if name is None:
                 name = self._names[func] = str(func)
-            self._new(t, s, name, live)
+            self._new(t, s, name, live, True, where)
         elif s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real):
             # resize_/set_/out= resizing: same StorageImpl, new memory
             self._release(b)
             live.pop(b.key, None)
-            self._new(t, s, str(func), live)
+            self._new(t, s, str(func), live, True, where)
 
     # ------------------------------------------------------------------ allocation
-    def _new(self, t, s, opname, live, placed_by_scope=True):
+    def _new(self, t, s, opname, live, placed_by_scope=True, where=None):
         """Record a storage not seen before. Everything that can fail runs before the block is
         registered, so a failing hook never leaves a block whose free would have no alloc."""
         nbytes = s.nbytes()
@@ -213,7 +238,7 @@ class BlockTable:
         dtype = self._dtypes.get(t.dtype)
         if dtype is None:
             dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
-        site, frames = self.sites.where()
+        site, frames = where if where is not None else self.sites.where()
         # an adopted storage existed before this moment: a scope entered now did not place it
         stack = self.scopes.stack if placed_by_scope else None
         pool = "default"
