@@ -14,15 +14,6 @@ collectives in the same order); stream = "<backend>:<group_name>", the process g
 work, so treating the group as one in-order stream matches its ordering). Point-to-point ops use
 comm "<group>:p2p:<lo>-<hi>" (the pair of global ranks), so their seq is equal on both ends.
 Nested calls (a wrapped function calling another) record the outermost one only.
-
-NCCL process groups order their work with streams, not with the host: ProcessGroupNCCL runs each
-collective on its own stream ("nccl:<group_name>"), which first waits for the caller's current
-stream; a blocking call and Work.wait() make the caller's current stream wait for it, without
-blocking the host. So for an NCCL group the wrapper records exactly that: `record`/`wait` of a
-named event (`c10d:<cid>:in`) from the current stream to the NCCL stream, the `coll` on the NCCL
-stream, and on completion (a blocking call's return, Work.wait()) `record`/`wait` back into the
-then-current stream (`c10d:<cid>:out`), no `coll_done`. Work.is_completed() returning True, and
-the Future paths, are host observations: `coll_done`.
 """
 from __future__ import annotations
 
@@ -87,8 +78,7 @@ class Collectives:
         self.emit = capture.emit
         self.seq: dict[str, int] = {}
         self.cids = itertools.count(1)
-        self.groups: dict = {}                  # ProcessGroup -> (name, stream, is_nccl)
-        self.nccl: dict = {}                    # cid -> NCCL stream, for NCCL collectives not yet waited for
+        self.groups: dict = {}                  # ProcessGroup -> (name, stream)
         self.pending: dict[int, tuple] = {}     # id(Work or Future) -> (weakref, cid)
         self.local = threading.local()
 
@@ -102,7 +92,7 @@ class Collectives:
                 backend = str(dist.get_backend(pg))
             except Exception:
                 backend = "pg"
-            info = self.groups[pg] = (name, f"{backend}:{name}", backend == "nccl")
+            info = self.groups[pg] = (name, f"{backend}:{name}")
         return info
 
     # ------------------------------------------------------------------ the wrapper
@@ -130,7 +120,7 @@ class Collectives:
                     if async_op and result is not None:
                         self._remember(result, cid)
                     elif not async_op:
-                        self.done(cid, stream_ordered=True)
+                        self.done(cid)
                 except Exception as exc:
                     self.capture.failed(f"coll.{name}", exc)
             return result
@@ -145,7 +135,7 @@ class Collectives:
     def _record(self, name, spec, peer_arg, sig, args, kwargs, always_async):
         a = sig.bind(*args, **kwargs).arguments
         me = dist.get_rank()
-        comm, stream, nccl = self.group_of(a.get("group"))
+        comm, stream = self.group_of(a.get("group"))
         if peer_arg is not None:
             peer = a.get(peer_arg)
             if peer is None:
@@ -163,12 +153,6 @@ class Collectives:
             if r is not None:
                 bufs.append({"addr": r[0], "size": r[1], "access": access})
         cid = next(self.cids)
-        if nccl:
-            streams = self.capture.streams
-            caller = streams.current()
-            self.nccl[cid] = stream
-            self.capture.event({"ev": "record", "event": f"c10d:{cid}:in", "stream": caller})
-            self.capture.event({"ev": "wait", "event": f"c10d:{cid}:in", "stream": stream})
         self.capture.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": name,
                             "stream": stream, "bufs": bufs})
         return cid, always_async or bool(a.get("async_op", False))
@@ -192,13 +176,12 @@ class Collectives:
         del self.pending[id(handle)]
         return entry[1]
 
-    def observed(self, handle, stream_ordered: bool = False) -> None:
-        """The host saw `handle` (a Work or its Future) complete, or (stream_ordered: Work.wait()
-        of an NCCL collective) made its current stream wait for it."""
+    def observed(self, handle) -> None:
+        """The host saw `handle` (a Work or its Future) complete."""
         try:
             cid = self._take(handle)
             if cid is not None:
-                self.done(cid, stream_ordered)
+                self.done(cid)
                 # The process group's worker thread drops its own reference to the Work (and so to
                 # the buffers) just after marking it complete. Yield once so that it does so now:
                 # otherwise a buffer the program releases right after wait() dies later, on the
@@ -215,15 +198,8 @@ class Collectives:
         except Exception as exc:
             self.capture.failed("coll.future", exc)
 
-    def done(self, cid, stream_ordered: bool = False) -> None:
-        nccl_stream = self.nccl.pop(cid, None)
-        if nccl_stream is not None and stream_ordered:
-            caller = self.capture.streams.current()
-            now = time.time_ns()
-            self.emit({"ev": "record", "event": f"c10d:{cid}:out", "stream": nccl_stream, "t": now})
-            self.emit({"ev": "wait", "event": f"c10d:{cid}:out", "stream": caller, "t": now})
-        else:
-            self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+    def done(self, cid) -> None:
+        self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
         # the same collective may be observed through its Work and its Future: once is enough
         for key, (ref, c) in list(self.pending.items()):
             if c == cid:
@@ -257,7 +233,7 @@ def _patch_work(capture, colls) -> None:
 
     def wait(self, *a, **k):
         r = w_wait(self, *a, **k)
-        colls.observed(self, stream_ordered=True)
+        colls.observed(self)
         return r
 
     def is_completed(self):
