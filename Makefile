@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,proof,report]"
 	touch $@
 
-.PHONY: venv test demo bench
+.PHONY: venv test demo bench gpu-check
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -23,3 +23,7 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VPY) benchmarks/check_throughput.py
+
+# On a machine with one CUDA GPU and a CUDA build of torch: capture end to end (under 5 minutes).
+gpu-check:
+	$(PY) -m sanitizer.capture.gpu_selfcheck
