@@ -224,7 +224,8 @@ def install(capture) -> CudaOrdering:
     graph_cls = getattr(torch.cuda, "CUDAGraph", None)
     if graph_cls is not None:
         _wrap(capture, graph_cls, "capture_begin", lambda orig: _capture_begin(orig, hooks, capture))
-        for name, fn in (("capture_end", hooks.graph_end), ("replay", hooks.graph_replay),
+        _wrap(capture, graph_cls, "capture_end", lambda orig: _capture_end(orig, hooks, capture))
+        for name, fn in (("replay", hooks.graph_replay),
                          ("reset", hooks.graph_reset)):
             _wrap(capture, graph_cls, name, lambda orig, fn=fn, name=name: _after_self(orig, fn, capture, name))
     return hooks
@@ -291,3 +292,21 @@ def _capture_begin(orig, hooks, capture):
             capture.failed("cuda.capture_begin", exc)
         return r
     return capture_begin
+
+
+def _capture_end(orig, hooks, capture):
+    def capture_end(self, *args, **kwargs):
+        try:
+            r = orig(self, *args, **kwargs)
+        except BaseException:
+            # a failed capture (invalidated by an illegal call) captured nothing we can replay:
+            # later allocations are no longer the graph's
+            if capture.blocks is not None:
+                capture.blocks.graph_pool = None
+            raise
+        try:
+            hooks.graph_end(self)
+        except Exception as exc:
+            capture.failed("cuda.capture_end", exc)
+        return r
+    return capture_end
