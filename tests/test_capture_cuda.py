@@ -223,3 +223,11 @@ def test_engine_accepts_the_trace(which, full, alloc):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout)["summary"]
     assert summary["by_rule"] == {} or not any(summary["by_rule"].values())
+
+
+def test_level_setting():
+    from sanitizer.capture.config import Settings
+    assert Settings.from_env({}) == (Settings(level="alloc"), [])
+    assert Settings.from_env({"HAZSAN_LEVEL": " FULL "})[0].level == "full"
+    settings, problems = Settings.from_env({"HAZSAN_LEVEL": "kernels"})
+    assert settings.level == "alloc" and problems == ["HAZSAN_LEVEL='kernels' is not one of alloc|full; using 'alloc'"]
