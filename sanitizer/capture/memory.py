@@ -357,6 +357,14 @@ _NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "ne
                         "record_stream", "_local_scalar_dense_meta"})
 
 
+# Collectives dispatched as ops (torch.distributed's c10d ops; functional collectives): their
+# schemas carry no write annotation, and the collective hooks record them as `coll` with the
+# right accesses and stream. A launch for them would be a host-stream read of a buffer the
+# collective itself is using.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                                    "_c10d_functional_autograd", "symm_mem"})
+
+
 def _launch_plan(func):
     """(name, reads, writes, fresh) for an op, from its schema; False when it launches nothing.
 
@@ -365,8 +373,8 @@ def _launch_plan(func):
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
-    base = schema.name.split("::")[-1]
-    if base in _NO_KERNEL:
+    namespace, _, base = schema.name.rpartition("::")
+    if base in _NO_KERNEL or namespace in _COLLECTIVE_NAMESPACES:
         return False
     reads, writes = [], []
     for i, arg in enumerate(schema.arguments):
