@@ -29,3 +29,29 @@ def test_without_cuda_it_exits_2():
     out = subprocess.run([sys.executable, "-m", "sanitizer.capture.gpu_selfcheck"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no CUDA device" in out.stderr
+
+
+def test_harness_runs_a_scenario_and_judges_it(tmp_path, monkeypatch):
+    """The harness (child under capture at level full, hazsan check, expectations) on a CPU
+    scenario of the same shape: gloo instead of NCCL."""
+    cpu_prelude = sc.PRELUDE.split("import torch, torch.distributed")[0] + textwrap.dedent('''
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + os.environ["SELFCHECK_STORE"],
+                                rank=0, world_size=1)
+    ''')
+    monkeypatch.setattr(sc, "PRELUDE", cpu_prelude)
+    early = ('''
+        x = torch.ones(1024)
+        work = dist.all_reduce(x, async_op=True)
+        y = x * 2
+        work.wait()
+    ''')
+    monkeypatch.setattr(sc, "SCENARIOS", {
+        "flagged": (early, {"any_of": {"unordered-access"}}),
+        "wrongly-expected-clean": (early, {"clean": True, "events": {"coll", "graph_begin"}}),
+    })
+    ok = sc.scenario("flagged", str(tmp_path))
+    assert ok["ok"] and ok["rules"] == ["unordered-access"], ok
+    bad = sc.scenario("wrongly-expected-clean", str(tmp_path))
+    assert not bad["ok"]
+    assert "expected clean" in bad["why"] and "graph_begin" in bad["why"]
