@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
 	touch $@
 
-.PHONY: venv test demo bench scan-report
+.PHONY: venv test demo bench scan-report gpu-check
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -40,3 +40,7 @@ bench: $(VENV)/.installed
 # reports/scan/: hazsan scan on the SGLang 0.5.23 wheel (downloaded with pip --no-deps)
 scan-report: $(VENV)/.installed
 	bash reports/scan/regenerate.sh
+
+# On a machine with one CUDA GPU and a CUDA build of torch: capture end to end (under 5 minutes).
+gpu-check:
+	$(PY) -m sanitizer.capture.gpu_selfcheck

@@ -19,7 +19,8 @@ NCCL process groups: the host observing that wait() returned does not mean the c
 ProcessGroupNCCL's Work.wait() (and a blocking call, which waits internally) makes the *current*
 CUDA stream wait for the collective's stream and returns at once. That is recorded as what it is,
 a stream-ordering edge: `record` of a synthetic event "coll<cid>" on the collective's stream, then
-`wait` of the current stream on it. Only Work.is_completed() returning True (it queries the
+`wait` of the current stream on it. At enqueue, the NCCL stream likewise waits for the caller's
+current stream (`record`/`wait` of "coll<cid>:in"), as ProcessGroupNCCL does before every op. Only Work.is_completed() returning True (it queries the
 collective's CUDA event) is a host observation, `coll_done`. Gloo and the other CPU backends block
 the host in wait(), so their wait() is `coll_done`.
 """
@@ -164,6 +165,13 @@ class Collectives:
             if r is not None:
                 bufs.append({"addr": r[0], "size": r[1], "access": access})
         cid = self.next_cid()
+        if stream.startswith("nccl:"):
+            # ProcessGroupNCCL's stream first waits for the caller's current stream (its inputs
+            # were written there): without this edge every NCCL collective whose input a kernel
+            # wrote would read as unordered.
+            event, t = f"coll{cid}:in", time.time_ns()
+            self.emit({"ev": "record", "event": event, "stream": _current_stream(self.capture), "t": t})
+            self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
         self.capture.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": name,
                             "stream": stream, "bufs": bufs})
         if stream.startswith("nccl:"):

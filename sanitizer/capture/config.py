@@ -5,6 +5,10 @@ import os
 from dataclasses import dataclass
 
 STACK_MODES = ("none", "site", "full")
+# HAZSAN_LEVEL: what is recorded. `alloc`: allocations, collectives, windows, scopes, streams,
+# events and graphs (every rule but `unordered-access` on kernels); `full`: adds one `launch` per
+# op with the ranges it reads and writes.
+LEVELS = ("alloc", "full")
 OFF_VALUES = ("", "0", "false", "no", "off")
 
 
@@ -22,6 +26,7 @@ class Settings:
     flush_seconds: float = 2.0             # HAZSAN_FLUSH_SECONDS: flush at least this often while busy
     window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
     max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
+    level: str = "alloc"                   # HAZSAN_LEVEL: alloc | full
 
     @classmethod
     def from_env(cls, environ=os.environ) -> tuple["Settings", list[str]]:
@@ -46,7 +51,12 @@ class Settings:
         if stacks not in STACK_MODES:
             problems.append(f"HAZSAN_STACKS={stacks!r} is not one of {'|'.join(STACK_MODES)}; using 'site'")
             stacks = "site"
+        level = environ.get("HAZSAN_LEVEL", d.level).strip().lower() or d.level
+        if level not in LEVELS:
+            problems.append(f"HAZSAN_LEVEL={level!r} is not one of {'|'.join(LEVELS)}; using {d.level!r}")
+            level = d.level
         return cls(
+            level=level,
             directory=environ.get("HAZSAN_DIR") or d.directory,
             stacks=stacks,
             max_events=num("HAZSAN_MAX_EVENTS", d.max_events),

@@ -24,6 +24,14 @@ mode instance on the importing thread (normally the main thread, at `import torc
 instance before running. Threads already running when torch was imported, and C++ threads (gloo
 workers, autograd's device threads), run without it; their tensors are adopted when they reach a
 recorded op or collective. The mode is never popped; user modes stack above it.
+
+Launches (HAZSAN_LEVEL=full): after each op, one `launch` on the stream it ran on, with the ranges
+it reads and writes, derived from the op's schema the way PyTorch's CUDA sanitizer does it
+(torch/cuda/_sanitizer.py, ArgumentHandler): an argument whose alias annotation is a write
+(`Tensor(a!)`: in-place, out=) is written; any other tensor argument is read, except a view's
+(an alias that is not written: metadata only); a fresh result (no alias) is written. Allocation
+without a kernel (empty and friends) launches nothing. On CPU the stream is `cpu`, on a GPU the
+current stream of the tensor's device (streams.py names it).
 """
 from __future__ import annotations
 
@@ -41,14 +49,15 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 # Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
 # the plain tensors inside them are recorded when they are made or first used.
+_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)   # absent on CPU builds
 _PLAIN = frozenset(c for c in (torch.Tensor, torch.nn.Parameter,
                                getattr(torch.nn.parameter, "Buffer", None)) if c is not None)
 
 
 class Block:
-    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "ref")
+    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "ref", "stream", "recorded")
 
-    def __init__(self, bid, key, real, nbytes, addr, size, model):
+    def __init__(self, bid, key, real, nbytes, addr, size, model, stream="cpu"):
         self.id = bid
         self.key = key
         self.real = real          # storage.data_ptr() at allocation
@@ -56,6 +65,8 @@ class Block:
         self.addr = addr          # address in the trace (== real, or modelled inside a window)
         self.size = size
         self.model = model        # sanitizer.place Block when modelled, else None
+        self.stream = stream      # the stream it was allocated on
+        self.recorded = None      # streams given to record_stream (set), when any
 
 
 class BlockTable:
@@ -64,6 +75,7 @@ class BlockTable:
     def __init__(self, capture):
         self.capture = capture
         self.emit = capture.emit
+        self.full = capture.settings.level == "full"
         self.sites = capture.sites
         self.scopes = capture.scopes
         self.live: dict[int, Block] = {}     # StorageImpl address (storage._cdata) -> Block
@@ -71,9 +83,15 @@ class BlockTable:
         self._names: dict = {}               # OpOverload -> "aten.add.Tensor"
         self._dtypes: dict = {}              # torch.float32 -> "float32"
         self.ranges = LiveRanges(self.live)  # raw pointer -> live block (NCCL's ctypes calls)
+        self._stream_ids: dict = {}          # c10 current-stream tuple -> stream id
+        self._plans: dict = {}               # OpOverload -> launch plan (or False: no kernel)
+        self.graph_pool: str | None = None   # set by cuda_hooks while a CUDA graph is captured
+        self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
 
     # ------------------------------------------------------------------ dispatch hot path
-    def on_op(self, func, args, out) -> None:
+    def on_op(self, func, args, out, where=None) -> None:
+        """alloc level: record the op's new storages (and adopt unknown inputs). `where`: the
+        (site, stack) of the op when the caller already looked it up."""
         try:
             live = self.live
             plain = _PLAIN
@@ -84,19 +102,118 @@ class BlockTable:
                         self._new(a, s, "adopted", live, False)
             t = type(out)
             if t in plain:
-                self._output(out, func, live)
+                self._output(out, func, live, where)
             elif t is tuple or t is list:
                 for o in out:
                     if type(o) in plain:
-                        self._output(o, func, live)
+                        self._output(o, func, live, where)
                     elif type(o) is list or type(o) is tuple:
                         for p in o:
                             if type(p) in plain:
-                                self._output(p, func, live)
+                                self._output(p, func, live, where)
         except Exception as exc:
             self.capture.failed("dispatch", exc)
 
-    def _output(self, t, func, live) -> None:
+    def on_op_full(self, func, args, kwargs, out) -> None:
+        """full level: as on_op, then one `launch` with the ranges the op read and wrote."""
+        plan = self._plans.get(func)
+        if plan is None:
+            try:
+                plan = self._plans[func] = _launch_plan(func)
+            except Exception as exc:
+                self.capture.failed("launch", exc)
+                plan = self._plans[func] = False
+        if plan is False:
+            self.on_op(func, args, out)
+            return
+        where = self.sites.where()       # one lookup for the op's allocations and its launch
+        self.on_op(func, args, out, where)
+        try:
+            name, reads_at, writes_at, fresh = plan
+            reads, writes = [], []
+            device = None
+            n = len(args)
+            for i, key in reads_at:
+                v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
+                if v is not None:
+                    device = self._ranges(v, reads, device)
+            for i, key in writes_at:
+                v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
+                if v is not None:
+                    device = self._ranges(v, writes, device)
+            if fresh and out is not None:
+                device = self._ranges(out, writes, device)
+            if not reads and not writes:
+                return
+            stream = "cpu" if device is None or device.type == "cpu" else self.stream_of_device(device)
+            cap = self.capture
+            if cap.host_work_unsynced and stream != "cpu":
+                cap.host_ran_cpu_work()
+            ev = {"ev": "launch", "stream": stream, "op": name, "t": time_ns()}
+            if reads:
+                ev["reads"] = reads
+            if writes:
+                ev["writes"] = writes
+            site, frames = where
+            if site is not None:
+                ev["site"] = site
+                if frames is not None:
+                    ev["stack"] = frames
+            self.emit(ev)
+            if stream == "cpu":
+                cap.host_work_unsynced = True
+        except Exception as exc:
+            self.capture.failed("launch", exc)
+
+    def _ranges(self, v, acc, device):
+        """Append the trace ranges of tensor(s) v to acc; return the device of the work (a CUDA
+        device wins over cpu: a CPU scalar tensor passed to a CUDA kernel is read by the host)."""
+        t = type(v)
+        if t in _PLAIN:
+            if v.layout != _STRIDED:
+                return device
+            s = v.untyped_storage()
+            b = self.live.get(s._cdata)
+            if b is None:
+                b = self._new(v, s, "adopted", self.live, False)
+                if b is None:
+                    return device
+            if v.is_contiguous():
+                size = v.numel() * v.element_size()
+            else:
+                size = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()) if n > 1)) * v.element_size()
+            if size:
+                acc.append([b.addr + (v.data_ptr() - b.real), size])
+                if device is None or device.type == "cpu":
+                    device = v.device
+        elif t is list or t is tuple:
+            for x in v:
+                if type(x) in _PLAIN:
+                    device = self._ranges(x, acc, device)
+        return device
+
+    def _stream_of(self, device) -> str:
+        if device is None or device.type == "cpu":
+            return "cpu"
+        return self.stream_of_device(device)
+
+    def stream_of_device(self, device) -> str:
+        """The id of the current stream of `device` (a CUDA torch.device)."""
+        if device.type != "cuda":
+            return f"{device.type}:{device.index or 0}"
+        index = device.index or 0
+        if _CURRENT_STREAM is not None:
+            # (c10 stream id, device, type) is cheap to get and names one cudaStream_t for the
+            # process's life; the handle is looked up once per stream
+            key = _CURRENT_STREAM(index)
+            sid = self._stream_ids.get(key)
+            if sid is None:
+                handle = torch.cuda.current_stream(index).cuda_stream
+                sid = self._stream_ids[key] = self.capture.streams.of_handle(handle, index)
+            return sid
+        return self.capture.streams.of_handle(torch.cuda.current_stream(index).cuda_stream, index)
+
+    def _output(self, t, func, live, where=None) -> None:
         if t.layout != _STRIDED:
             return
         s = t.untyped_storage()
@@ -105,15 +222,15 @@ class BlockTable:
             name = self._names.get(func)
             if name is None:
                 name = self._names[func] = str(func)
-            self._new(t, s, name, live)
+            self._new(t, s, name, live, True, where)
         elif s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real):
             # resize_/set_/out= resizing: same StorageImpl, new memory
             self._release(b)
             live.pop(b.key, None)
-            self._new(t, s, str(func), live)
+            self._new(t, s, str(func), live, True, where)
 
     # ------------------------------------------------------------------ allocation
-    def _new(self, t, s, opname, live, placed_by_scope=True):
+    def _new(self, t, s, opname, live, placed_by_scope=True, where=None):
         """Record a storage not seen before. Everything that can fail runs before the block is
         registered, so a failing hook never leaves a block whose free would have no alloc."""
         nbytes = s.nbytes()
@@ -123,7 +240,7 @@ class BlockTable:
         dtype = self._dtypes.get(t.dtype)
         if dtype is None:
             dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
-        site, frames = self.sites.where()
+        site, frames = where if where is not None else self.sites.where()
         # an adopted storage existed before this moment: a scope entered now did not place it
         stack = self.scopes.stack if placed_by_scope else None
         pool = "default"
@@ -140,10 +257,11 @@ class BlockTable:
                     pool = "default"
                     self.capture.failed("window", exc)
         else:
-            dev = s.device
-            stream = f"{dev.type}:{dev.index or 0}"
+            stream = self.stream_of_device(s.device)
             if stack:
                 pool = stack[-1][0]
+            elif self.graph_pool is not None and placed_by_scope:
+                pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
         key = s._cdata
         bid = next(self._ids)
         ev = {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream, "pool": pool,
@@ -154,7 +272,7 @@ class BlockTable:
             ev["site"] = site
             if frames is not None:
                 ev["stack"] = frames
-        b = Block(bid, key, real, nbytes, addr, size, model)
+        b = Block(bid, key, real, nbytes, addr, size, model, stream)
         b.ref = weakref.ref(s, partial(self.died, key, bid))
         live[key] = b
         self.emit(ev)
@@ -164,6 +282,18 @@ class BlockTable:
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
         self.emit({"ev": "free", "id": b.id, "t": time_ns()})
+        if b.recorded and self.on_free is not None:
+            self.on_free(b)             # its free_done comes when those streams are seen finished
+
+    def block_of(self, t) -> Block | None:
+        """The live block of tensor t's storage (adopting an unknown one), or None."""
+        if type(t) not in _PLAIN or t.layout != _STRIDED:
+            return None
+        s = t.untyped_storage()
+        b = self.live.get(s._cdata)
+        if b is None:
+            b = self._new(t, s, "adopted", self.live, False)
+        return b
 
     def died(self, key, bid, _ref=None) -> None:
         """Weakref callback: the storage died (any thread, possibly during interpreter exit)."""
@@ -304,6 +434,67 @@ class AllocationMode(TorchDispatchMode):
         return out
 
 
+# Ops that hand out memory without running a kernel on it (or only bookkeep): no launch.
+_NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+                        "empty_permuted", "lift_fresh", "set_", "resize_", "resize_as_",
+                        "record_stream", "_local_scalar_dense_meta"})
+
+
+# Collectives dispatched as ops (torch.distributed's c10d ops; functional collectives): their
+# schemas carry no write annotation, and the collective hooks record them as `coll` with the
+# right accesses and stream. A launch for them would be a host-stream read of a buffer the
+# collective itself is using.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                                    "_c10d_functional_autograd", "symm_mem"})
+
+
+def _launch_plan(func):
+    """(name, reads, writes, fresh) for an op, from its schema; False when it launches nothing.
+
+    reads / writes: (position, name) of the tensor arguments it reads / writes; fresh: whether its
+    results are new tensors (written by the op), as opposed to aliases of its arguments."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    namespace, _, base = schema.name.rpartition("::")
+    if base in _NO_KERNEL or namespace in _COLLECTIVE_NAMESPACES:
+        return False
+    reads, writes = [], []
+    for i, arg in enumerate(schema.arguments):
+        if "Tensor" not in str(arg.type):
+            continue
+        alias = arg.alias_info
+        if alias is not None and alias.is_write:
+            writes.append((i, arg.name))
+        elif alias is None:
+            reads.append((i, arg.name))
+        # else: a view's input (metadata only)
+    returns = schema.returns
+    fresh = bool(returns) and all(r.alias_info is None for r in returns) and \
+        any("Tensor" in str(r.type) for r in returns)
+    if not reads and not writes and not fresh:
+        return False
+    name = str(func)
+    return name, tuple(reads), tuple(writes), fresh
+
+
+class LaunchMode(AllocationMode):
+    """HAZSAN_LEVEL=full: also records each op as a `launch` with its reads and writes."""
+
+    def __init__(self, table: BlockTable):
+        super().__init__(table)
+        self._on_op_full = table.on_op_full
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        self._on_op_full(func, args, kwargs, out)
+        return out
+
+
+def mode_for(table: BlockTable) -> AllocationMode:
+    return LaunchMode(table) if table.full else AllocationMode(table)
+
+
 _installed_table: BlockTable | None = None
 
 
@@ -313,7 +504,7 @@ def install(capture) -> BlockTable:
     table = BlockTable(capture)
     capture.blocks = table
     _installed_table = table
-    AllocationMode(table).__enter__()
+    mode_for(table).__enter__()
     _wrap_thread_start(table)
     return table
 
@@ -328,7 +519,7 @@ def _wrap_thread_start(table: BlockTable) -> None:
 
     def _bootstrap_inner(self):
         try:
-            AllocationMode(table).__enter__()
+            mode_for(table).__enter__()
         except Exception as exc:
             table.capture.failed("threads", exc)
         return original(self)

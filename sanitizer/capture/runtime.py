@@ -20,6 +20,8 @@ from sanitizer.capture.streams import StreamIds
 from sanitizer.trace.writer import TraceWriter
 
 _active: "Capture | None" = None
+# events that enqueue device work on their `stream`
+_ENQUEUES = frozenset({"coll", "launch", "record", "graph_replay"})
 
 
 def active() -> "Capture | None":
@@ -50,6 +52,8 @@ class Capture:
         self.step: int | None = None
         self.blocks = None        # memory.BlockTable, once torch is imported
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
+        self.cuda = None          # cuda_hooks.CudaOrdering, once torch is imported
+        self.host_work_unsynced = False   # a CPU `launch` was written since the last cpu sync
         self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
         self.hooks_failed: dict[str, int] = {}   # hook name -> failures (trace header)
         self.versions: dict[str, str] = {}       # versions hooks learnt (the NCCL pynccl loaded)
@@ -92,6 +96,8 @@ class Capture:
     # ---------------------------------------------------------------- events
     def event(self, ev: dict, with_site: bool = True) -> dict:
         """Stamp and queue one event (t, and site/stack as configured)."""
+        if self.host_work_unsynced and ev["ev"] in _ENQUEUES and ev.get("stream") != "cpu":
+            self.host_ran_cpu_work()
         ev["t"] = time.time_ns()
         if with_site:
             site, stack = self.sites.where()
@@ -101,6 +107,13 @@ class Capture:
                 ev["stack"] = stack
         self.emit(ev)
         return ev
+
+    def host_ran_cpu_work(self) -> None:
+        """CPU ops run synchronously on the host: by the time the host enqueues work on another
+        stream, every `launch` on stream "cpu" before it has finished. Say so with one sync of
+        the cpu stream, written lazily (only before such an enqueue), not after every CPU op."""
+        self.host_work_unsynced = False
+        self.emit({"ev": "sync", "stream": "cpu", "t": time.time_ns()})
 
     def mark_step(self, n: int, phase: str | None = None, tokens: int | None = None) -> None:
         """Start of decode step n: record it and flush what the previous step produced."""

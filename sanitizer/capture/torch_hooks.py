@@ -20,6 +20,11 @@ def on_torch(capture) -> None:
     memory.install(capture)
     capture.installed.append("dispatch-mode")
     try:
+        from sanitizer.capture import cuda_hooks
+        cuda_hooks.install(capture)
+    except Exception as exc:
+        capture.failed("install.cuda", exc)
+    try:
         _patch_mem_pools(capture)
     except Exception as exc:
         capture.failed("install.use_mem_pool", exc)

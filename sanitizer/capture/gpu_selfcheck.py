@@ -1,0 +1,285 @@
+"""The GPU self-check: capture on a real GPU, end to end, in one command (under 5 minutes on one GPU).
+
+    python -m sanitizer.capture.gpu_selfcheck [--json] [--keep DIR]      (or: make gpu-check)
+
+Each scenario is a small program run in its own interpreter with HAZSAN=1 HAZSAN_LEVEL=full (the
+real bootstrap, as in production), then `hazsan check` reads its trace. World size 1, NCCL through
+torch.distributed (the collective runs on the process group's NCCL stream):
+
+  side-stream-unprotected  all-reduce ordered on a side stream; the buffer, allocated on the
+                           compute stream, is dropped without record_stream after the side stream
+                           waited, and a same-size buffer is allocated on the compute stream:
+                           expected free-in-flight / reuse-in-flight (at least one)
+  side-stream-record       the same with x.record_stream(side) before the drop: expected clean
+  side-stream-event        the same with the compute stream waiting for an event recorded on the
+                           side stream before the drop: expected clean
+  mempool                  allocations inside torch.cuda.use_mem_pool(MemPool()): traced, clean
+  graph                    torch.cuda.graph capturing an all-reduce, replayed 3 times: graph_begin,
+                           the coll, graph_end, 3 graph_replay, graph_free are traced; clean
+  read-before-wait         an async all-reduce's output read by a kernel on the compute stream
+                           before Work.wait(): expected unordered-access
+
+Then the placement model against the real caching allocator (sanitizer.place.gpu_check), and the
+capture overhead per decode-like step (a small MLP decode loop) bare vs alloc vs full.
+
+Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run.
+The NCCL scenarios rely on collectives recording NCCL waits as stream edges (issue 9's
+collectives.py), so the coll is not treated as done for the host at Work.wait().
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+PRELUDE = textwrap.dedent('''
+    import os
+    if os.environ.get("HAZSAN"):    # as the .pth line does (works without an installed .pth)
+        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+    import torch, torch.distributed as dist
+    import sanitizer
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method="file://" + os.environ["SELFCHECK_STORE"],
+                            rank=0, world_size=1)
+    N = 1 << 20
+    compute = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+''')
+
+SCENARIOS = {
+    "side-stream-unprotected": ('''
+        x = torch.ones(N, device="cuda")
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()                  # the side stream waits; the compute stream does not
+        del x, work                      # no record_stream(side): the block is free for compute
+        y = torch.empty(N, device="cuda")
+        y.fill_(2.0)
+        torch.cuda.synchronize()
+    ''', {"any_of": {"free-in-flight", "reuse-in-flight"}}),
+    "side-stream-record": ('''
+        x = torch.ones(N, device="cuda")
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()
+        x.record_stream(side)
+        del x, work
+        y = torch.empty(N, device="cuda")
+        y.fill_(2.0)
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"record_stream", "free_done"}}),
+    "side-stream-event": ('''
+        x = torch.ones(N, device="cuda")
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()
+            done = torch.cuda.Event()
+            done.record(side)
+        compute.wait_event(done)
+        del x, work
+        y = torch.empty(N, device="cuda")
+        y.fill_(2.0)
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"record", "wait", "sync"}}),
+    "mempool": ('''
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.ones(N, device="cuda")
+            b = a * 2
+        dist.all_reduce(b)
+        del a, b
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"alloc", "free", "coll"}}),
+    "graph": ('''
+        static = torch.ones(N, device="cuda")
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):          # warm-up outside capture, as torch recommends
+            dist.all_reduce(static)
+        compute.wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            dist.all_reduce(static)
+            out = static * 2
+        for _ in range(3):
+            static.fill_(1.0)
+            g.replay()
+        torch.cuda.synchronize()
+        del g, out
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"graph_begin", "graph_end", "graph_replay", "graph_free", "coll"},
+          "replays": 3}),
+    "read-before-wait": ('''
+        x = torch.ones(N, device="cuda")
+        work = dist.all_reduce(x, async_op=True)
+        total = (x * 2).sum()            # reads x before the compute stream waits for the all-reduce
+        work.wait()
+        torch.cuda.synchronize()
+    ''', {"any_of": {"unordered-access"}}),
+}
+
+DECODE_STEP = textwrap.dedent('''
+    import os
+    if os.environ.get("HAZSAN"):    # as the .pth line does (works without an installed .pth)
+        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+    import sys, time, json, torch
+    import sanitizer
+    torch.cuda.set_device(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, tokens, layers = 2048, 8, 8
+    W = [(torch.randn(hidden, 4 * hidden, device="cuda", generator=g) / 64,
+          torch.randn(4 * hidden, hidden, device="cuda", generator=g) / 128) for _ in range(layers)]
+    h0 = torch.randn(tokens, hidden, device="cuda", generator=g)
+    def step(h):
+        for up, down in W:
+            x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            h = h + torch.nn.functional.silu(x @ up) @ down
+        return h
+    times = []
+    for n in range(60):
+        sanitizer.step(n)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(h0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[10:])
+    print(json.dumps({"median": times[len(times) // 2]}))
+''')
+
+
+def _env(level: str | None, directory: str, store: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
+    env["SELFCHECK_STORE"] = store
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0")
+    if level is not None:
+        env.update(HAZSAN="1", HAZSAN_LEVEL=level, HAZSAN_DIR=directory)
+    return env
+
+
+def _run(code: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _check(directory: str) -> tuple[int, dict]:
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "check", directory, "--format", "json",
+                          "--fail-on", "warning"], capture_output=True, text=True, timeout=120)
+    try:
+        return out.returncode, json.loads(out.stdout)
+    except ValueError:
+        return out.returncode, {"error": (out.stdout + out.stderr)[-2000:]}
+
+
+def _events(directory: str) -> list[dict]:
+    evs = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(directory, name), "rb") as f:
+                evs += [json.loads(line) for line in f.read().splitlines()[1:] if line.strip()]
+    return evs
+
+
+def scenario(name: str, work: str) -> dict:
+    body, expect = SCENARIOS[name]
+    directory = os.path.join(work, name)
+    store = os.path.join(work, f"{name}.store")
+    t0 = time.monotonic()
+    run = _run(PRELUDE + textwrap.dedent(body), _env("full", directory, store))
+    result = {"scenario": name, "seconds": round(time.monotonic() - t0, 1)}
+    if run.returncode != 0:
+        return {**result, "ok": False, "why": "program failed: " + run.stderr[-1500:]}
+    code, report = _check(directory)
+    if "error" in report:
+        return {**result, "ok": False, "why": "hazsan check failed: " + report["error"]}
+    rules = {f["rule"] for f in report.get("findings", [])}
+    evs = _events(directory)
+    kinds = {e["ev"] for e in evs}
+    errors = [e for e in evs if e["ev"] == "hook_error"]
+    problems = []
+    if errors:
+        problems.append(f"hook errors: {errors}")
+    if expect.get("clean") and rules:
+        problems.append(f"expected clean, got {sorted(rules)}")
+    if "any_of" in expect and not (rules & expect["any_of"]):
+        problems.append(f"expected one of {sorted(expect['any_of'])}, got {sorted(rules) or 'nothing'}")
+    missing = set(expect.get("events", ())) - kinds
+    if missing:
+        problems.append(f"events missing from the trace: {sorted(missing)}")
+    if "replays" in expect:
+        n = sum(1 for e in evs if e["ev"] == "graph_replay")
+        if n != expect["replays"]:
+            problems.append(f"{n} graph_replay events, expected {expect['replays']}")
+    return {**result, "ok": not problems, "rules": sorted(rules), "events": len(evs),
+            "why": "; ".join(problems)}
+
+
+def placement() -> dict:
+    out = subprocess.run([sys.executable, "-m", "sanitizer.place.gpu_check", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    try:
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"ok": False, "why": (out.stdout + out.stderr)[-1500:]}
+    return {"ok": r.get("agreement") == 1.0, **r}
+
+
+def overhead(work: str) -> dict:
+    med = {}
+    for level in (None, "alloc", "full"):
+        label = level or "bare"
+        run = _run(DECODE_STEP, _env(level, os.path.join(work, f"overhead-{label}"), ""), timeout=300)
+        if run.returncode != 0:
+            return {"ok": False, "why": f"{label}: " + run.stderr[-1500:]}
+        med[label] = json.loads(run.stdout.strip().splitlines()[-1])["median"]
+    return {"ok": True, "ms_per_step": {k: round(v * 1e3, 3) for k, v in med.items()},
+            "vs_bare": {k: round(v / med["bare"], 3) for k, v in med.items()}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--keep", help="keep the traces in this directory")
+    p.add_argument("--only", help="comma-separated scenario names (default: all)")
+    args = p.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_selfcheck: no CUDA device", file=sys.stderr)
+        return 2
+    work = args.keep or tempfile.mkdtemp(prefix="hazsan-gpucheck-")
+    os.makedirs(work, exist_ok=True)
+    names = args.only.split(",") if args.only else list(SCENARIOS)
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "scenarios": [scenario(n, work) for n in names],
+               "placement": placement(), "overhead": overhead(work), "traces": work}
+    ok = all(s["ok"] for s in results["scenarios"]) and results["placement"]["ok"] and results["overhead"]["ok"]
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(f"hazsan GPU self-check on {results['device']} (torch {results['torch']}), traces in {work}")
+        for s in results["scenarios"]:
+            print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['scenario']:<26} rules {s.get('rules')} "
+                  f"({s['seconds']} s){'  -- ' + s['why'] if s.get('why') else ''}")
+        pl = results["placement"]
+        print(f"  {'ok  ' if pl['ok'] else 'FAIL'} placement model vs caching allocator: "
+              f"{pl.get('agreement')} agreement {pl.get('disagreements') or pl.get('why') or ''}")
+        ov = results["overhead"]
+        if ov["ok"]:
+            print("  capture overhead per decode-like step (ms): "
+                  + ", ".join(f"{k} {v} ({ov['vs_bare'][k]}x)" for k, v in ov["ms_per_step"].items()))
+        else:
+            print(f"  FAIL overhead: {ov['why']}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
