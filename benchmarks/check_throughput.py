@@ -187,7 +187,7 @@ def timed(fn):
 
 
 def time_hazsan_sample(sample: Path, peer_completion: str, repeats: int) -> tuple[Timing, object]:
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
     runs, result = [], None
     for _ in range(repeats):
@@ -211,7 +211,7 @@ def time_parse_floor(sample: Path, repeats: int) -> Timing:
 
 
 def profile_hazsan_sample(sample: Path, peer_completion: str, top: int) -> str:
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
     prof = cProfile.Profile()
     prof.enable()

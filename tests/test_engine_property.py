@@ -305,7 +305,7 @@ def engine_backend(name):
 
 
 def analyze_scenario(scenario: Scenario, backend=None):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
     with tempfile.TemporaryDirectory() as tmp, engine_backend(backend):
         paths = write_traces(Path(tmp), scenario)

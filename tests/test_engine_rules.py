@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 from tracebuilder import Trace
 
 A, B = 0x10000, 0x20000

@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from sanitizer.report import render
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
     analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
                        max_per_group=args.max_per_group)
