@@ -97,8 +97,7 @@ def extensions() -> list[Extension]:
     modules = [Extension("sanitizer.rules.engine", ["sanitizer/rules/engine.py"]),
                Extension("sanitizer.order.clocks", ["sanitizer/order/clocks.py"])]
     return cythonize(modules, language_level=3, quiet=True,
-                     compiler_directives={"boundscheck": False, "wraparound": False,
-                                          "binding": False, "embedsignature": False})
+                     compiler_directives={"binding": False, "annotation_typing": False})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithPth})

@@ -18,10 +18,12 @@ import msgspec
 
 #: Names of streams, events, blocks, collectives, graphs, communicators and pools.
 Key = Union[int, str]
-#: Sizes of ranges are never negative (docs/trace-format.md: settled).
-Size = Annotated[int, msgspec.Meta(ge=0)]
+#: Device addresses, and sizes (never negative: docs/trace-format.md, settled), both below 2**62 so
+#: that an end address fits a signed 64-bit integer in the compiled engine.
+Addr = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+Size = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 #: A `[addr, size]` pair of a launch's reads or writes.
-Range = tuple[int, Size]
+Range = tuple[Addr, Size]
 
 
 class Event(msgspec.Struct, tag_field="ev", forbid_unknown_fields=True, kw_only=True, gc=False):
@@ -37,30 +39,30 @@ class Event(msgspec.Struct, tag_field="ev", forbid_unknown_fields=True, kw_only=
 
 
 class Segment(Event, tag="segment"):
-    addr: int
+    addr: Addr
     size: Size
     pool: Optional[Key]
 
 
 class SegmentFree(Event, tag="segment_free"):
-    addr: int
+    addr: Addr
     pool: Optional[Key] = None
 
 
 class Window(Event, tag="window"):
-    addr: int
+    addr: Addr
     size: Size
     comm: Key
 
 
 class WindowFree(Event, tag="window_free"):
-    addr: int
+    addr: Addr
     comm: Key
 
 
 class Alloc(Event, tag="alloc"):
     id: Key
-    addr: int
+    addr: Addr
     size: Size
     stream: Key
     pool: Optional[Key]
@@ -91,7 +93,7 @@ class Launch(Event, tag="launch"):
 class Buf(msgspec.Struct, gc=False):
     """One buffer of a collective."""
 
-    addr: int
+    addr: Addr
     size: Size
     access: Literal["r", "w", "rw"]
 
