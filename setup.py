@@ -12,7 +12,7 @@ installs too: the line that starts capture in every interpreter when HAZSAN=1.
 """
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -23,21 +23,19 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-ENGINE_SOURCES = ("sanitizer/rules/engine.py", "sanitizer/rules/engine.pxd",
-                  "sanitizer/order/clocks.py", "sanitizer/order/clocks.pxd")
-DIGEST_FILE = "sanitizer/rules/engine_build.digest"
 PTH = "hooks/hazsan_capture.pth"
 REQUIRED = bool(os.environ.get("HAZSAN_REQUIRE_COMPILED"))
 
 
-def source_digest() -> str:
-    """Of the engine's source; the driver refuses a compiled engine built from other source."""
-    h = hashlib.sha256()
-    for name in ENGINE_SOURCES:
-        p = ROOT / name
-        if p.exists():
-            h.update(name.encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:16]
+def _buildinfo():
+    """sanitizer/rules/buildinfo.py, loaded by path (the package's dependencies are not here)."""
+    spec = importlib.util.spec_from_file_location("hazsan_buildinfo", ROOT / "sanitizer/rules/buildinfo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILDINFO = _buildinfo()
 
 
 def warn(exc: BaseException) -> None:
@@ -56,11 +54,13 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers: go on without it
             warn(exc)
             return
-        (Path(self.build_lib if not self.inplace else ROOT) / DIGEST_FILE).parent.mkdir(parents=True, exist_ok=True)
+        if not self.extensions:
+            return
+        # where the compiled modules went: in the tree (editable, --inplace) and/or build_lib
         for base in {Path(self.build_lib), ROOT} if self.inplace or self.editable_mode else {Path(self.build_lib)}:
-            target = base / DIGEST_FILE
+            target = base / BUILDINFO.DIGEST_FILE
             if target.parent.exists():
-                target.write_text(source_digest() + "\n")
+                target.write_text(BUILDINFO.source_digest(ROOT) + "\n")
 
     def build_extension(self, ext):
         try:

@@ -18,16 +18,26 @@ def add_arguments(p) -> None:
                         "same communicator is (for barrier-less symmetric kernels)")
     p.add_argument("--lenient", action="store_true",
                    help="skip and count malformed lines instead of failing with exit 2")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also print which engine ran (compiled or interpreted), events and events/s, on stderr")
     p.add_argument("--max-per-group", type=int, default=100, metavar="N",
                    help="list at most N findings per rule and call site (all are counted; 0: no limit)")
 
 
 def run(args) -> int:
+    import time
+
     from sanitizer.report import render
     from sanitizer.rules.driver import analyze
 
+    started = time.perf_counter()
     analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
                        max_per_group=args.max_per_group)
+    if args.verbose:
+        s = analysis.summary
+        seconds = time.perf_counter() - started
+        print(f"hazsan: engine: {s.get('engine')}; {s['events']:,} events from {s['ranks']} rank(s) "
+              f"in {seconds:.2f} s ({s['events'] / max(seconds, 1e-9):,.0f} events/s)", file=sys.stderr)
     sys.stdout.write(render(analysis, args.format))
     if args.format != "text":
         for e in analysis.errors:

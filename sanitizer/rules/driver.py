@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sanitizer.rules import buildinfo
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
 from sanitizer.trace.events import EventDecoder
 from sanitizer.trace.reader import TraceError, TraceFile, expand_paths, open_trace
@@ -81,24 +82,30 @@ def compiled_available() -> tuple[bool, str | None]:
     if missing:
         return False, (f"the compiled engine is not built ({', '.join(missing)} run from source); "
                        "reinstall with a C compiler: pip install -e .")
+    root = Path(engine_mod.__file__).resolve().parents[2]
+    source = buildinfo.source_digest(root)
+    if source is not None and source != buildinfo.built_digest(root):
+        return False, ("the compiled engine was built from another version of its source; "
+                       "rebuild: pip install -e . (or python setup.py build_ext --inplace)")
     return True, None
 
 
 def load_engine(choice: str | None = None):
-    """(engine module, 'compiled' or 'interpreted') for `choice` (default: $HAZSAN_ENGINE or auto)."""
+    """(engine module, 'compiled' or 'interpreted', why the compiled one did not run or None) for
+    `choice` (default: $HAZSAN_ENGINE, else auto)."""
     choice = (choice if choice is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "interpreted":
-        return _load_interpreted(), "interpreted"
+        return _load_interpreted(), "interpreted", None
     ok, why = compiled_available()
     if ok:
         import sanitizer.rules.engine as engine_mod
 
-        return engine_mod, "compiled"
+        return engine_mod, "compiled", None
     if choice == "compiled" or os.environ.get(REQUIRE_ENV):
-        raise RuntimeError(why)
-    return _load_interpreted(), "interpreted"
+        raise RuntimeError(f"{ENV}={choice}: {why}" if choice == "compiled" else f"{REQUIRE_ENV} is set: {why}")
+    return _load_interpreted(), "interpreted", why
 
 
 # ----------------------------------------------------------------------------- the run
@@ -161,11 +168,12 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
         raise ValueError("peer_completion must be 'local' or 'successor'")
     sink = FindingSink(max_per_group=max_per_group)
     try:
-        eng, engine_kind = load_engine(engine)
+        eng, engine_kind, fallback = load_engine(engine)
     except (ValueError, RuntimeError) as exc:
         return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, None), [TraceError(ENV, None, str(exc))], [])
     errors: list[TraceError] = []
-    warnings: list[str] = []
+    # auto, and the compiled engine is missing: say so once (it is several times slower)
+    warnings: list[str] = [f"running the interpreted engine: {fallback}"] if fallback else []
     skipped = 0
     try:
         files = expand_paths(paths)
