@@ -5,7 +5,10 @@ VPY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-$(VENV)/.installed: pyproject.toml
+# setup.py compiles the engine's source with Cython: a change there reinstalls (and recompiles).
+ENGINE_SRC := setup.py sanitizer/rules/engine.py sanitizer/rules/engine.pxd sanitizer/order/clocks.py sanitizer/order/clocks.pxd
+
+$(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"

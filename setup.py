@@ -62,13 +62,6 @@ class OptionalBuildExt(build_ext):
             if target.parent.exists():
                 target.write_text(BUILDINFO.source_digest(ROOT) + "\n")
 
-    def build_extension(self, ext):
-        try:
-            super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001
-            warn(exc)
-            raise
-
 
 class BuildPyWithPth(build_py):
     """Copies the capture .pth line to the wheel's top level (site-packages)."""
