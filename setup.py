@@ -89,8 +89,12 @@ def extensions() -> list[Extension]:
         return []
     modules = [Extension("sanitizer.rules.engine", ["sanitizer/rules/engine.py"]),
                Extension("sanitizer.order.clocks", ["sanitizer/order/clocks.py"])]
-    return cythonize(modules, language_level=3, quiet=True,
-                     compiler_directives={"binding": False, "annotation_typing": False})
+    try:
+        return cythonize(modules, language_level=3, quiet=True,
+                         compiler_directives={"binding": False, "annotation_typing": False})
+    except Exception as exc:  # noqa: BLE001 - Cython could not translate: the interpreted engine runs
+        warn(exc)
+        return []
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithPth})

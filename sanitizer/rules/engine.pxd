@@ -2,6 +2,8 @@
 # when interpreted). Only declarations here, no logic.
 import cython
 
+from sanitizer.order.clocks cimport StreamClocks
+
 
 cdef class Block:
     cdef public object id, stream, pool, site, stack, op, record_streams, window, step
@@ -46,7 +48,8 @@ cdef class SeenIds:
 
 
 cdef class RankAnalyzer:
-    cdef public object file, rank, sink, matcher, clocks, step, transients
+    cdef public object file, rank, sink, matcher, step, transients
+    cdef public StreamClocks clocks
     cdef public bint successor
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
     cdef public RangeIndex live_ranges
@@ -55,8 +58,13 @@ cdef class RankAnalyzer:
     cdef public set steps_seen
     cdef public Py_ssize_t line, events, unrecorded_waits, counted_drops, hook_errors
 
-    @cython.locals(line=Py_ssize_t)
+    @cython.locals(line=Py_ssize_t, kind=type)
     cpdef feed_batch(self, Py_ssize_t first, list items, list problems)
+    cpdef on_record(self, object ev, Py_ssize_t line)
+    cpdef on_wait(self, object ev, Py_ssize_t line)
+    cpdef on_scope(self, object ev, Py_ssize_t line)
+    cpdef on_record_stream(self, object ev, Py_ssize_t line)
+    cpdef on_free_done(self, object ev, Py_ssize_t line)
 
     @cython.locals(hits=dict, vh=dict, vx=dict, fl=InFlight, epochs=list, ops=list, op=Op,
                    known=cython.longlong, h=cython.longlong, i=Py_ssize_t, n=Py_ssize_t,

@@ -43,6 +43,7 @@ import cython
 from sanitizer.order.clocks import StreamClocks
 from sanitizer.rules.findings import ERROR, Finding, severity_of
 from sanitizer.trace import events as E
+from sanitizer.trace.events import Alloc, Free, Launch, Record, Scope, Wait
 
 READ, WRITE = 1, 2
 LOCAL, SUCCESSOR = "local", "successor"
@@ -325,8 +326,23 @@ class RankAnalyzer:
             if ev is None:
                 continue
             self.line = line
+            kind = type(ev)
             try:
-                handlers[type(ev)](ev, line)
+                # the frequent kinds first (a direct call when compiled), the others by table
+                if kind is Launch:
+                    self.on_launch(ev, line)
+                elif kind is Alloc:
+                    self.on_alloc(ev, line)
+                elif kind is Free:
+                    self.on_free(ev, line)
+                elif kind is Record:
+                    self.on_record(ev, line)
+                elif kind is Wait:
+                    self.on_wait(ev, line)
+                elif kind is Scope:
+                    pass
+                else:
+                    handlers[kind](ev, line)
             except Malformed as exc:
                 problems.append((line, str(exc)))
                 continue
