@@ -262,7 +262,7 @@ def write_traces(directory: Path, scenario: Scenario) -> list[Path]:
 def identity(f) -> tuple:
     """What must match between engine and reference; works for both kinds of finding object."""
     if f.rule in PAIR_RULES:
-        op_line = f.op["line"] if isinstance(getattr(f, "op", None), dict) else f.op_line
+        op_line = f.op.line if hasattr(getattr(f, "op", None), "line") else f.op_line
         return (f.rule, f.rank, f.line, op_line)
     if f.rule == "transient-in-window":
         return (f.rule, f.rank, f.site, f.count, f.bytes)

@@ -41,7 +41,7 @@ from bisect import bisect_right
 import cython
 
 from sanitizer.order.clocks import StreamClocks
-from sanitizer.rules.findings import ERROR, Finding, severity_of
+from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.trace import events as E
 from sanitizer.trace.events import Alloc, Free, Launch, Record, Scope, Wait
 
@@ -79,23 +79,6 @@ class Block:
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
 
-    def describe(self) -> dict:
-        w = self.window
-        return {
-            "id": self.id,
-            "addr": self.addr,
-            "size": self.end - self.addr,
-            "stream": self.stream,
-            "pool": self.pool,
-            "window": w.comm if w else None,
-            "window_offset": self.addr - w.addr if w else None,
-            "site": self.site,
-            "stack": self.stack,
-            "op": self.op,
-            "line": self.line,
-            "step": self.step,
-        }
-
 
 class Op:
     """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
@@ -126,15 +109,6 @@ class Op:
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
         return op
-
-    def describe(self) -> dict:
-        out = {"kind": self.kind, "op": self.name, "stream": self.stream, "line": self.line,
-               "step": self.step, "site": self.site, "stack": self.stack}
-        if self.kind == "coll":
-            out.update(cid=self.cid, comm=self.comm, seq=self.seq)
-        if self.captured is not None:
-            out["replay_of_line"] = self.captured.line
-        return out
 
 
 class Window:
@@ -741,8 +715,8 @@ class RankAnalyzer:
 
     def _report(self, rule, line, block, op, overlap, detail=None, access_op=None):
         f = Finding(rule=rule, severity=severity_of(rule), rank=self.rank, step=self.step,
-                    file=self.file, line=line, block=block.describe() if block else None,
-                    op=op.describe(), overlap=tuple(overlap), detail=detail)
+                    file=self.file, line=line, block=BlockRecord.of(block) if block else None,
+                    op=OpRecord.of(op), overlap=tuple(overlap), detail=detail)
         if access_op is not None:
             f.block = self._block_at(overlap[0], overlap[1])
             f.detail = (f"{access_op.kind} {access_op.name or ''} on stream {access_op.stream!r} "
@@ -754,7 +728,7 @@ class RankAnalyzer:
         """The live block holding [lo, hi), for display (linear: only on findings)."""
         for block in self.live.values():
             if block.addr < hi and lo < block.end:
-                return block.describe()
+                return BlockRecord.of(block)
         return None
 
     def _transient(self, block: Block, line) -> None:
@@ -764,7 +738,7 @@ class RankAnalyzer:
         if f is None:
             f = self.transients[key] = Finding(
                 rule="transient-in-window", severity=severity_of("transient-in-window"), rank=self.rank,
-                step=self.step, file=self.file, line=line, block=block.describe(), op=None,
+                step=self.step, file=self.file, line=line, block=BlockRecord.of(block), op=None,
                 overlap=None, count=1, bytes=size, site=block.site,
                 detail=f"window of communicator {block.window.comm!r}")
         else:
@@ -855,10 +829,8 @@ class CollectiveMatcher:
         sig, an, op, step = value
         if sig == ref_sig:
             return
-        ref = ref_op.describe()
-        ref.update(rank=ref_rank, file=ref_an.file, window_bufs=_sig_dict(ref_sig))
-        mine = op.describe()
-        mine.update(window_bufs=_sig_dict(sig))
+        ref = OpRecord.of(ref_op, rank=ref_rank, file=ref_an.file, window_sig=ref_sig)
+        mine = OpRecord.of(op, window_sig=sig)
         self.sink.add(Finding(
             rule="asymmetric-offset", severity=ERROR, rank=rank, step=step, file=an.file,
             line=op.line, block=mine, op=ref, overlap=None, site=op.site,
@@ -872,9 +844,3 @@ class CollectiveMatcher:
             self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
         self.pending.clear()
         self.settled.clear()
-
-
-def _sig_dict(sig):
-    return [{"window": o, "offset": off, "size": size} for o, off, size in sig]
-
-
