@@ -32,10 +32,19 @@ cdef class RangeIndex:
     cdef public list los, items
     cdef public long long max_len
 
+    @cython.locals(i=Py_ssize_t)
+    cpdef add(self, long long lo, long long hi, object item)
+
+    @cython.locals(i=Py_ssize_t)
+    cpdef remove(self, long long lo, object item)
+
 
 cdef class InFlight:
     cdef public list ops, epochs
     cdef public Py_ssize_t start
+
+    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t)
+    cpdef list retire_upto(self, long long known)
 
 
 cdef class SuccessorWait:
@@ -45,6 +54,8 @@ cdef class SuccessorWait:
 cdef class SeenIds:
     cdef public object lo, hi
     cdef public set other
+
+    cpdef bint add(self, object key)
 
 
 cdef class RankAnalyzer:
