@@ -116,3 +116,14 @@ def test_without_a_compiler_the_build_warns_once_and_goes_on(tmp_path):
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=proj, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "HAZSAN_REQUIRE_COMPILED is set and the compiled engine did not build" in r.stderr
+
+
+def test_the_interpreted_engine_needs_no_cython(tmp_path):
+    """Cython is a build requirement only: the interpreted engine runs where it is not installed."""
+    code = ("import sys; sys.modules['cython'] = None; sys.modules['Cython'] = None\n"
+            "from sanitizer.rules.driver import analyze\n"
+            f"a = analyze([{str(EXAMPLES / 'reuse-in-flight.jsonl')!r}], engine='interpreted')\n"
+            "print(a.summary['engine'], a.summary['by_rule'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("interpreted {") and "reuse-in-flight" in r.stdout

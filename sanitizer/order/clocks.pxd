@@ -1,5 +1,5 @@
 # Types for Cython's compile of clocks.py (pure-Python mode; clocks.py is the source).
-import cython
+cimport cython
 
 
 @cython.locals(changed=bint)

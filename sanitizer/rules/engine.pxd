@@ -1,6 +1,6 @@
 # Types for Cython's compile of engine.py (pure-Python mode: engine.py is the source, run as it is
 # when interpreted). Only declarations here, no logic.
-import cython
+cimport cython
 
 from sanitizer.order.clocks cimport StreamClocks
 

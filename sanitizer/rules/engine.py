@@ -38,8 +38,6 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-import cython
-
 from sanitizer.order.clocks import StreamClocks
 from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.trace import events as E
