@@ -64,3 +64,13 @@ def test_unknown_kinds_and_fields_are_counted_and_the_rest_decoded():
 def test_blank_lines_and_a_cut_last_line():
     _, events, problems, cut = decode(b'\n', b'{"ev":"step","n":1}\n', b'{"ev":"fre')
     assert events == [None, E.Step(n=1)] and problems == [] and cut == [4]
+
+
+def test_address_range_covers_the_modelled_windows():
+    from sanitizer.capture.window import WINDOW_BASE
+
+    line = b'{"ev":"window","addr":%d,"size":%d,"comm":"tp"}\n'
+    _, [ev], problems, _ = decode(line % (WINDOW_BASE + 4096, 1 << 40))
+    assert problems == [] and ev.addr == WINDOW_BASE + 4096
+    _, _, problems, _ = decode(line % (3 << 61, 64))   # beyond: the end would not fit 64 bits
+    assert problems and "field 'addr' must be an integer" in problems[0][1]

@@ -324,7 +324,7 @@ class RankAnalyzer:
 
     def _not_done(self, stream, lo, hi, access, protected=None):
         """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
-        for `stream` (DESIGN 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
+        for `stream` (docs/design.md 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
         hits = None
         clocks = self.clocks
         vh = clocks.host

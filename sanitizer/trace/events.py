@@ -18,10 +18,12 @@ import msgspec
 
 #: Names of streams, events, blocks, collectives, graphs, communicators and pools.
 Key = Union[int, str]
-#: Device addresses, and sizes (never negative: docs/trace-format.md, settled), both below 2**62 so
-#: that an end address fits a signed 64-bit integer in the compiled engine.
-Addr = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
-Size = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+#: Device addresses below 3 * 2**61 (user space is below 2**57; capture models CPU symmetric windows
+#: from 2**62 up, sanitizer/capture/window.py) and sizes below 2**61 (never negative:
+#: docs/trace-format.md, settled): an end address then fits a signed 64-bit integer in the
+#: compiled engine.
+Addr = Annotated[int, msgspec.Meta(ge=0, lt=3 << 61)]
+Size = Annotated[int, msgspec.Meta(ge=0, lt=1 << 61)]
 #: A `[addr, size]` pair of a launch's reads or writes.
 Range = tuple[Addr, Size]
 
