@@ -67,7 +67,8 @@ cdef class RankAnalyzer:
     cdef public list windows, capturing, live_graphs
     cdef public SeenIds cids
     cdef public set steps_seen
-    cdef public Py_ssize_t line, events, unrecorded_waits, counted_drops, hook_errors
+    cdef public Py_ssize_t line, events, unrecorded_waits
+    cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
     @cython.locals(line=Py_ssize_t, kind=type)
     cpdef feed_batch(self, Py_ssize_t first, list items, list problems)
