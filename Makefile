@@ -15,7 +15,10 @@ SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq t
 # `make test VLLM_PIN=vllm==0.34.0` installs it (--no-deps) on a fresh venv.
 VLLM_PIN ?=
 
-$(VENV)/.installed: pyproject.toml
+# setup.py compiles the engine's source with Cython: a change there reinstalls (and recompiles).
+ENGINE_SRC := setup.py sanitizer/rules/engine.py sanitizer/rules/engine.pxd sanitizer/order/clocks.py sanitizer/order/clocks.pxd
+
+$(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"

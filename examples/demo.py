@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE / "traces"))
 from make_traces import SCENARIOS  # noqa: E402
 
 from sanitizer.report import render  # noqa: E402
-from sanitizer.rules.engine import analyze  # noqa: E402
+from sanitizer.rules.driver import analyze  # noqa: E402
 
 
 def trace_tour() -> bool:

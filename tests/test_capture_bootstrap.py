@@ -156,7 +156,7 @@ def _start_loop(tmp_path, extra=None):
 
 
 def test_sigkill_leaves_parsable_trace_up_to_last_flush(tmp_path):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     proc = _start_loop(tmp_path)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -209,7 +209,7 @@ print(y, t.tolist())
 
 
 def test_exception_in_hook_does_not_reach_program(tmp_path):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     out = py(INJECT.format(rdv=tmp_path / "rdv"), {"HAZSAN": "1", "HAZSAN_DIR": str(tmp_path / "t")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "90.0 [1.0, 1.0, 1.0, 1.0]"
@@ -223,7 +223,7 @@ def test_exception_in_hook_does_not_reach_program(tmp_path):
 
 
 def test_event_cap_drops_are_counted_in_trace_and_report(tmp_path):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     out = py("""
         import torch, sanitizer
         for n in range(40):

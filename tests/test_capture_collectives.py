@@ -164,7 +164,7 @@ def test_completion_observed_when_the_host_sees_it(four):
 
 
 def test_whole_run_is_valid_and_clean(four):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     d, _ = four
     a = analyze([d / "traces"])
     assert not a.errors, a.errors

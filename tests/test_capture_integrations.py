@@ -135,7 +135,7 @@ FORK = textwrap.dedent('''
 
 
 def test_fork_child_writes_its_own_trace(tmp_path):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     (tmp_path / "fork.py").write_text(FORK)
     env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(tmp_path / "t"))
     out = subprocess.run([sys.executable, "fork.py"], cwd=tmp_path, env=env, capture_output=True,

@@ -211,7 +211,7 @@ def test_symmetric_scope_places_blocks_in_modelled_window(run):
 
 def test_trace_is_clean_for_the_engine(run, tmp_path):
     """The whole single-process trace is valid input: no malformed lines, one finding class only."""
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     _, events, _, _ = run
     p = tmp_path / "t.jsonl"
     with open(p, "w") as f:

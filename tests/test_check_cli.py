@@ -9,7 +9,10 @@ import sys
 import pytest
 
 from sanitizer.cli import main
-from sanitizer.rules.engine import RankAnalyzer, analyze, FindingSink, CollectiveMatcher
+from sanitizer.rules.driver import analyze
+from sanitizer.rules.engine import CollectiveMatcher, RankAnalyzer
+from sanitizer.rules.findings import FindingSink
+from sanitizer.trace.events import EventDecoder
 from sanitizer.trace.reader import open_trace
 from tracebuilder import Trace
 
@@ -209,9 +212,12 @@ def test_memory_stays_bounded_by_in_flight_work(tmp_path):
         t.ev("sync")
     trace = open_trace(t.write(tmp_path / "long.jsonl"))
     sink = FindingSink()
-    an = RankAnalyzer(trace, sink, CollectiveMatcher(sink, enabled=False))
+    an = RankAnalyzer(str(trace.path), trace.rank, sink, CollectiveMatcher(sink, enabled=False))
     peak = 0
-    for line, ev in trace.events():
+    decoded = []
+    for first, raws in trace.line_batches():
+        decoded.extend(enumerate(EventDecoder().decode(first, raws, []), first))
+    for line, ev in decoded:
         an.feed(line, ev)
         inflight = sum(len(fl.epochs) - fl.start for fl in an.inflight.values())
         stored = sum(len(fl.epochs) for fl in an.inflight.values())

@@ -4,12 +4,11 @@ The generator writes well-formed schema-1 traces (ids allocated before they are 
 recorded before they are waited on, unique cids, per-comm seqs, graphs captured before replayed)
 over a small address space, so overlaps, windows, graphs and cross-stream races are frequent.
 `tests/reference_model.py` replays the same events with all-pairs checks and no indexes; the
-engine (`sanitizer.rules.engine.analyze`) reads the files written here. Any difference is a bug
+engine (`sanitizer.rules.driver.analyze`, compiled and interpreted) reads the files written here. Any difference is a bug
 in one of them: DESIGN.md decides which.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -263,7 +262,7 @@ def write_traces(directory: Path, scenario: Scenario) -> list[Path]:
 def identity(f) -> tuple:
     """What must match between engine and reference; works for both kinds of finding object."""
     if f.rule in PAIR_RULES:
-        op_line = f.op["line"] if isinstance(getattr(f, "op", None), dict) else f.op_line
+        op_line = f.op.line if hasattr(getattr(f, "op", None), "line") else f.op_line
         return (f.rule, f.rank, f.line, op_line)
     if f.rule == "transient-in-window":
         return (f.rule, f.rank, f.site, f.count, f.bytes)
@@ -279,38 +278,30 @@ def overlaps_by_identity(findings) -> dict:
 
 
 def _backends() -> list:
-    """Both per-rank engines where the C one is built (HAZSAN_ENGINE selects), else analyze()'s."""
-    try:
-        from sanitizer.rules import native
-    except ImportError:
-        return [None]
-    return ["python", "native"] if native.available else ["python"]
+    """Both builds of the one engine: the interpreted source and its compiled form. The compiled
+    one is required where HAZSAN_REQUIRE_COMPILED is set (CI): there the test fails, not skips."""
+    from sanitizer.rules.driver import REQUIRE_ENV, compiled_available
+
+    ok, why = compiled_available()
+    if not ok and os.environ.get(REQUIRE_ENV):
+        raise RuntimeError(f"{REQUIRE_ENV} is set: {why}")
+    return ["interpreted", "compiled"] if ok else ["interpreted"]
 
 
 BACKENDS = _backends()
 
 
-@contextlib.contextmanager
-def engine_backend(name):
-    saved = os.environ.get("HAZSAN_ENGINE")
-    if name is not None:
-        os.environ["HAZSAN_ENGINE"] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("HAZSAN_ENGINE", None)
-        else:
-            os.environ["HAZSAN_ENGINE"] = saved
-
-
 def analyze_scenario(scenario: Scenario, backend=None):
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
-    with tempfile.TemporaryDirectory() as tmp, engine_backend(backend):
+    with tempfile.TemporaryDirectory() as tmp:
         paths = write_traces(Path(tmp), scenario)
         # max_per_group=0: list every finding (the default keeps 100 per rule and call site).
-        return analyze([str(p) for p in paths], peer_completion=scenario.peer_completion, max_per_group=0)
+        result = analyze([str(p) for p in paths], peer_completion=scenario.peer_completion,
+                         max_per_group=0, engine=backend)
+    if backend is not None:
+        assert result.summary["engine"] == backend
+    return result
 
 
 def check_against_reference(scenario: Scenario, semantics: Semantics = SEMANTICS, backend=None) -> None:

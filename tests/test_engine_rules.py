@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 from tracebuilder import Trace
 
 A, B = 0x10000, 0x20000
@@ -357,3 +357,52 @@ def test_many_steps_across_ranks_match_by_comm_and_seq(tmp_path):
         ts.append(t)
     a = run(tmp_path, *ts)
     assert [(f.rule, f.rank, f.block["seq"]) for f in a.findings] == [("asymmetric-offset", 2, 2500)]
+
+
+# ---------------------------------------------------------------- settled by the implementation
+
+
+def test_wait_on_a_never_recorded_event_is_a_no_op(tmp_path):
+    """cudaStreamWaitEvent on a never-recorded event does nothing: no error, no ordering."""
+    t = Trace()
+    t.alloc(1, A, KB4, stream="s0")
+    t.coll(1, stream="comm", bufs=[(A, KB4, "w")])
+    t.ev("wait", event="never", stream="s0")          # orders nothing
+    read = t.launch("s0", reads=[(A, KB4)])
+    a = run(tmp_path, t)
+    assert a.errors == [] and rules(a) == [("unordered-access", read)]
+    assert any("1 wait/sync on an event never recorded (no-op)" in w for w in a.warnings)
+
+
+def test_record_stream_on_its_own_stream_then_free_done_is_accepted(tmp_path):
+    t = Trace()
+    t.alloc(1, A, KB4, stream="s0")
+    t.launch("s0", writes=[(A, KB4)])
+    t.ev("record_stream", id=1, stream="s0")            # its own stream: ignored
+    t.free(1)
+    t.ev("free_done", id=1)                             # follows that free: a no-op, not malformed
+    t.alloc(2, A, KB4, stream="s0")
+    a = run(tmp_path, t)
+    assert a.errors == [] and a.findings == [] and a.exit_code() == 0
+    t.ev("free_done", id=1)                             # a second one has no free to follow
+    a = run(tmp_path, t)
+    assert [e.line for e in a.errors] == [len(t.events) + 1]
+    assert "free_done with no pending free for id 1" in a.errors[0].message
+
+
+@pytest.mark.parametrize("body,field", [
+    ('{"ev": "launch", "stream": "s0", "reads": [[4096, -1]]}', "reads[0][1]"),
+    ('{"ev": "launch", "stream": "s0", "writes": [[4096, 16], [8192, -16]]}', "writes[1][1]"),
+    ('{"ev": "coll", "cid": 5, "comm": "tp", "seq": 5, "op": "x", "stream": "c", "bufs": [{"addr": 1, "size": -8, "access": "r"}]}', "bufs[0].size"),
+    ('{"ev": "alloc", "id": 9, "addr": 4096, "size": -1, "stream": "s0", "pool": 0}', "size"),
+    ('{"ev": "window", "addr": 4096, "size": -1, "comm": "tp"}', "size"),
+])
+def test_negative_sizes_are_malformed(tmp_path, body, field):
+    t = Trace()
+    t.alloc(1, A, KB4, stream="s0")
+    p = t.write(tmp_path / "neg.jsonl")
+    p.write_text(p.read_text() + body + "\n")
+    a = analyze([p])
+    assert a.exit_code() == 2 and [e.line for e in a.errors] == [3]
+    assert field in a.errors[0].message and ">= 0" in a.errors[0].message, a.errors[0].message
+    assert str(a.errors[0]).startswith(f"{p}:3: ") and "\n" not in str(a.errors[0])

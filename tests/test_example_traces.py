@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 
 TRACES = Path(__file__).resolve().parents[1] / "examples" / "traces"
 sys.path.insert(0, str(TRACES))

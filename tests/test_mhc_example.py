@@ -15,7 +15,7 @@ from examples.mhc_decode.decode import RunConfig, Schedule  # noqa: E402
 from examples.mhc_decode.model import ModelConfig  # noqa: E402
 from examples.mhc_decode.sweep import main as sweep_main  # noqa: E402
 from sanitizer.proof.outcomes import read_outcomes  # noqa: E402
-from sanitizer.rules.engine import analyze  # noqa: E402
+from sanitizer.rules.driver import analyze  # noqa: E402
 from sanitizer.trace.reader import open_trace  # noqa: E402
 
 SMALL = ["--hidden", "512", "--layers", "1", "--batch", "4", "--steps", "4", "--request-steps", "2",

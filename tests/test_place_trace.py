@@ -8,7 +8,7 @@ import pytest
 from sanitizer.cli import main
 from sanitizer.place import MB
 from sanitizer.place.replay import FOREIGN_BASE
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 
 HEADER = {"hazsan": 1, "rank": 0, "world_size": 1, "device": "cpu"}
 

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sanitizer.place import CachingAllocator, Arena  # noqa: E402
-from sanitizer.rules.engine import analyze  # noqa: E402
+from sanitizer.rules.driver import analyze  # noqa: E402
 from sanitizer.testbed import (  # noqa: E402
     PeerFailure, SymmetricCommunicator, TestbedError, WindowFiles, spawn)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 HELP = "analyse one or more rank traces (files or directories) and report hazards"
 
@@ -20,6 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lenient", action="store_true",
                    help="skip and count malformed lines instead of failing with exit 2")
     add_limit_arguments(p)
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also print which engine ran (compiled or interpreted), events and events/s, on stderr")
     p.add_argument("--max-per-group", type=int, default=100, metavar="N",
                    help="list at most N findings per rule and call site (all are counted; 0: no limit)")
     p.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
@@ -74,11 +77,14 @@ def apply_limits(args) -> None:
 
 
 def run(args) -> int:
-    from sanitizer.report import render
-    from sanitizer.rules.engine import analyze
+    import time
 
     apply_limits(args)
 
+    from sanitizer.report import render
+    from sanitizer.rules.driver import analyze
+
+    started = time.perf_counter()
     if args.jobs > 1:
         from sanitizer.rules.parallel import analyze_parallel
         analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
@@ -86,6 +92,11 @@ def run(args) -> int:
     else:
         analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
                            max_per_group=args.max_per_group)
+    if args.verbose:
+        s = analysis.summary
+        seconds = time.perf_counter() - started
+        print(f"hazsan: engine: {s.get('engine')}; {s['events']:,} events from {s['ranks']} rank(s) "
+              f"in {seconds:.2f} s ({s['events'] / max(seconds, 1e-9):,.0f} events/s)", file=sys.stderr)
     sys.stdout.write(render(analysis, args.format))
     if args.format != "text":
         for e in analysis.errors:

@@ -104,7 +104,7 @@ def run(args) -> int:
         return 2
 
     from sanitizer.report import render
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
     analysis = analyze([d], peer_completion=args.peer_completion, lenient=args.lenient)
     sys.stdout.write(render(analysis, args.format))

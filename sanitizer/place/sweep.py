@@ -280,7 +280,7 @@ class _Scaler:
 def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig | None = None,
           peer_completion: str = "local", workdir=None, no_split_pools=()) -> list[ScaleResult]:
     """Run the sweep; returns one ScaleResult per scale (in the order given)."""
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     from sanitizer.trace.reader import expand_paths
 
     config = config or AllocatorConfig()

@@ -115,7 +115,7 @@ class RunEvidence:
     label: str
     directory: Path
     files: list[Path]
-    analysis: object  # sanitizer.rules.engine.Analysis
+    analysis: object  # sanitizer.rules.driver.Analysis
     steps_by_rank: dict[int, set[int]]
     outcomes_file: Path | None
     requests: list[RequestResult] | None
@@ -170,7 +170,7 @@ class RunEvidence:
 def load_run(label: str, run_dir, *, peer_completion: str = "local", lenient: bool = False) -> RunEvidence:
     """Analyse a run directory. Raises RunError / OutcomeError on unusable input; trace errors are
     left in `analysis.errors` (the caller reports them and exits 2)."""
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
 
     run_dir = Path(run_dir)
     files = trace_files(run_dir)

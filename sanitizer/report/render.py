@@ -1,4 +1,4 @@
-"""Text, JSON and SARIF renderings of `sanitizer.rules.engine.Analysis`.
+"""Text, JSON and SARIF renderings of `sanitizer.rules.driver.Analysis`.
 
 The text report reads like a sanitizer report: grouped by rule and call site, most severe first,
 with both stacks (the block's and the colliding op's), then totals.

@@ -1,6 +1,9 @@
-"""The analysis engine: streams every rank's events through the ordering state and the six rules.
+"""The happens-before engine: the algorithm, and nothing else (docs/design.md sections 3 and 4).
 
-The algorithm in one place (DESIGN.md sections 3 and 4):
+One statement of the algorithm. It runs as plain Python, and the same file is compiled by Cython
+(pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs,
+and everything around the algorithm (finding the files, reading and decoding them, round-robin
+over ranks, the summary) is sanitizer.rules.driver's.
 
 * Each rank is replayed in program order. `StreamClocks` (sanitizer.order.clocks) answers "is op
   O done for stream X". An op with declared buffers (a `launch` with reads/writes, a `coll` with
@@ -11,37 +14,42 @@ The algorithm in one place (DESIGN.md sections 3 and 4):
   why cost grows with in-flight work, never with trace length.
 * `--peer-completion successor`: a collective's buffers inside a window of its own communicator
   are done for X only once a later (program order, higher seq) collective on that communicator is
-  locally done for X. Those buffers sit on a per-communicator list instead (`_StrictComm`).
+  locally done for X: its successor. Those buffers sit on a per-communicator list instead
+  (`SuccessorWait`).
 * Rules fire on the event that exposes the hazard:
   alloc  -> reuse-in-flight, graph-buffer-released
   free   -> free-in-flight, graph-buffer-released, transient-in-window
   launch / coll / graph_replay -> unordered-access
-  coll (all ranks together) -> asymmetric-offset, matched by (comm, seq) while ranks are read
-  round-robin, so pending matches stay bounded by how far ranks drift apart.
+  coll (all ranks together) -> asymmetric-offset, matched by (comm, seq) while the driver reads
+  ranks round-robin, so pending matches stay bounded by how far ranks drift apart.
 * Captured ops (between graph_begin and graph_end) neither run nor tick clocks; every
   graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved.
+
+Events arrive as typed records (sanitizer.trace.events): the decoder has checked every field's
+type, and that sizes are not negative. What is left to check here is what needs state: ids that
+are unknown, live, duplicate.
+
+Settled (docs/design.md 3.2): a `wait` or `sync` on an event never recorded is a no-op (CUDA's
+cudaStreamWaitEvent on a never-recorded event does nothing), counted for a warning;
+`record_stream` on the block's own stream is ignored, and a `free_done` after a free whose only
+record_stream streams were its own is accepted and changes nothing.
 """
 from __future__ import annotations
 
-import gc
-import os
 from bisect import bisect_right
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from sanitizer.order.clocks import StreamClocks, merge_into
-from sanitizer.rules.findings import ERROR, Finding, FindingSink, severity_of
-from sanitizer.trace.reader import TraceError, TraceFile, expand_paths, open_trace
-from sanitizer.trace.schema import ACCESS_CODES, COMMON_FIELDS, EVENT_FIELDS
+from sanitizer.order.clocks import StreamClocks
+from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
+from sanitizer.trace import events as E
+from sanitizer.trace.events import Alloc, Free, Launch, Record, Scope, Wait
 
 READ, WRITE = 1, 2
-_ALLOWED = {kind: fields | COMMON_FIELDS for kind, fields in EVENT_FIELDS.items()}
 LOCAL, SUCCESSOR = "local", "successor"
-_BATCH = 4096  # events read from one rank before moving to the next
+ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
 
 
 class Malformed(Exception):
-    """A line that breaks the contract (DESIGN.md section 2); the message names the problem."""
+    """An event that breaks the contract given the state (docs/trace-format.md); the message names the problem."""
 
 
 # ----------------------------------------------------------------------------------- records
@@ -61,29 +69,13 @@ class Block:
         self.pool = pool
         self.line = line
         self.step = step
-        self.site = ev.get("site")
-        self.stack = ev.get("stack")
-        self.op = ev.get("op")
-        self.record_streams = None  # set of streams from record_stream
+        self.site = ev.site
+        self.stack = ev.stack
+        self.op = ev.op
+        # None: no record_stream; else the streams other than its own (possibly none)
+        self.record_streams = None
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
-
-    def describe(self) -> dict:
-        w = self.window
-        return {
-            "id": self.id,
-            "addr": self.addr,
-            "size": self.end - self.addr,
-            "stream": self.stream,
-            "pool": self.pool,
-            "window": w.comm if w else None,
-            "window_offset": self.addr - w.addr if w else None,
-            "site": self.site,
-            "stack": self.stack,
-            "op": self.op,
-            "line": self.line,
-            "step": self.step,
-        }
 
 
 class Op:
@@ -99,13 +91,13 @@ class Op:
         self.bufs = bufs
         self.line = line
         self.step = step
-        self.name = ev.get("op")
-        self.site = ev.get("site")
-        self.stack = ev.get("stack")
+        self.name = ev.op
+        self.site = ev.site
+        self.stack = ev.stack
         self.cid = self.comm = self.seq = None
         self.clock = None  # collectives: what their stream knew at enqueue (for coll_done)
         self.captured = None  # replays: the captured op they re-run
-        self.window_bufs = ()  # strict mode: bufs in a window of the op's own communicator
+        self.window_bufs = ()  # successor mode: bufs in a window of the op's own communicator
 
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
@@ -115,15 +107,6 @@ class Op:
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
         return op
-
-    def describe(self) -> dict:
-        out = {"kind": self.kind, "op": self.name, "stream": self.stream, "line": self.line,
-               "step": self.step, "site": self.site, "stack": self.stack}
-        if self.kind == "coll":
-            out.update(cid=self.cid, comm=self.comm, seq=self.seq)
-        if self.captured is not None:
-            out["replay_of_line"] = self.captured.line
-        return out
 
 
 class Window:
@@ -182,14 +165,14 @@ class RangeIndex:
         return len(self.items)
 
 
-class _InFlight:
+class InFlight:
     """Ops of one stream in epoch order; ops[start:] are not yet done for the host."""
 
     __slots__ = ("ops", "epochs", "start")
 
     def __init__(self):
-        self.ops: list[Op] = []
-        self.epochs: list[int] = []
+        self.ops: list = []
+        self.epochs: list = []
         self.start = 0
 
     def retire_upto(self, known: int) -> list[Op]:
@@ -206,8 +189,9 @@ class _InFlight:
         return gone
 
 
-class _StrictComm:
-    """Successor mode: every collective on one communicator, in program order."""
+class SuccessorWait:
+    """Successor mode: every collective on one communicator, in program order, until its
+    successor is done for the host."""
 
     __slots__ = ("colls",)
 
@@ -251,106 +235,88 @@ class SeenIds:
 # ------------------------------------------------------------------------------ one rank
 
 
-def _int(ev, name):
-    v = ev[name]
-    if type(v) is not int:
-        raise Malformed(f"field {name!r} must be an integer, got {v!r}")
-    return v
-
-
 class RankAnalyzer:
     """Replays one rank's events in program order and applies the per-rank rules."""
 
-    def __init__(self, trace: TraceFile, sink: FindingSink, matcher: "CollectiveMatcher",
-                 peer_completion: str = LOCAL):
-        self.trace = trace
-        self.file = str(trace.path)
-        self.rank = trace.rank
+    def __init__(self, file: str, rank: int, sink, matcher, peer_completion: str = LOCAL):
+        if peer_completion not in (LOCAL, SUCCESSOR):
+            raise ValueError(f"peer_completion must be {LOCAL!r} or {SUCCESSOR!r}")
+        self.file = file
+        self.rank = rank
         self.sink = sink
         self.matcher = matcher
-        self.strict = peer_completion == SUCCESSOR
+        self.successor = peer_completion == SUCCESSOR
         self.clocks = StreamClocks()
-        self.inflight: dict[object, _InFlight] = {}
-        self.strict_comms: dict[object, _StrictComm] = {}
-        self.live: dict[object, Block] = {}
+        self.inflight = {}  # stream -> InFlight
+        self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
+        self.live = {}  # block id -> Block
         self.live_ranges = RangeIndex()  # every live block, for collective-buffer marking
-        self.windows: list[Window] = []
-        self.window_ordinals: dict[object, int] = {}
-        self.pending_free: dict[object, list[dict]] = {}
-        self.colls_in_flight: dict[object, Op] = {}
+        self.windows = []
+        self.window_ordinals = {}
+        self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
+        self.colls_in_flight = {}  # cid -> Op
         self.cids = SeenIds()
-        self.graphs: dict[object, Graph] = {}
-        self.capturing: list[Graph] = []
-        self.live_graphs: list[Graph] = []
-        self.transients: dict[object, Finding] = {}
+        self.graphs = {}
+        self.capturing = []
+        self.live_graphs = []
+        self.transients = {}  # site -> Finding
         self.step = None
-        self.steps_seen: set[int] = set()
+        self.steps_seen = set()
         self.line = 0
         self.events = 0
-        self.unknown_kinds: dict[str, int] = {}
-        self.unknown_fields: dict[str, int] = {}
         self.unrecorded_waits = 0
         self.counted_drops = 0
         self.hook_errors = 0
         self.handlers = {
-            "alloc": self.on_alloc, "free": self.on_free, "free_done": self.on_free_done,
-            "record_stream": self.on_record_stream, "launch": self.on_launch, "coll": self.on_coll,
-            "coll_done": self.on_coll_done, "record": self.on_record, "wait": self.on_wait,
-            "sync": self.on_sync, "window": self.on_window, "window_free": self.on_window_free,
-            "segment": self.on_segment, "segment_free": self.on_segment_free,
-            "graph_begin": self.on_graph_begin, "graph_end": self.on_graph_end,
-            "graph_replay": self.on_graph_replay, "graph_free": self.on_graph_free,
-            "scope": self.on_scope, "step": self.on_step, "dropped": self.on_dropped,
-            "hook_error": self.on_hook_error,
+            E.Alloc: self.on_alloc, E.Free: self.on_free, E.FreeDone: self.on_free_done,
+            E.RecordStream: self.on_record_stream, E.Launch: self.on_launch, E.Coll: self.on_coll,
+            E.CollDone: self.on_coll_done, E.Record: self.on_record, E.Wait: self.on_wait,
+            E.Sync: self.on_sync, E.Window: self.on_window, E.WindowFree: self.on_window_free,
+            E.Segment: self.on_segment, E.SegmentFree: self.on_segment_free,
+            E.GraphBegin: self.on_graph_begin, E.GraphEnd: self.on_graph_end,
+            E.GraphReplay: self.on_graph_replay, E.GraphFree: self.on_graph_free,
+            E.Scope: self.on_scope, E.Step: self.on_step, E.Dropped: self.on_dropped,
+            E.HookError: self.on_hook_error,
         }
 
     # ------------------------------------------------------------------ dispatch
 
     def feed(self, line: int, ev) -> None:
-        """Apply one event. Raises Malformed for a line that breaks the contract."""
-        problems: list = []
-        self.feed_batch(line, [ev], problems)
-        if problems:
-            raise Malformed(problems[0][1])
+        """Apply one event. Raises Malformed for an event that breaks the contract."""
+        self.line = line
+        self.handlers[type(ev)](ev, line)
+        self.events += 1
 
     def feed_batch(self, first: int, items: list, problems: list) -> None:
-        """Apply a batch of parsed lines (first has line number `first`).
-
-        Lines that break the contract are appended to `problems` as (line, message) or
-        (line, TraceError) and otherwise skipped. This loop is the hot path: locals, no calls
-        beyond the handler.
-        """
+        """Apply a batch of decoded events, the first on line `first`; None items are skipped
+        (lines that gave no event). Events that break the contract are appended to `problems`
+        as (line, message) and otherwise skipped."""
         handlers = self.handlers
-        allowed = _ALLOWED
         line = first - 1
         for ev in items:
             line += 1
-            if type(ev) is not dict:
-                if ev is not None:
-                    problems.append((line, ev if isinstance(ev, TraceError) else "an event must be a JSON object"))
+            if ev is None:
                 continue
-            kind = ev.get("ev")
-            if type(kind) is not str:
-                problems.append((line, "missing field 'ev'" if kind is None else "field 'ev' must be a string"))
-                continue
-            handler = handlers.get(kind)
-            if handler is None:
-                self.unknown_kinds[kind] = self.unknown_kinds.get(kind, 0) + 1
-                continue
-            if not ev.keys() <= allowed[kind]:
-                for k in ev.keys() - allowed[kind]:
-                    self.unknown_fields[k] = self.unknown_fields.get(k, 0) + 1
             self.line = line
+            kind = type(ev)
             try:
-                handler(ev, line)
+                # the frequent kinds first (a direct call when compiled), the others by table
+                if kind is Launch:
+                    self.on_launch(ev, line)
+                elif kind is Alloc:
+                    self.on_alloc(ev, line)
+                elif kind is Free:
+                    self.on_free(ev, line)
+                elif kind is Record:
+                    self.on_record(ev, line)
+                elif kind is Wait:
+                    self.on_wait(ev, line)
+                elif kind is Scope:
+                    pass
+                else:
+                    handlers[kind](ev, line)
             except Malformed as exc:
                 problems.append((line, str(exc)))
-                continue
-            except KeyError as exc:
-                problems.append((line, f"{kind}: missing field {exc.args[0]!r}"))
-                continue
-            except (TypeError, ValueError) as exc:
-                problems.append((line, f"{kind}: mistyped field ({exc})"))
                 continue
             self.events += 1
 
@@ -358,7 +324,7 @@ class RankAnalyzer:
 
     def _not_done(self, stream, lo, hi, access, protected=None):
         """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
-        for `stream` (DESIGN 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
+        for `stream` (docs/design.md 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
         hits = None
         clocks = self.clocks
         vh = clocks.host
@@ -381,12 +347,12 @@ class RankAnalyzer:
                         if hits is None:
                             hits = {}
                         _widen(hits, op, max(lo, blo), min(hi, bhi))
-        if self.strict_comms:
+        if self.successor_waits:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
             # local kernel itself wrote it.
             write = access & WRITE
-            for comm, sc in self.strict_comms.items():
+            for comm, sc in self.successor_waits.items():
                 done_seq = None  # highest seq among later collectives done for `stream`
                 for op in reversed(sc.colls):
                     local = clocks.knows(stream, op.stream) >= op.epoch
@@ -416,15 +382,13 @@ class RankAnalyzer:
     # ------------------------------------------------------------------ memory events
 
     def on_alloc(self, ev, line):
-        bid = ev["id"]
-        addr = _int(ev, "addr")
-        size = _int(ev, "size")
-        stream = ev["stream"]
-        pool = ev["pool"]
+        bid = ev.id
+        addr = ev.addr
+        size = ev.size
+        stream = ev.stream
+        pool = ev.pool
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
-        if size < 0:
-            raise Malformed(f"negative size {size}")
         block = Block(bid, addr, size, stream, pool, line, self.step, ev)
         for w in self.windows:
             if w.addr < block.end and addr < w.end:
@@ -446,7 +410,7 @@ class RankAnalyzer:
         self.live_ranges.add(addr, end, block)
 
     def on_free(self, ev, line):
-        bid = ev["id"]
+        bid = ev.id
         block = self.live.pop(bid, None)
         if block is None:
             raise Malformed(f"free of unknown or already freed id {bid!r}")
@@ -463,9 +427,10 @@ class RankAnalyzer:
                 if graph_ops and op.captured in graph_ops:
                     continue
                 self._report("free-in-flight", line, block, op, ov)
-        if protected:
+        if protected is not None:
             # Until free_done the allocator holds the block; then the host knows these streams
-            # as they were now (DESIGN 3.1).
+            # as they were now (docs/design.md 3.1). With only its own stream recorded there is
+            # nothing to learn, but the free_done that follows is still expected.
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
         self.live_ranges.remove(addr, block)
         if block.window is not None:
@@ -473,32 +438,32 @@ class RankAnalyzer:
                 self._transient(block, line)
 
     def on_free_done(self, ev, line):
-        bid = ev["id"]
+        bid = ev.id
         snaps = self.pending_free.pop(bid, None)
         if snaps is None:
             if bid in self.live:
                 raise Malformed(f"free_done of id {bid!r}, which is still live (no free yet)")
             raise Malformed(f"free_done with no pending free for id {bid!r} (free_done only follows a free of a block with record_stream streams)")
-        for clock in snaps:
-            self.clocks.host_learns(clock)
-        self._retire()
+        if snaps:
+            for clock in snaps:
+                self.clocks.host_learns(clock)
+            self._retire()
 
     def on_record_stream(self, ev, line):
-        bid = ev["id"]
-        stream = ev["stream"]
+        bid = ev.id
+        stream = ev.stream
         block = self.live.get(bid)
         if block is None:
             raise Malformed(f"record_stream of unknown or freed id {bid!r}")
-        if stream != block.stream:
-            if block.record_streams is None:
-                block.record_streams = {stream}
-            else:
-                block.record_streams.add(stream)
+        if block.record_streams is None:
+            block.record_streams = set()
+        if stream != block.stream:  # its own stream: ignored, as PyTorch does
+            block.record_streams.add(stream)
 
     def on_window(self, ev, line):
-        addr = _int(ev, "addr")
-        size = _int(ev, "size")
-        comm = ev["comm"]
+        addr = ev.addr
+        size = ev.size
+        comm = ev.comm
         ordinal = self.window_ordinals.get(comm, 0)
         self.window_ordinals[comm] = ordinal + 1
         w = Window(addr, size, comm, ordinal)
@@ -510,8 +475,8 @@ class RankAnalyzer:
                 block.window = w
 
     def on_window_free(self, ev, line):
-        addr = _int(ev, "addr")
-        comm = ev["comm"]
+        addr = ev.addr
+        comm = ev.comm
         for i, w in enumerate(self.windows):
             if w.addr == addr and w.comm == comm:
                 del self.windows[i]
@@ -519,30 +484,24 @@ class RankAnalyzer:
         raise Malformed(f"window_free of unknown window addr={addr} comm={comm!r}")
 
     def on_segment(self, ev, line):
-        _int(ev, "addr"), _int(ev, "size")
-        ev["pool"]
+        pass  # placement context for `hazsan place`; no rule needs it
 
     def on_segment_free(self, ev, line):
-        _int(ev, "addr")
+        pass
 
     # ------------------------------------------------------------------ device work
 
     def on_launch(self, ev, line):
-        stream = ev["stream"]
-        reads = ev.get("reads")
-        writes = ev.get("writes")
+        stream = ev.stream
+        reads = ev.reads
+        writes = ev.writes
         if not reads and not writes:
             if not self.capturing:
                 self.clocks.enqueue(stream)
             return
-        try:
-            bufs = [(a, a + n, READ) for a, n in reads] if reads else []
-            if writes:
-                bufs += [(a, a + n, WRITE) for a, n in writes]
-        except (TypeError, ValueError):
-            bufs = None
-        if bufs is None or not all(type(b[0]) is int and type(b[1]) is int for b in bufs):
-            raise Malformed(f"'reads' and 'writes' must be lists of [addr, size] integer pairs, got {reads!r} / {writes!r}")
+        bufs = [(a, a + n, READ) for a, n in reads] if reads else []
+        if writes:
+            bufs += [(a, a + n, WRITE) for a, n in writes]
         op = Op("launch", stream, bufs, line, self.step, ev)
         if self.capturing:
             self._capture(op, stream)
@@ -550,25 +509,14 @@ class RankAnalyzer:
         self._enqueue(op)
 
     def on_coll(self, ev, line):
-        cid = ev["cid"]
-        comm = ev["comm"]
-        seq = _int(ev, "seq")
-        name = ev["op"]
-        stream = ev["stream"]
-        raw = ev["bufs"]
-        if type(raw) is not list:
-            raise Malformed(f"field 'bufs' must be a list, got {raw!r}")
+        cid = ev.cid
+        comm = ev.comm
+        seq = ev.seq
+        name = ev.op
+        stream = ev.stream
         if not self.cids.add(cid):
             raise Malformed(f"duplicate cid {cid!r}")
-        bufs = []
-        for b in raw:
-            try:
-                addr, size, acc = b["addr"], b["size"], ACCESS_CODES[b["access"]]
-            except (KeyError, TypeError):
-                raise Malformed(f"each of 'bufs' needs addr, size and access r/w/rw, got {b!r}") from None
-            if type(addr) is not int or type(size) is not int:
-                raise Malformed(f"buffer addr and size must be integers, got {b!r}")
-            bufs.append((addr, addr + size, acc))
+        bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
         op = Op("coll", stream, bufs, line, self.step, ev)
         op.name, op.cid, op.comm, op.seq = name, cid, comm, seq
         self._mark_coll_touched(bufs)
@@ -583,7 +531,7 @@ class RankAnalyzer:
         own = [(b, w) for b, w in in_window if w.comm == comm]
         self.matcher.submit(self, comm, seq, op,
                             tuple((w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own))
-        if self.strict and own:
+        if self.successor and own:
             op.window_bufs = [b for b, _ in own]
             op.bufs = [b for b in bufs if all(b is not ob for ob, _ in own)]
         if self.capturing:
@@ -620,17 +568,17 @@ class RankAnalyzer:
         if op.bufs:
             fl = self.inflight.get(stream)
             if fl is None:
-                fl = self.inflight[stream] = _InFlight()
+                fl = self.inflight[stream] = InFlight()
             fl.ops.append(op)
             fl.epochs.append(op.epoch)
-        if self.strict and op.kind == "coll" and op.captured is None:
-            sc = self.strict_comms.get(op.comm)
+        if self.successor and op.kind == "coll" and op.captured is None:
+            sc = self.successor_waits.get(op.comm)
             if sc is None:
-                sc = self.strict_comms[op.comm] = _StrictComm()
+                sc = self.successor_waits[op.comm] = SuccessorWait()
             sc.colls.append(op)
 
     def on_coll_done(self, ev, line):
-        cid = ev["cid"]
+        cid = ev.cid
         op = self.colls_in_flight.pop(cid, None)
         if op is None:
             if cid in self.cids:
@@ -640,20 +588,20 @@ class RankAnalyzer:
         self._retire()
 
     def on_record(self, ev, line):
-        event = ev["event"]
-        stream = ev["stream"]
+        event = ev.event
+        stream = ev.stream
         if not self.capturing:
             self.clocks.record(event, stream)
 
     def on_wait(self, ev, line):
-        event = ev["event"]
-        stream = ev["stream"]
+        event = ev.event
+        stream = ev.stream
         if not self.capturing and not self.clocks.wait(stream, event):
             self.unrecorded_waits += 1
 
     def on_sync(self, ev, line):
-        stream = ev.get("stream")
-        event = ev.get("event")
+        stream = ev.stream
+        event = ev.event
         if stream is not None:
             self.clocks.sync_stream(stream)
         elif event is not None:
@@ -672,10 +620,10 @@ class RankAnalyzer:
                 for op in fl.retire_upto(known):
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
-        if self.strict_comms:
+        if self.successor_waits:
             # A collective leaves once it is done for the host itself: locally complete and a
             # later one done. The others stay, in order (they may still serve as successors).
-            for sc in self.strict_comms.values():
+            for sc in self.successor_waits.values():
                 done_seq = None
                 gone = set()
                 for op in reversed(sc.colls):
@@ -698,8 +646,8 @@ class RankAnalyzer:
         (graph or self.capturing[-1]).ops.append(op)
 
     def on_graph_begin(self, ev, line):
-        gid = ev["graph"]
-        stream = ev["stream"]
+        gid = ev.graph
+        stream = ev.stream
         if gid in self.graphs:
             raise Malformed(f"graph_begin of graph {gid!r}, which already exists")
         g = Graph(gid, stream, line)
@@ -707,7 +655,7 @@ class RankAnalyzer:
         self.capturing.append(g)
 
     def on_graph_end(self, ev, line):
-        gid = ev["graph"]
+        gid = ev.graph
         g = self.graphs.get(gid)
         if g is None or g not in self.capturing:
             raise Malformed(f"graph_end of graph {gid!r}, which is not being captured")
@@ -720,8 +668,8 @@ class RankAnalyzer:
         self.live_graphs.append(g)
 
     def on_graph_replay(self, ev, line):
-        gid = ev["graph"]
-        stream = ev["stream"]
+        gid = ev.graph
+        stream = ev.stream
         g = self.graphs.get(gid)
         if g is None or not g.live:
             raise Malformed(f"graph_replay of graph {gid!r}, which is not a captured, live graph")
@@ -737,7 +685,7 @@ class RankAnalyzer:
             self._enqueue(replay)
 
     def on_graph_free(self, ev, line):
-        gid = ev["graph"]
+        gid = ev.graph
         g = self.graphs.pop(gid, None)
         if g is None:
             raise Malformed(f"graph_free of unknown graph {gid!r}")
@@ -749,26 +697,24 @@ class RankAnalyzer:
     # ------------------------------------------------------------------ annotations
 
     def on_scope(self, ev, line):
-        ev["name"]
-        if type(ev["enter"]) is not bool:
-            raise Malformed("field 'enter' must be true or false")
+        pass  # placement context (symmetric pools) for capture and `hazsan place`
 
     def on_step(self, ev, line):
-        self.step = _int(ev, "n")
-        self.steps_seen.add(self.step)
+        self.step = ev.n
+        self.steps_seen.add(ev.n)
 
     def on_dropped(self, ev, line):
-        self.counted_drops += _int(ev, "count")
+        self.counted_drops += ev.count
 
     def on_hook_error(self, ev, line):
-        self.hook_errors += ev.get("count", 1) if type(ev.get("count", 1)) is int else 1
+        self.hook_errors += ev.count
 
     # ------------------------------------------------------------------ reporting
 
     def _report(self, rule, line, block, op, overlap, detail=None, access_op=None):
         f = Finding(rule=rule, severity=severity_of(rule), rank=self.rank, step=self.step,
-                    file=self.file, line=line, block=block.describe() if block else None,
-                    op=op.describe(), overlap=tuple(overlap), detail=detail)
+                    file=self.file, line=line, block=BlockRecord.of(block) if block else None,
+                    op=OpRecord.of(op), overlap=tuple(overlap), detail=detail)
         if access_op is not None:
             f.block = self._block_at(overlap[0], overlap[1])
             f.detail = (f"{access_op.kind} {access_op.name or ''} on stream {access_op.stream!r} "
@@ -780,7 +726,7 @@ class RankAnalyzer:
         """The live block holding [lo, hi), for display (linear: only on findings)."""
         for block in self.live.values():
             if block.addr < hi and lo < block.end:
-                return block.describe()
+                return BlockRecord.of(block)
         return None
 
     def _transient(self, block: Block, line) -> None:
@@ -790,7 +736,7 @@ class RankAnalyzer:
         if f is None:
             f = self.transients[key] = Finding(
                 rule="transient-in-window", severity=severity_of("transient-in-window"), rank=self.rank,
-                step=self.step, file=self.file, line=line, block=block.describe(), op=None,
+                step=self.step, file=self.file, line=line, block=BlockRecord.of(block), op=None,
                 overlap=None, count=1, bytes=size, site=block.site,
                 detail=f"window of communicator {block.window.comm!r}")
         else:
@@ -829,7 +775,7 @@ class CollectiveMatcher:
     as unmatched (a warning), never silently passed.
     """
 
-    def __init__(self, sink: FindingSink, enabled: bool, keep_rounds: int = 4):
+    def __init__(self, sink, enabled: bool, keep_rounds: int = 4):
         self.sink = sink
         self.enabled = enabled
         self.keep_rounds = keep_rounds
@@ -881,10 +827,8 @@ class CollectiveMatcher:
         sig, an, op, step = value
         if sig == ref_sig:
             return
-        ref = ref_op.describe()
-        ref.update(rank=ref_rank, file=ref_an.file, window_bufs=_sig_dict(ref_sig))
-        mine = op.describe()
-        mine.update(window_bufs=_sig_dict(sig))
+        ref = OpRecord.of(ref_op, rank=ref_rank, file=ref_an.file, window_sig=ref_sig)
+        mine = OpRecord.of(op, window_sig=sig)
         self.sink.add(Finding(
             rule="asymmetric-offset", severity=ERROR, rank=rank, step=step, file=an.file,
             line=op.line, block=mine, op=ref, overlap=None, site=op.site,
@@ -898,152 +842,3 @@ class CollectiveMatcher:
             self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
         self.pending.clear()
         self.settled.clear()
-
-
-def _sig_dict(sig):
-    return [{"window": o, "offset": off, "size": size} for o, off, size in sig]
-
-
-@dataclass
-class Analysis:
-    """What `analyze` returns: the findings and a summary (DESIGN.md section 5, json format)."""
-
-    findings: list[Finding]
-    summary: dict
-    errors: list[TraceError] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def exit_code(self, fail_on: str = "error") -> int:
-        if self.errors:
-            return 2
-        threshold = {"error": ("error",), "warning": ("error", "warning")}[fail_on]
-        return 1 if any(f.severity in threshold for f in self.findings) else 0
-
-
-def analyze(paths, *, peer_completion: str = LOCAL, lenient: bool = False,
-            max_per_group: int = 100, max_errors: int = 50) -> Analysis:
-    """Analyse rank trace files (or directories of them) together.
-
-    Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
-    them. Problems that make a file unusable (missing, bad header) are errors in both modes.
-    """
-    # Millions of short-lived parsed events, no reference cycles among them: the cyclic
-    # collector's passes over them cost 8-25% and find nothing.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors)
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _analyze(paths, peer_completion, lenient, max_per_group, max_errors) -> Analysis:
-    if peer_completion not in (LOCAL, SUCCESSOR):
-        raise ValueError(f"peer_completion must be {LOCAL!r} or {SUCCESSOR!r}")
-    sink = FindingSink(max_per_group=max_per_group)
-    errors: list[TraceError] = []
-    warnings: list[str] = []
-    skipped = 0
-    traces: list[TraceFile] = []
-    try:
-        files = expand_paths(paths)
-    except TraceError as exc:
-        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0), [exc], [])
-    for p in files:
-        try:
-            traces.append(open_trace(p))
-        except TraceError as exc:
-            errors.append(exc)
-    ranks_seen: dict[int, str] = {}
-    for t in traces:
-        if t.rank in ranks_seen:
-            warnings.append(f"{t.path}: rank {t.rank} also in {ranks_seen[t.rank]}; asymmetric-offset is checked per distinct rank")
-        ranks_seen.setdefault(t.rank, str(t.path))
-    matcher = CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
-    from sanitizer.rules.native import analyzer_class  # C engine when built; HAZSAN_ENGINE=python|native|auto
-
-    try:
-        impl = analyzer_class()
-    except (ValueError, RuntimeError) as exc:
-        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0), [TraceError("HAZSAN_ENGINE", None, str(exc))], [])
-    analyzers = [impl(t, sink, matcher, peer_completion) for t in traces]
-    # The native analyzer reads raw lines and parses each one as it applies it.
-    readers = [(a, a.read_batches(_BATCH) if hasattr(a, "read_batches") else a.trace.batches(_BATCH))
-               for a in analyzers]
-    error_total = 0
-    # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
-    while readers:
-        still = []
-        for a, batches in readers:
-            try:
-                first, items = next(batches)
-            except StopIteration:
-                continue
-            except TraceError as exc:
-                errors.append(exc)
-                continue
-            problems: list = []
-            a.feed_batch(first, items, problems)
-            for line, problem in problems:
-                if lenient:
-                    skipped += 1
-                    continue
-                error_total += 1
-                if len(errors) < max_errors:
-                    errors.append(problem if isinstance(problem, TraceError) else TraceError(a.file, line, problem))
-            still.append((a, batches))
-        readers = still
-        matcher.end_round()
-    matcher.finish()
-    events = 0
-    drops = hook_errors = 0
-    for a in analyzers:
-        a.finish()
-        events += a.events
-        drops += a.counted_drops
-        hook_errors += a.hook_errors
-        warnings.extend(a.trace.warnings)
-        for kind, n in sorted(a.unknown_kinds.items()):
-            warnings.append(f"{a.file}: {n} event(s) of unknown kind {kind!r} ignored")
-        for name, n in sorted(a.unknown_fields.items()):
-            warnings.append(f"{a.file}: unknown field {name!r} ignored in {n} event(s)")
-        if a.unrecorded_waits:
-            warnings.append(f"{a.file}: {a.unrecorded_waits} wait/sync on an event never recorded (no-op)")
-        if a.counted_drops:
-            warnings.append(f"{a.file}: capture dropped {a.counted_drops} event(s): findings may be missing")
-        if a.hook_errors:
-            warnings.append(f"{a.file}: {a.hook_errors} capture hook error(s) were caught during the run")
-        if a.capturing:
-            warnings.append(f"{a.file}: graph capture never ended: {[g.id for g in a.capturing]}")
-    if matcher.unmatched:
-        warnings.append(f"{matcher.unmatched} collective(s) were not seen on every rank of their communicator")
-    if skipped:
-        warnings.append(f"--lenient: skipped {skipped} malformed line(s)")
-    if error_total > len(errors):
-        warnings.append(f"{error_total - len(errors)} more malformed line(s) not listed")
-    if sink.omitted:
-        warnings.append(f"{sink.omitted} repeated finding(s) counted but not listed (max {sink.max_per_group} per rule and call site)")
-    findings = sorted(sink.findings, key=_finding_order)
-    summary = _summary(events, len(analyzers), sink, warnings, skipped, drops, hook_errors)
-    summary["malformed"] = error_total
-    summary["steps_by_rank"] = {a.rank: sorted(a.steps_seen) for a in analyzers}
-    return Analysis(findings, summary, errors, warnings)
-
-
-def _finding_order(f: Finding):
-    return (0 if f.severity == ERROR else 1, f.rule, f.rank, f.file, f.line)
-
-
-def _summary(events, ranks, sink, warnings, skipped, drops, hook_errors) -> dict:
-    return {
-        "events": events,
-        "ranks": ranks,
-        "by_rule": dict(sorted(sink.by_rule.items())),
-        "findings": sum(sink.by_rule.values()),
-        "listed": len(sink.findings),
-        "skipped_lines": skipped,
-        "dropped_events": drops,
-        "hook_errors": hook_errors,
-        "warnings": warnings,
-    }

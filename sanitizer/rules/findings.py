@@ -21,6 +21,106 @@ def severity_of(rule: str) -> str:
     return RULES[rule][0]
 
 
+class _ReadAsDict:
+    """Records read as the JSON objects they render to: `rec["site"]`, `rec.get("window")`."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict:
+        raise NotImplementedError
+
+    def get(self, key, default=None):
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key):
+        return self.to_dict()[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.to_dict()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord(_ReadAsDict):
+    """The allocation a finding is about, as it was when the finding was made."""
+
+    id: object
+    addr: int
+    size: int
+    stream: object
+    pool: object
+    window: object  # communicator of the symmetric window it lies in
+    window_offset: int | None
+    site: str | None
+    stack: list | None
+    op: str | None
+    line: int
+    step: int | None
+
+    @classmethod
+    def of(cls, block) -> "BlockRecord":
+        """From the engine's live block (the one place a block record is made)."""
+        w = block.window
+        return cls(id=block.id, addr=block.addr, size=block.end - block.addr, stream=block.stream,
+                   pool=block.pool, window=w.comm if w is not None else None,
+                   window_offset=block.addr - w.addr if w is not None else None, site=block.site,
+                   stack=block.stack, op=block.op, line=block.line, step=block.step)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "addr": self.addr, "size": self.size, "stream": self.stream,
+                "pool": self.pool, "window": self.window, "window_offset": self.window_offset,
+                "site": self.site, "stack": self.stack, "op": self.op, "line": self.line,
+                "step": self.step}
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord(_ReadAsDict):
+    """The device work a finding is about: a launch or a collective (`cid`, `comm`, `seq`);
+    `replay_of_line` for a CUDA-graph replay; `rank`, `file` and `window_bufs` for the two sides
+    of an asymmetric-offset."""
+
+    kind: str
+    op: str | None
+    stream: object
+    line: int
+    step: int | None
+    site: str | None
+    stack: list | None
+    cid: object = None
+    comm: object = None
+    seq: int | None = None
+    replay_of_line: int | None = None
+    rank: int | None = None
+    file: str | None = None
+    window_bufs: list | None = None
+
+    @classmethod
+    def of(cls, op, *, rank=None, file=None, window_sig=None) -> "OpRecord":
+        """From the engine's op (the one place an op record is made). `window_sig`: the
+        (window ordinal, offset, size) triples of its window buffers."""
+        captured = op.captured
+        return cls(kind=op.kind, op=op.name, stream=op.stream, line=op.line, step=op.step,
+                   site=op.site, stack=op.stack, cid=op.cid, comm=op.comm, seq=op.seq,
+                   replay_of_line=captured.line if captured is not None else None, rank=rank,
+                   file=file,
+                   window_bufs=None if window_sig is None else
+                   [{"window": o, "offset": off, "size": size} for o, off, size in window_sig])
+
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind, "op": self.op, "stream": self.stream, "line": self.line,
+               "step": self.step, "site": self.site, "stack": self.stack}
+        if self.kind == "coll":
+            out.update(cid=self.cid, comm=self.comm, seq=self.seq)
+        if self.replay_of_line is not None:
+            out["replay_of_line"] = self.replay_of_line
+        if self.rank is not None:
+            out["rank"] = self.rank
+        if self.file is not None:
+            out["file"] = self.file
+        if self.window_bufs is not None:
+            out["window_bufs"] = self.window_bufs
+        return out
+
+
 @dataclass(slots=True)
 class Finding:
     """One hazard. `line` is the trace line of the event that triggered it (header = line 1).
@@ -36,8 +136,8 @@ class Finding:
     step: int | None
     file: str
     line: int
-    block: dict | None = None
-    op: dict | None = None
+    block: BlockRecord | OpRecord | None = None  # asymmetric-offset: this rank's collective
+    op: OpRecord | None = None
     overlap: tuple[int, int] | None = None
     count: int = 1
     bytes: int = 0
@@ -53,8 +153,8 @@ class Finding:
             "step": self.step,
             "file": self.file,
             "line": self.line,
-            "block": self.block,
-            "op": self.op,
+            "block": self.block.to_dict() if self.block is not None else None,
+            "op": self.op.to_dict() if self.op is not None else None,
             "overlap": list(self.overlap) if self.overlap else None,
         }
         if self.rule == "transient-in-window":

@@ -137,6 +137,10 @@ class TraceFile:
                             items.append(None)
             yield first, items
 
+    def mark_truncated(self, line_no: int, why: str = "last line cut short: the writer was killed?") -> None:
+        """Record that the file ends early at `line_no` (a warning, never an error)."""
+        self._truncate(line_no, why)
+
     def _truncate(self, line_no: int, why: str = "last line cut short: the writer was killed?") -> None:
         self.truncated = True
         self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why})")

@@ -1,0 +1,21 @@
+# Types for Cython's compile of clocks.py (pure-Python mode; clocks.py is the source).
+cimport cython
+
+
+@cython.locals(changed=bint)
+cpdef bint merge_into(dict target, dict other)
+
+
+cdef class StreamClocks:
+    cdef public dict streams, host, events, _merged_version
+    cdef public long long host_version
+
+    cpdef dict stream_clock(self, object stream)
+
+    @cython.locals(clock=dict, epoch=cython.longlong)
+    cpdef long long enqueue(self, object stream)
+
+    cpdef record(self, object event, object stream)
+    cpdef bint wait(self, object stream, object event)
+    cpdef host_learns(self, dict clock)
+    cpdef dict snapshot(self, object stream)

@@ -1,0 +1,279 @@
+"""`analyze`: everything around the algorithm (docs/design.md section 5).
+
+Finds the rank files, opens them, picks the engine (compiled or interpreted, the same source),
+reads the ranks round-robin a batch at a time, decodes each batch into typed events
+(sanitizer.trace.events), feeds them to each rank's engine, and builds the summary. The algorithm
+itself is sanitizer.rules.engine's.
+
+Which engine runs: `HAZSAN_ENGINE=auto|compiled|interpreted` (auto: compiled where it was
+built). The summary's `engine` says which one ran.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sanitizer.rules import buildinfo
+from sanitizer.rules.findings import ERROR, Finding, FindingSink
+from sanitizer.trace.events import EventDecoder
+from sanitizer.trace.reader import TraceError, TraceFile, expand_paths, open_trace
+
+ENV = "HAZSAN_ENGINE"
+CHOICES = ("auto", "compiled", "interpreted")
+#: CI sets it: a missing compiled engine is then an error, not a fallback.
+REQUIRE_ENV = "HAZSAN_REQUIRE_COMPILED"
+BATCH = 4096  # lines read from one rank before moving to the next
+# Lines decoded and applied at a time. The decoded events of a chunk are freed together; a small
+# chunk keeps that memory inside the allocator's pools (4096 at a time cost a third more time,
+# measured on the 1M-event decode trace).
+CHUNK = 512
+
+
+# ----------------------------------------------------------------------------- engine choice
+
+
+def _load_interpreted():
+    """The engine's source run by the interpreter, even where the compiled module sits beside it.
+
+    Cython compiles sanitizer/rules/engine.py and sanitizer/order/clocks.py into extension modules
+    of the same names, which the import system prefers over the .py files. The interpreted engine
+    is those .py files loaded as modules of their own (private names), the engine's import of the
+    clocks pointed at the interpreted clocks while it loads.
+    """
+    loaded = sys.modules.get("sanitizer.rules._engine_interpreted")
+    if loaded is not None:
+        return loaded
+    import sanitizer.order.clocks as clocks_mod
+    import sanitizer.rules.engine as engine_mod
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    clocks_src = Path(clocks_mod.__file__).with_name("clocks.py")
+    engine_src = Path(engine_mod.__file__).with_name("engine.py")
+    if not engine_src.exists() or not clocks_src.exists():
+        raise RuntimeError(f"the engine's source is not installed beside {engine_mod.__file__}")
+    if not _is_compiled(engine_mod) and not _is_compiled(clocks_mod):
+        sys.modules["sanitizer.rules._engine_interpreted"] = engine_mod
+        return engine_mod
+    clocks_py = load("sanitizer.order._clocks_interpreted", clocks_src)
+    saved = sys.modules["sanitizer.order.clocks"]
+    sys.modules["sanitizer.order.clocks"] = clocks_py
+    try:
+        return load("sanitizer.rules._engine_interpreted", engine_src)
+    finally:
+        sys.modules["sanitizer.order.clocks"] = saved
+
+
+def _is_compiled(module) -> bool:
+    return not str(getattr(module, "__file__", "")).endswith(".py")
+
+
+def compiled_available() -> tuple[bool, str | None]:
+    """(True, None) where the compiled engine loaded, else (False, why not)."""
+    import sanitizer.order.clocks as clocks_mod
+    import sanitizer.rules.engine as engine_mod
+
+    missing = [m.__name__ for m in (engine_mod, clocks_mod) if not _is_compiled(m)]
+    if missing:
+        return False, (f"the compiled engine is not built ({', '.join(missing)} run from source); "
+                       "reinstall with a C compiler: pip install -e .")
+    root = Path(engine_mod.__file__).resolve().parents[2]
+    source = buildinfo.source_digest(root)
+    if source is not None and source != buildinfo.built_digest(root):
+        return False, ("the compiled engine was built from another version of its source; "
+                       "rebuild: pip install -e . (or python setup.py build_ext --inplace)")
+    return True, None
+
+
+def load_engine(choice: str | None = None):
+    """(engine module, 'compiled' or 'interpreted', why the compiled one did not run or None) for
+    `choice` (default: $HAZSAN_ENGINE, else auto)."""
+    choice = (choice if choice is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "interpreted":
+        return _load_interpreted(), "interpreted", None
+    ok, why = compiled_available()
+    if ok:
+        import sanitizer.rules.engine as engine_mod
+
+        return engine_mod, "compiled", None
+    if choice == "compiled" or os.environ.get(REQUIRE_ENV):
+        raise RuntimeError(f"{ENV}={choice}: {why}" if choice == "compiled" else f"{REQUIRE_ENV} is set: {why}")
+    return _load_interpreted(), "interpreted", why
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Analysis:
+    """What `analyze` returns: the findings and a summary (docs/design.md section 5, json format)."""
+
+    findings: list[Finding]
+    summary: dict
+    errors: list[TraceError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def exit_code(self, fail_on: str = "error") -> int:
+        if self.errors:
+            return 2
+        threshold = {"error": ("error",), "warning": ("error", "warning")}[fail_on]
+        return 1 if any(f.severity in threshold for f in self.findings) else 0
+
+
+class RankReader:
+    """One rank's file: raw line batches decoded into typed events."""
+
+    def __init__(self, trace: TraceFile, analyzer):
+        self.trace = trace
+        self.analyzer = analyzer
+        self.decoder = EventDecoder()
+        self.chunks = trace.line_batches(CHUNK)
+
+    def step(self, problems: list) -> None:
+        """Decode and apply the next BATCH lines; StopIteration at the end of the file."""
+        decode, feed, cut = self.decoder.decode, self.analyzer.feed_batch, self.trace.mark_truncated
+        first, raws = next(self.chunks)
+        feed(first, decode(first, raws, problems, on_cut=cut), problems)
+        for _ in range(BATCH // CHUNK - 1):
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                return
+            first, raws = chunk
+            feed(first, decode(first, raws, problems, on_cut=cut), problems)
+
+
+def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
+            max_per_group: int = 100, max_errors: int = 50, engine: str | None = None) -> Analysis:
+    """Analyse rank trace files (or directories of them) together.
+
+    Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
+    them. Problems that make a file unusable (missing, bad header) are errors in both modes.
+    `engine`: 'compiled', 'interpreted' or 'auto' (default: $HAZSAN_ENGINE, else auto).
+    """
+    # Millions of short-lived decoded events, no reference cycles among them: the cyclic
+    # collector's passes over them cost time and find nothing.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine) -> Analysis:
+    if peer_completion not in ("local", "successor"):
+        raise ValueError("peer_completion must be 'local' or 'successor'")
+    sink = FindingSink(max_per_group=max_per_group)
+    try:
+        eng, engine_kind, fallback = load_engine(engine)
+    except (ValueError, RuntimeError) as exc:
+        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, None), [TraceError(ENV, None, str(exc))], [])
+    errors: list[TraceError] = []
+    # auto, and the compiled engine is missing: say so once (it is several times slower)
+    warnings: list[str] = [f"running the interpreted engine: {fallback}"] if fallback else []
+    skipped = 0
+    try:
+        files = expand_paths(paths)
+    except TraceError as exc:
+        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, engine_kind), [exc], [])
+    traces: list[TraceFile] = []
+    for p in files:
+        try:
+            traces.append(open_trace(p))
+        except TraceError as exc:
+            errors.append(exc)
+    ranks_seen: dict[int, str] = {}
+    for t in traces:
+        if t.rank in ranks_seen:
+            warnings.append(f"{t.path}: rank {t.rank} also in {ranks_seen[t.rank]}; asymmetric-offset is checked per distinct rank")
+        ranks_seen.setdefault(t.rank, str(t.path))
+    matcher = eng.CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
+    readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion))
+               for t in traces]
+    error_total = 0
+    # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
+    active = list(readers)
+    while active:
+        still = []
+        for r in active:
+            problems: list = []
+            try:
+                r.step(problems)
+            except StopIteration:
+                continue
+            except TraceError as exc:
+                errors.append(exc)
+                continue
+            finally:
+                for line, problem in problems:
+                    if lenient:
+                        skipped += 1
+                        continue
+                    error_total += 1
+                    if len(errors) < max_errors:
+                        errors.append(TraceError(r.analyzer.file, line, problem))
+            still.append(r)
+        active = still
+        matcher.end_round()
+    matcher.finish()
+    events = drops = hook_errors = 0
+    for r in readers:
+        a = r.analyzer
+        a.finish()
+        events += a.events
+        drops += a.counted_drops
+        hook_errors += a.hook_errors
+        warnings.extend(r.trace.warnings)
+        warnings.extend(r.decoder.warnings(a.file))
+        if a.unrecorded_waits:
+            warnings.append(f"{a.file}: {a.unrecorded_waits} wait/sync on an event never recorded (no-op)")
+        if a.counted_drops:
+            warnings.append(f"{a.file}: capture dropped {a.counted_drops} event(s): findings may be missing")
+        if a.hook_errors:
+            warnings.append(f"{a.file}: {a.hook_errors} capture hook error(s) were caught during the run")
+        if a.capturing:
+            warnings.append(f"{a.file}: graph capture never ended: {[g.id for g in a.capturing]}")
+    if matcher.unmatched:
+        warnings.append(f"{matcher.unmatched} collective(s) were not seen on every rank of their communicator")
+    if skipped:
+        warnings.append(f"--lenient: skipped {skipped} malformed line(s)")
+    if error_total > len(errors):
+        warnings.append(f"{error_total - len(errors)} more malformed line(s) not listed")
+    if sink.omitted:
+        warnings.append(f"{sink.omitted} repeated finding(s) counted but not listed (max {sink.max_per_group} per rule and call site)")
+    findings = sorted(sink.findings, key=_finding_order)
+    summary = _summary(events, len(readers), sink, warnings, skipped, drops, hook_errors, engine_kind)
+    summary["malformed"] = error_total
+    summary["steps_by_rank"] = {r.analyzer.rank: sorted(r.analyzer.steps_seen) for r in readers}
+    return Analysis(findings, summary, errors, warnings)
+
+
+def _finding_order(f: Finding):
+    return (0 if f.severity == ERROR else 1, f.rule, f.rank, f.file, f.line)
+
+
+def _summary(events, ranks, sink, warnings, skipped, drops, hook_errors, engine_kind) -> dict:
+    return {
+        "events": events,
+        "ranks": ranks,
+        "engine": engine_kind,
+        "by_rule": dict(sorted(sink.by_rule.items())),
+        "findings": sum(sink.by_rule.values()),
+        "listed": len(sink.findings),
+        "skipped_lines": skipped,
+        "dropped_events": drops,
+        "hook_errors": hook_errors,
+        "warnings": warnings,
+    }

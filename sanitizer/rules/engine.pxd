@@ -1,0 +1,99 @@
+# Types for Cython's compile of engine.py (pure-Python mode: engine.py is the source, run as it is
+# when interpreted). Only declarations here, no logic.
+cimport cython
+
+from sanitizer.order.clocks cimport StreamClocks
+
+
+cdef class Block:
+    cdef public object id, stream, pool, site, stack, op, record_streams, window, step
+    cdef public long long addr, end
+    cdef public Py_ssize_t line
+    cdef public bint coll_touched
+
+
+cdef class Op:
+    cdef public object kind, stream, bufs, step, name, cid, comm, seq, site, stack, clock, captured, window_bufs
+    cdef public long long epoch
+    cdef public Py_ssize_t line
+
+
+cdef class Window:
+    cdef public long long addr, end
+    cdef public object comm, ordinal
+
+
+cdef class Graph:
+    cdef public object id, stream, ops, line, reserved
+    cdef public bint live
+
+
+cdef class RangeIndex:
+    cdef public list los, items
+    cdef public long long max_len
+
+    @cython.locals(i=Py_ssize_t)
+    cpdef add(self, long long lo, long long hi, object item)
+
+    @cython.locals(i=Py_ssize_t)
+    cpdef remove(self, long long lo, object item)
+
+
+cdef class InFlight:
+    cdef public list ops, epochs
+    cdef public Py_ssize_t start
+
+    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t)
+    cpdef list retire_upto(self, long long known)
+
+
+cdef class SuccessorWait:
+    cdef public list colls
+
+
+cdef class SeenIds:
+    cdef public object lo, hi
+    cdef public set other
+
+    cpdef bint add(self, object key)
+
+
+cdef class RankAnalyzer:
+    cdef public object file, rank, sink, matcher, step, transients
+    cdef public StreamClocks clocks
+    cdef public bint successor
+    cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
+    cdef public RangeIndex live_ranges
+    cdef public list windows, capturing, live_graphs
+    cdef public SeenIds cids
+    cdef public set steps_seen
+    cdef public Py_ssize_t line, events, unrecorded_waits
+    cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
+
+    @cython.locals(line=Py_ssize_t, kind=type)
+    cpdef feed_batch(self, Py_ssize_t first, list items, list problems)
+    cpdef on_record(self, object ev, Py_ssize_t line)
+    cpdef on_wait(self, object ev, Py_ssize_t line)
+    cpdef on_scope(self, object ev, Py_ssize_t line)
+    cpdef on_record_stream(self, object ev, Py_ssize_t line)
+    cpdef on_free_done(self, object ev, Py_ssize_t line)
+
+    @cython.locals(hits=dict, vh=dict, vx=dict, fl=InFlight, epochs=list, ops=list, op=Op,
+                   known=cython.longlong, h=cython.longlong, i=Py_ssize_t, n=Py_ssize_t,
+                   blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
+    cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, object protected=*)
+
+    @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block)
+    cpdef on_alloc(self, object ev, Py_ssize_t line)
+
+    @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
+    cpdef on_free(self, object ev, Py_ssize_t line)
+
+    @cython.locals(bufs=list, op=Op)
+    cpdef on_launch(self, object ev, Py_ssize_t line)
+
+    @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int)
+    cpdef _enqueue(self, Op op)
+
+    @cython.locals(vh=dict, fl=InFlight, known=cython.longlong)
+    cpdef _retire(self)
