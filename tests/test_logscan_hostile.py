@@ -69,14 +69,17 @@ def test_histogram_counts_every_value_once_whatever_the_range(values, threshold)
 
 def test_field_split_is_linear_in_line_length():
     """250 KB of commas took 7 s with the lookahead split (quadratic); the scan must stay linear."""
-    def cost(n):
+    def cost(n):            # best of 3 in CPU time: a loaded machine only ever adds to one sample
         text = HEAD + "accept len: 1.5, " + ",x: 1" * n
-        t0 = time.perf_counter()
-        parse_line(text)
-        return time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            parse_line(text)
+            best = min(best, time.process_time() - t0)
+        return best
     small, large = cost(5_000), cost(50_000)  # 250 KB
-    assert large < 1.0
-    assert large < 40 * max(small, 1e-4)  # 10x the input: far less than the 100x of a quadratic
+    assert large < 3.0                        # the quadratic split took 7 s here
+    assert large < 40 * max(small, 1e-3)  # 10x the input: far less than the 100x of a quadratic
 
 
 @given(st.text(alphabet="ab,[] :1", max_size=40))
