@@ -37,6 +37,7 @@ class RunConfig:
     comm_latency_ms: float = 1.0
     hold_partial: bool = False
     window_mb: int = 64
+    log_interval: int = 2           # verify steps per `Decode batch` line of the server log
     model: ModelConfig = ModelConfig()
 
     @property
@@ -58,7 +59,7 @@ class RunConfig:
         import hashlib
         import json
         d = self.to_dict()
-        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb"):
+        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb", "log_interval"):
             d.pop(k)
         d["ranks"] = ranks
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -167,9 +168,23 @@ class Schedule:
         return int(torch.randint(cfg.vocab, (1,), generator=g))
 
 
-def draft_table(cfg: ModelConfig) -> torch.Tensor:
+def draft_table(cfg: ModelConfig, successor: torch.Tensor) -> torch.Tensor:
+    """The draft model, a bigram table: the target's successor for a `draft_match` share of the
+    tokens, a random token for the others."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
-    return torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
+    table = successor.clone()
+    other = torch.rand(cfg.vocab, generator=g) >= cfg.draft_match
+    table[other] = torch.randint(cfg.vocab, (int(other.sum()),), generator=g)
+    return table
+
+
+def verify(inputs: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative verify step: (greedy tokens [b, T], drafts accepted [b]). inputs[:, 0] is
+    each request's last token, inputs[:, 1:] its drafts; a draft is accepted when it equals the
+    target's greedy token at the previous position and every earlier draft was accepted."""
+    greedy = logits.argmax(-1)
+    match = (inputs[:, 1:] == greedy[:, :-1]).long()
+    return greedy, match.cumprod(1).sum(1)
 
 
 def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, slots: list) -> None:
@@ -183,18 +198,20 @@ def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, slots: list) -> N
         cache.length[s] += int(accepted[i]) + 1
 
 
-def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
+def decode(model: Model, run: RunConfig, comm, reference: dict | None, log=None) -> dict:
     """Run the verify steps. Without `reference`, decide inputs and acceptances (and return them
     with the logits); with it, replay its inputs and return, per step, each running request's
-    largest |error| against the reference logits."""
+    largest |error| against the reference logits and the drafts its own verify step accepted
+    (`observed`: lower than the reference's where the logits are corrupted). `log`, a
+    serverlog.DecodeLog, gets every step's running requests and accepted drafts."""
     torch.manual_seed(0)
     cfg = model.cfg
     B, T = run.batch, run.tokens_per_request
     sched = Schedule(run)
     cache = KVCache(cfg, B, model.W.heads_local)
-    table = draft_table(cfg)
+    table = draft_table(cfg, model.W.successor)
     last = torch.zeros(B, dtype=torch.long)
-    out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": []}
+    out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": [], "observed": [], "expected": []}
     for n in range(run.steps):
         running = sched.active[n]
         if not running:
@@ -202,6 +219,8 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
                 out["inputs"].append(None), out["accepted"].append(None), out["logits"].append(None)
             else:
                 out["errors"].append([])
+                out["observed"].append([])
+                out["expected"].append([])
             continue
         for s in sorted(sched.starting[n]):
             last[s] = sched.prefill(model, cache, s, dict(running)[s])
@@ -219,20 +238,28 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
             logits, new_kv = model.forward(inputs.reshape(-1), cache, T, active)
         logits = logits.view(len(slots), T, cfg.vocab)
         if reference is None:
-            greedy = logits.argmax(-1)                            # [b, T]
-            match = (inputs[:, 1:] == greedy[:, :-1]).long()
-            accepted = match.cumprod(1).sum(1)                    # drafts accepted
+            greedy, accepted = verify(inputs, logits)
             out["inputs"].append(inputs)
             out["accepted"].append(accepted)
             out["logits"].append(logits.clone())
         else:
+            # The server's verify step on these logits: what it would accept. The decode itself
+            # goes on with the reference's tokens (teacher forcing), so every step's shape, and
+            # with it the window's placement, is the reference's and the comparison stays exact.
+            _, observed = verify(inputs, logits)
             accepted = reference["accepted"][n]
             greedy = reference["logits"][n].argmax(-1)
             diff = (logits - reference["logits"][n]).abs().nan_to_num(nan=float("inf"))
             errs = diff.flatten(1).amax(1).tolist()
             out["errors"].append([(req, e) for (_, req), e in zip(running, errs)])
+            out["observed"].append([(req, int(a)) for (_, req), a in zip(running, observed)])
+            out["expected"].append([(req, int(a)) for (_, req), a in zip(running, accepted)])
+            if log is not None:
+                log.step(len(slots), observed.tolist(), int(cache.length[active].sum()) + len(slots) * T)
         last[active] = greedy[torch.arange(len(slots)), accepted]
         _append_kv(cache, new_kv, accepted, slots)
+    if log is not None:
+        log.close()
     return out
 
 
@@ -282,12 +309,18 @@ def _sanitised(rank: int, files, run: RunConfig, reference: dict, trace_dir: str
     t0 = time.monotonic()
     try:
         model = Model(run.model, comm, rank, files.world_size, run.variant, run.hold_partial)
-        got = decode(model, run, comm, reference)
+        log = None
+        if rank == 0 and trace_dir:      # TP0's scheduler writes the server log, as in SGLang
+            from .serverlog import LOG_NAME, DecodeLog
+            log = DecodeLog(os.path.join(trace_dir, LOG_NAME), depth=run.depth, interval=run.log_interval,
+                            capacity=run.batch * run.model.max_context)
+        got = decode(model, run, comm, reference, log)
         placed = comm.pool.allocations
         colls = comm.collectives
     finally:
         comm.close()
-    return {"rank": rank, "errors": got["errors"], "window_allocations": placed,
+    return {"rank": rank, "errors": got["errors"], "observed": got["observed"],
+            "expected": got["expected"], "window_allocations": placed,
             "collectives": colls, "trace": comm.recorder.path, "seconds": time.monotonic() - t0}
 
 

@@ -55,6 +55,19 @@ class ModelConfig:
     sinkhorn_iters: int = 4
     max_context: int = 256
     seed: int = 1234
+    # The draft model proposes the target's own next token for this share of the vocabulary (a
+    # random one elsewhere): each draft is accepted with about this probability, as with a good
+    # MTP/EAGLE draft head (accept len about 3 at depth 3).
+    draft_match: float = 0.85
+    # Scale of the token embedding against the blocks' outputs (which see normalised inputs):
+    # below 1 the blocks' outputs weigh more in the final hidden state, so a corrupted block
+    # output changes the greedy tokens, as it does in a real model.
+    embed_scale: float = 1.0
+    # The successor's logit (times the cosine between the final hidden state and the token's
+    # embedding) against the random head's N(0, 1) logits: how confident the target's greedy
+    # choice is. About 9 keeps every clean choice (the best of 2048 normals is about 3.5) and lets
+    # a corrupted block output flip it, whatever the hidden size.
+    head_margin: float = 9.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +91,7 @@ class Weights:
             scale = scale if scale is not None else 1.0 / math.sqrt(shape[0])
             return (torch.randn(*shape, generator=g) * scale).to(DT)
 
-        self.embed = w(cfg.vocab, h, scale=1.0)
+        self.embed = w(cfg.vocab, h, scale=cfg.embed_scale)
         hl = cfg.heads // world
         q0, q1 = rank * hl * cfg.head_dim, (rank + 1) * hl * cfg.head_dim
         el = cfg.experts // world
@@ -105,7 +118,15 @@ class Weights:
             L["s2"] = s2[rank * sl:(rank + 1) * sl].contiguous()
             self.layers.append(L)
         self.head_phi = (torch.randn(n * h, n, generator=g) / math.sqrt(n * h)).float()
-        self.lm_head = w(h, cfg.vocab)[:, rank * vl:(rank + 1) * vl].contiguous()
+        # The LM head is tied to the embedding through a permutation: column v is the embedding
+        # of the token whose successor is v, so the target's greedy next token after t is
+        # successor[t] (the residual stream keeps t's embedding dominant). That gives the target
+        # a behaviour a draft model can predict, so acceptance means something, and corrupted
+        # block outputs (garbage sums) change the greedy tokens and lower it.
+        self.successor = torch.randperm(cfg.vocab, generator=g)
+        tied = self.embed[torch.argsort(self.successor)].t().float() / (h * cfg.embed_scale)
+        head = tied * cfg.head_margin + torch.randn(h, cfg.vocab, generator=g) / math.sqrt(h)
+        self.lm_head = head[:, rank * vl:(rank + 1) * vl].to(DT).contiguous()
         self.heads_local = hl
 
 
