@@ -30,14 +30,18 @@ from .model import DT, KVCache, Model, ModelConfig
 class RunConfig:
     variant: str = "stock"
     depth: int = 4
-    batch: int = 8
+    batch: int = 18
     steps: int = 16
     request_steps: int = 4
     prompt: int = 16
     comm_latency_ms: float = 1.0
     hold_partial: bool = False
-    window_mb: int = 64
-    log_interval: int = 2           # verify steps per `Decode batch` line of the server log
+    window_mb: int = 128
+    log_interval: int = 1           # verify steps per `Decode batch` line of the server log
+    # Warm-up verify steps before serving, at these batch sizes, largest first (a server captures
+    # its CUDA graphs so, and the symmetric pool keeps the segments they leave): "pow2" for
+    # 1, 2, 4, ... up to batch, "max" for batch only, "none".
+    warmup: str = "pow2"
     model: ModelConfig = ModelConfig()
 
     @property
@@ -59,7 +63,7 @@ class RunConfig:
         import hashlib
         import json
         d = self.to_dict()
-        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb", "log_interval"):
+        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb", "log_interval", "warmup"):
             d.pop(k)
         d["ranks"] = ranks
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -168,6 +172,33 @@ class Schedule:
         return int(torch.randint(cfg.vocab, (1,), generator=g))
 
 
+def warmup_batches(run: RunConfig) -> list[int]:
+    if run.warmup == "none":
+        return []
+    if run.warmup == "max":
+        return [run.batch]
+    if run.warmup == "pow2":
+        sizes, b = [], 1
+        while b < run.batch:
+            sizes.append(b)
+            b *= 2
+        return sorted(set(sizes + [run.batch]), reverse=True)
+    raise ValueError(f"warmup must be none, max or pow2, not {run.warmup!r}")
+
+
+def warm_up(model: Model, run: RunConfig) -> None:
+    """Verify steps at the warm-up batch sizes on a scratch cache, before serving (no step
+    marker: they belong to the set-up). Their outputs are thrown away; what stays is the
+    window's cached segments, as after a server's CUDA-graph capture."""
+    cfg = model.cfg
+    for b in warmup_batches(run):
+        cache = KVCache(cfg, b, model.W.heads_local)
+        cache.length[:] = run.prompt
+        tokens = torch.zeros(b * run.tokens_per_request, dtype=torch.long)
+        with torch.inference_mode():
+            model.forward(tokens, cache, run.tokens_per_request, torch.arange(b))
+
+
 def draft_table(cfg: ModelConfig, successor: torch.Tensor) -> torch.Tensor:
     """The draft model, a bigram table: the target's successor for a `draft_match` share of the
     tokens, a random token for the others."""
@@ -211,6 +242,8 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None, log=None)
     cache = KVCache(cfg, B, model.W.heads_local)
     table = draft_table(cfg, model.W.successor)
     last = torch.zeros(B, dtype=torch.long)
+    if reference is not None:
+        warm_up(model, run)
     out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": [], "observed": [], "expected": []}
     for n in range(run.steps):
         running = sched.active[n]

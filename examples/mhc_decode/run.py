@@ -26,9 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4, help="speculative draft depth (verify takes depth+1 tokens per request)")
     p.add_argument("--ranks", type=int, default=2, help="rank processes (2 to 4)")
     p.add_argument("--steps", type=int, default=16, help="verify steps")
-    p.add_argument("--batch", type=int, default=8, help="batch slots (most requests decoded together)")
+    p.add_argument("--batch", type=int, default=18, help="batch slots (most requests decoded together)")
     p.add_argument("--request-steps", type=int, default=4, help="mean verify steps per request")
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (DeepSeek-V4's by default)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--heads", type=int, default=8, help="attention heads (split over ranks)")
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delay before a collective's loads (the time a real one is in flight)")
     p.add_argument("--hold-partial", action="store_true",
                    help="keep each all-reduce input referenced until its wait (removes the latent early free)")
-    p.add_argument("--log-interval", type=int, default=2,
+    p.add_argument("--warmup", choices=("none", "max", "pow2"), default="pow2",
+                   help="warm-up verify steps before serving: batch sizes 1, 2, 4, ... up to --batch (pow2), --batch only (max)")
+    p.add_argument("--log-interval", type=int, default=1,
                    help="verify steps per SGLang-format 'Decode batch' line in OUT/server.log")
     p.add_argument("--reference-cache", metavar="DIR",
                    help="reuse (or store) the reference decode here; stock and fixed runs of one shape share it")
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
         model = model_config(args)
         run = RunConfig(variant=args.variant, depth=args.depth, batch=args.batch, steps=args.steps,
                         request_steps=args.request_steps, comm_latency_ms=args.comm_latency_ms,
-                        hold_partial=args.hold_partial, log_interval=args.log_interval, model=model)
+                        hold_partial=args.hold_partial, log_interval=args.log_interval, warmup=args.warmup, model=model)
         if model.heads % args.ranks or model.experts % args.ranks or model.vocab % args.ranks \
                 or model.shared_inter % args.ranks:
             raise ValueError(f"--ranks {args.ranks} must divide --heads ({model.heads}), --experts ({model.experts}), "
