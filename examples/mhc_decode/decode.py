@@ -37,6 +37,7 @@ class RunConfig:
     comm_latency_ms: float = 1.0
     hold_partial: bool = False
     window_mb: int = 128
+    device: str = "cpu"             # "cuda": rank r on GPU r % device_count, the CuPy testbed
     log_interval: int = 1           # verify steps per `Decode batch` line of the server log
     # Warm-up verify steps before serving, at these batch sizes, largest first (a server captures
     # its CUDA graphs so, and the symmetric pool keeps the segments they leave): "pow2" for
@@ -95,10 +96,10 @@ class PlainComm:
 
     def _gather(self, t):
         src = t.contiguous()
-        wire = src.view(torch.uint8)                     # exact bytes, any dtype
+        wire = src.view(torch.uint8).cpu()               # exact bytes, any dtype, through gloo
         parts = [torch.empty_like(wire) for _ in range(self.world)]
         self.dist.all_gather(parts, wire)
-        return [p.view(src.dtype) for p in parts]
+        return [p.to(src.device).view(src.dtype) for p in parts]
 
     def all_reduce(self, t, out=None):
         acc = None
@@ -160,8 +161,10 @@ class Schedule:
         cfg, run = model.cfg, self.run
         g = torch.Generator().manual_seed(cfg.seed * 7919 + req)
         shape = (cfg.layers, run.prompt, cfg.heads, cfg.head_dim)
-        k = torch.randn(shape, generator=g).to(DT)
-        v = torch.randn(shape, generator=g).to(DT)
+        with torch.device("cpu"):
+            k = torch.randn(shape, generator=g).to(DT)
+            v = torch.randn(shape, generator=g).to(DT)
+            first = int(torch.randint(cfg.vocab, (1,), generator=g))
         hl = model.W.heads_local
         heads = slice(model.rank * hl, (model.rank + 1) * hl)
         cache.k[:, slot].zero_()
@@ -169,7 +172,7 @@ class Schedule:
         cache.k[:, slot, :run.prompt] = k[:, :, heads]
         cache.v[:, slot, :run.prompt] = v[:, :, heads]
         cache.length[slot] = run.prompt
-        return int(torch.randint(cfg.vocab, (1,), generator=g))
+        return first
 
 
 def warmup_batches(run: RunConfig) -> list[int]:
@@ -203,10 +206,11 @@ def draft_table(cfg: ModelConfig, successor: torch.Tensor) -> torch.Tensor:
     """The draft model, a bigram table: the target's successor for a `draft_match` share of the
     tokens, a random token for the others."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
-    table = successor.clone()
-    other = torch.rand(cfg.vocab, generator=g) >= cfg.draft_match
-    table[other] = torch.randint(cfg.vocab, (int(other.sum()),), generator=g)
-    return table
+    with torch.device("cpu"):
+        table = successor.cpu().clone()
+        other = torch.rand(cfg.vocab, generator=g) >= cfg.draft_match
+        table[other] = torch.randint(cfg.vocab, (int(other.sum()),), generator=g)
+    return table.to(successor.device)
 
 
 def verify(inputs: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,10 +287,10 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None, log=None)
             accepted = reference["accepted"][n]
             greedy = reference["logits"][n].argmax(-1)
             diff = (logits - reference["logits"][n]).abs().nan_to_num(nan=float("inf"))
-            errs = diff.flatten(1).amax(1).tolist()
+            errs = diff.flatten(1).amax(1).cpu().tolist()
             out["errors"].append([(req, e) for (_, req), e in zip(running, errs)])
-            out["observed"].append([(req, int(a)) for (_, req), a in zip(running, observed)])
-            out["expected"].append([(req, int(a)) for (_, req), a in zip(running, accepted)])
+            out["observed"].append([(req, int(a)) for (_, req), a in zip(running, observed.tolist())])
+            out["expected"].append([(req, int(a)) for (_, req), a in zip(running, accepted.tolist())])
             if log is not None:
                 log.step(len(slots), observed.tolist(), int(cache.length[active].sum()) + len(slots) * T)
         last[active] = greedy[torch.arange(len(slots)), accepted]
@@ -297,8 +301,22 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None, log=None)
 
 
 # ----------------------------------------------------------------------------- rank entry points
+def use_device(rank: int, run: RunConfig) -> int | None:
+    """Make the run's device torch's default in this rank process; the GPU index, or None on CPU."""
+    if run.device == "cpu":
+        return None
+    if run.device != "cuda":
+        raise ValueError(f"device must be cpu or cuda, not {run.device!r}")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS: exact comparison
+    gpu = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    torch.set_default_device(f"cuda:{gpu}")
+    return gpu
+
+
 def reference_rank(rank: int, files, run: RunConfig, port: int, path: str):
     torch.set_num_threads(1)
+    use_device(rank, run)
     comm = PlainComm(rank, files.world_size, port)
     try:
         model = Model(run.model, comm, rank, files.world_size, "fixed")
@@ -313,13 +331,15 @@ def reference_rank(rank: int, files, run: RunConfig, port: int, path: str):
 def sanitised_rank(rank: int, files, run: RunConfig, ref_path: str, trace_dir: str):
     """One sanitised run in its own world (the reference comes from a file)."""
     torch.set_num_threads(1)
-    return _sanitised(rank, files, run, torch.load(ref_path), trace_dir)
+    use_device(rank, run)
+    return _sanitised(rank, files, run, torch.load(ref_path, map_location=torch.get_default_device()), trace_dir)
 
 
 def world_rank(rank: int, files, plan: list, port: int):
     """Several runs in one world (no capture): each run's reference decode (computed once per
     shape) and its sanitised decode on a fresh communicator writing to its own trace_dir."""
     torch.set_num_threads(1)
+    use_device(rank, plan[0][0])
     plain = PlainComm(rank, files.world_size, port)
     results, key, reference = [], None, None
     try:
@@ -337,8 +357,12 @@ def world_rank(rank: int, files, plan: list, port: int):
 
 def _sanitised(rank: int, files, run: RunConfig, reference: dict, trace_dir: str) -> dict:
     from sanitizer.testbed import SymmetricCommunicator
+    kwargs = {}
+    if run.device == "cuda":
+        from sanitizer.testbed.cuda import CudaSymmetricCommunicator as SymmetricCommunicator  # noqa: N813
+        kwargs["device"] = use_device(rank, run)
     comm = SymmetricCommunicator(files, rank, name="tp", trace_dir=trace_dir,
-                                 read_delay=run.comm_latency_ms / 1000.0)
+                                 read_delay=run.comm_latency_ms / 1000.0, **kwargs)
     t0 = time.monotonic()
     try:
         model = Model(run.model, comm, rank, files.world_size, run.variant, run.hold_partial)

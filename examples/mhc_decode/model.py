@@ -79,9 +79,22 @@ def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class Weights:
-    """Full weights drawn from one seed (equal on every rank), then this rank's shards."""
+    """Full weights drawn from one seed (equal on every rank), then this rank's shards. Drawn on
+    the CPU (the same numbers whatever the device), then moved to torch's default device."""
 
     def __init__(self, cfg: ModelConfig, rank: int, world: int):
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            self._draw(cfg, rank, world)
+        if device.type != "cpu":
+            for L in self.layers:
+                for k, v in L.items():
+                    if isinstance(v, torch.Tensor):
+                        L[k] = v.to(device)
+            for k in ("embed", "head_phi", "successor", "lm_head"):
+                setattr(self, k, getattr(self, k).to(device))
+
+    def _draw(self, cfg: ModelConfig, rank: int, world: int):
         if cfg.heads % world or cfg.experts % world or cfg.shared_inter % world or cfg.vocab % world:
             raise ValueError(f"heads, experts, shared_inter and vocab must divide by the world size {world}")
         g = torch.Generator().manual_seed(cfg.seed)

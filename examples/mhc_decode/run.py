@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delay before a collective's loads (the time a real one is in flight)")
     p.add_argument("--hold-partial", action="store_true",
                    help="keep each all-reduce input referenced until its wait (removes the latent early free)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the CuPy GPU testbed (sanitizer/testbed/cuda.py), rank r on GPU r %% device count")
     p.add_argument("--warmup", choices=("none", "max", "pow2"), default="pow2",
                    help="warm-up verify steps before serving: batch sizes 1, 2, 4, ... up to --batch (pow2), --batch only (max)")
     p.add_argument("--log-interval", type=int, default=1,
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
         model = model_config(args)
         run = RunConfig(variant=args.variant, depth=args.depth, batch=args.batch, steps=args.steps,
                         request_steps=args.request_steps, comm_latency_ms=args.comm_latency_ms,
-                        hold_partial=args.hold_partial, log_interval=args.log_interval, warmup=args.warmup, model=model)
+                        hold_partial=args.hold_partial, log_interval=args.log_interval, warmup=args.warmup, device=args.device, model=model)
         if model.heads % args.ranks or model.experts % args.ranks or model.vocab % args.ranks \
                 or model.shared_inter % args.ranks:
             raise ValueError(f"--ranks {args.ranks} must divide --heads ({model.heads}), --experts ({model.experts}), "

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     depths, variants = parse_depths(args.depths), args.variants.split(",")
     plan = [(RunConfig(variant=v, depth=d, batch=base.batch, steps=base.steps, request_steps=base.request_steps,
                        comm_latency_ms=base.comm_latency_ms, hold_partial=base.hold_partial,
-                       log_interval=base.log_interval, warmup=base.warmup, model=model),
+                       log_interval=base.log_interval, warmup=base.warmup, device=base.device, model=model),
              os.path.join(args.out, f"{v}-d{d}")) for d in depths for v in variants]
     t = time.monotonic()
     try:

@@ -231,8 +231,11 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
         return windows
 
     def _current_stream(self):
-        return self.cupy.cuda.ExternalStream(self.torch.cuda.current_stream(self.device_index).cuda_stream,
-                                             self.device_index)
+        import warnings
+        handle = self.torch.cuda.current_stream(self.device_index).cuda_stream
+        with warnings.catch_warnings():      # deprecated in CuPy 14 for Stream.from_external; still there
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self.cupy.cuda.ExternalStream(handle, self.device_index)
 
     # ---- collectives: enqueue records readiness on the caller's stream ---------------------------
     def _enqueue(self, op, in_off, nbytes, dtype, out_off, bufs) -> Work:
