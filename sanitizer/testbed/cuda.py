@@ -192,6 +192,7 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
         self.stream = stream_name(device, self.comm_stream.ptr)
         cp = self.cupy
         self._bases = cp.asarray([w.base for w in self.windows], dtype=cp.uint64)
+        cp.cuda.runtime.deviceSynchronize()      # the comm stream does not order after the null stream
         self._module = cp.RawModule(code=KERNELS)
         self._reduce = self._module.get_function("hazsan_all_reduce")
         self._copy = self._module.get_function("hazsan_copy")
@@ -279,7 +280,9 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
             time.sleep(self.read_delay)
         out = self.window.base + job.out_off
         if job.out_off == job.in_off:                            # in place: sum into scratch first
-            scratch = self.cupy.empty((n,), dtype=self.cupy.float32)
+            with self.comm_stream:
+                scratch = self.cupy.empty((n,), dtype=self.cupy.float32)
+                one = self.cupy.asarray([scratch.data.ptr], dtype=self.cupy.uint64)
             self._launch(self._reduce, n, (self._bases, np.int32(self.world_size), np.int64(job.in_off),
                                            np.int32(code), np.uint64(scratch.data.ptr), np.int32(0), np.int64(n)))
             self.comm_stream.synchronize()
