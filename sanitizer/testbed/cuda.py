@@ -287,7 +287,6 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
                                            np.int32(code), np.uint64(scratch.data.ptr), np.int32(0), np.int64(n)))
             self.comm_stream.synchronize()
             self.counters.barrier(self.timeout, what)            # nobody's input is overwritten early
-            one = self.cupy.asarray([scratch.data.ptr], dtype=self.cupy.uint64)
             self._launch(self._reduce, n, (one, np.int32(1), np.int64(0), np.int32(0),
                                            np.uint64(out), np.int32(code), np.int64(n)))
             self.comm_stream.synchronize()
@@ -328,6 +327,8 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
             self.counters.barrier(self.timeout, "close")
         except Exception:
             pass
+        if self.pool.live:
+            return   # the program still holds window tensors: the memory goes with the process
         for w in self.windows:
             if not w.owned:
                 w.close()
