@@ -1,6 +1,6 @@
 """The GPU self-check: the reference case on the CuPy testbed, two rank processes on one GPU.
 
-    python -m examples.mhc_decode.gpu_check [--out runs/gpu-check] [--report]     # about 1-2 minutes
+    python -m examples.mhc_decode.gpu_check [--out runs/gpu-check] [--report] [--capture]   # about 1-2 minutes
 
 1. The placement model predicts the draft depth at which the stock build collides (predict.py).
 2. Stock and fixed run at that depth with `--device cuda` (sanitizer/testbed/cuda.py: windows in
@@ -116,7 +116,12 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=None, help="default: the depth the placement model predicts")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--report", action="store_true", help="write reports/mhc-proof-gpu/")
+    p.add_argument("--capture", action="store_true",
+                   help="record with hazsan capture (HAZSAN=1) instead of the testbed's own trace files")
     args = p.parse_args(argv)
+    if args.capture:
+        os.environ["HAZSAN"] = "1"
+        os.environ.setdefault("HAZSAN_STACKS", "site")
     why = gpu_ready()
     if why is not None:
         print(f"gpu_check: {why}", file=sys.stderr)
