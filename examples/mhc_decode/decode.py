@@ -41,8 +41,9 @@ class RunConfig:
     log_interval: int = 1           # verify steps per `Decode batch` line of the server log
     # Warm-up verify steps before serving, at these batch sizes, largest first (a server captures
     # its CUDA graphs so, and the symmetric pool keeps the segments they leave): "pow2" for
-    # 1, 2, 4, ... up to batch, "max" for batch only, "none".
-    warmup: str = "pow2"
+    # 1, 2, 4, ... up to batch, "max" for batch only, "none" (default: in the stock build the
+    # warm-up's own small steps collide, harmlessly, and would blur the one colliding depth).
+    warmup: str = "none"
     model: ModelConfig = ModelConfig()
 
     @property
