@@ -201,7 +201,8 @@ reference decode without symmetric memory, so corruption is counted, not assumed
 The configuration is DeepSeek-V4's where the fault lives: hidden size 7168 and 4 mHC residual
 streams, so every window allocation has the byte size it has in the real model at the same token
 count; the rest is scaled to fit 2 CPU cores (2 layers, 8 experts, vocabulary 2048, 18 batch slots,
-continuous batching, 16 verify steps).
+continuous batching, 16 verify steps after warm-up steps at batch 18, 16, 8, 4, 2 and 1, which
+wait for each collective and leave only the pool's segments behind).
 
 {table}
 

@@ -41,9 +41,9 @@ class RunConfig:
     log_interval: int = 1           # verify steps per `Decode batch` line of the server log
     # Warm-up verify steps before serving, at these batch sizes, largest first (a server captures
     # its CUDA graphs so, and the symmetric pool keeps the segments they leave): "pow2" for
-    # 1, 2, 4, ... up to batch, "max" for batch only, "none" (default: in the stock build the
-    # warm-up's own small steps collide, harmlessly, and would blur the one colliding depth).
-    warmup: str = "none"
+    # 1, 2, 4, ... up to batch, "max" for batch only, "none". The warm-up waits for each
+    # collective before going on (no overlap), so it leaves segments but no hazard of its own.
+    warmup: str = "pow2"
     model: ModelConfig = ModelConfig()
 
     @property
@@ -195,12 +195,16 @@ def warm_up(model: Model, run: RunConfig) -> None:
     marker: they belong to the set-up). Their outputs are thrown away; what stays is the
     window's cached segments, as after a server's CUDA-graph capture."""
     cfg = model.cfg
-    for b in warmup_batches(run):
-        cache = KVCache(cfg, b, model.W.heads_local)
-        cache.length[:] = run.prompt
-        tokens = torch.zeros(b * run.tokens_per_request, dtype=torch.long)
-        with torch.inference_mode():
-            model.forward(tokens, cache, run.tokens_per_request, torch.arange(b))
+    model.sync_collectives = True
+    try:
+        for b in warmup_batches(run):
+            cache = KVCache(cfg, b, model.W.heads_local)
+            cache.length[:] = run.prompt
+            tokens = torch.zeros(b * run.tokens_per_request, dtype=torch.long)
+            with torch.inference_mode():
+                model.forward(tokens, cache, run.tokens_per_request, torch.arange(b))
+    finally:
+        model.sync_collectives = False
 
 
 def draft_table(cfg: ModelConfig, successor: torch.Tensor) -> torch.Tensor:

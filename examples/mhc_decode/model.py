@@ -200,6 +200,7 @@ class Model:
                  hold_partial: bool = False):
         self.cfg = cfg
         self.hold_partial = hold_partial   # keep the partial referenced until the wait (safe)
+        self.sync_collectives = False      # wait for each all-reduce at once (warm-up: no overlap)
         self.comm = comm
         self.rank, self.world = rank, world
         self.W = Weights(cfg, rank, world)
@@ -263,6 +264,8 @@ class Model:
         # Out-of-place all-reduce into y. The partial is a temporary: after this line nothing
         # references it, and the collective (one-sided, by offset) holds no reference either.
         work = self.comm.all_reduce(partial, out=y)
+        if self.sync_collectives:
+            work.wait()                    # same placement as below, but nothing left in flight
         if not self.hold_partial:
             del partial
         mixed = self.mhc.mix(x, comb)      # overlaps the all-reduce

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
                 for h, b, pr in search(base.ranks, parse_depths(args.depths))]
         print(tabulate(rows, headers=["hidden", "batch", "colliding depth", "corrupted (predicted)", "steps"]))
         return 0
-    run = RunConfig(batch=base.batch, steps=base.steps, request_steps=base.request_steps, model=model_config(base))
+    run = RunConfig(batch=base.batch, steps=base.steps, request_steps=base.request_steps, warmup=base.warmup,
+                    model=model_config(base))
     rows = []
     for pr in predict_depths(run, base.ranks, parse_depths(args.depths)):
         rows.append([pr.depth, pr.depth + 1, f"{len(pr.corrupted_requests)}/{pr.requests}",

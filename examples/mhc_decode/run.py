@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each all-reduce input referenced until its wait (removes the latent early free)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the CuPy GPU testbed (sanitizer/testbed/cuda.py), rank r on GPU r %% device count")
-    p.add_argument("--warmup", choices=("none", "max", "pow2"), default="none",
+    p.add_argument("--warmup", choices=("none", "max", "pow2"), default="pow2",
                    help="warm-up verify steps before serving: batch sizes 1, 2, 4, ... up to --batch (pow2), --batch only (max)")
     p.add_argument("--log-interval", type=int, default=1,
                    help="verify steps per SGLang-format 'Decode batch' line in OUT/server.log")
