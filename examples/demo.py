@@ -228,7 +228,8 @@ depths 1 to 3 (at most 72 tokens with 18 slots) are safe. At depth 4 (5 tokens p
 requests put the partial in the large pool too, and the overlapped mixing's float32 copy takes
 its freed bytes while the all-reduce still reads them. From depth 5 on the partial is in the large
 pool as well, but at those sizes the best fit puts the transients in other free blocks (depth 9
-collides again, once). The hazard is the same at every depth; only the allocator's fit decides
+collides again, once). Which segments the pool already holds matters too: without the warm-up
+steps (`--warmup none`) depths 6 and 7 also collide, once each. The hazard is the same at every depth; only the allocator's fit decides
 whether it realises, which is why the original fault showed at one draft depth only.
 `python -m examples.mhc_decode.predict --search` lists other configurations with one colliding depth.
 
