@@ -30,13 +30,20 @@ from .model import DT, KVCache, Model, ModelConfig
 class RunConfig:
     variant: str = "stock"
     depth: int = 4
-    batch: int = 8
+    batch: int = 18
     steps: int = 16
     request_steps: int = 4
     prompt: int = 16
     comm_latency_ms: float = 1.0
     hold_partial: bool = False
-    window_mb: int = 64
+    window_mb: int = 128
+    device: str = "cpu"             # "cuda": rank r on GPU r % device_count, the CuPy testbed
+    log_interval: int = 1           # verify steps per `Decode batch` line of the server log
+    # Warm-up verify steps before serving, at these batch sizes, largest first (a server captures
+    # its CUDA graphs so, and the symmetric pool keeps the segments they leave): "pow2" for
+    # 1, 2, 4, ... up to batch, "max" for batch only, "none". The warm-up waits for each
+    # collective before going on (no overlap), so it leaves segments but no hazard of its own.
+    warmup: str = "pow2"
     model: ModelConfig = ModelConfig()
 
     @property
@@ -58,7 +65,7 @@ class RunConfig:
         import hashlib
         import json
         d = self.to_dict()
-        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb"):
+        for k in ("variant", "comm_latency_ms", "hold_partial", "window_mb", "log_interval", "warmup"):
             d.pop(k)
         d["ranks"] = ranks
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -90,10 +97,10 @@ class PlainComm:
 
     def _gather(self, t):
         src = t.contiguous()
-        wire = src.view(torch.uint8)                     # exact bytes, any dtype
+        wire = src.view(torch.uint8).cpu()               # exact bytes, any dtype, through gloo
         parts = [torch.empty_like(wire) for _ in range(self.world)]
         self.dist.all_gather(parts, wire)
-        return [p.view(src.dtype) for p in parts]
+        return [p.to(src.device).view(src.dtype) for p in parts]
 
     def all_reduce(self, t, out=None):
         acc = None
@@ -155,8 +162,10 @@ class Schedule:
         cfg, run = model.cfg, self.run
         g = torch.Generator().manual_seed(cfg.seed * 7919 + req)
         shape = (cfg.layers, run.prompt, cfg.heads, cfg.head_dim)
-        k = torch.randn(shape, generator=g).to(DT)
-        v = torch.randn(shape, generator=g).to(DT)
+        with torch.device("cpu"):
+            k = torch.randn(shape, generator=g).to(DT)
+            v = torch.randn(shape, generator=g).to(DT)
+            first = int(torch.randint(cfg.vocab, (1,), generator=g))
         hl = model.W.heads_local
         heads = slice(model.rank * hl, (model.rank + 1) * hl)
         cache.k[:, slot].zero_()
@@ -164,12 +173,58 @@ class Schedule:
         cache.k[:, slot, :run.prompt] = k[:, :, heads]
         cache.v[:, slot, :run.prompt] = v[:, :, heads]
         cache.length[slot] = run.prompt
-        return int(torch.randint(cfg.vocab, (1,), generator=g))
+        return first
 
 
-def draft_table(cfg: ModelConfig) -> torch.Tensor:
+def warmup_batches(run: RunConfig) -> list[int]:
+    if run.warmup == "none":
+        return []
+    if run.warmup == "max":
+        return [run.batch]
+    if run.warmup == "pow2":
+        sizes, b = [], 1
+        while b < run.batch:
+            sizes.append(b)
+            b *= 2
+        return sorted(set(sizes + [run.batch]), reverse=True)
+    raise ValueError(f"warmup must be none, max or pow2, not {run.warmup!r}")
+
+
+def warm_up(model: Model, run: RunConfig) -> None:
+    """Verify steps at the warm-up batch sizes on a scratch cache, before serving (no step
+    marker: they belong to the set-up). Their outputs are thrown away; what stays is the
+    window's cached segments, as after a server's CUDA-graph capture."""
+    cfg = model.cfg
+    model.sync_collectives = True
+    try:
+        for b in warmup_batches(run):
+            cache = KVCache(cfg, b, model.W.heads_local)
+            cache.length[:] = run.prompt
+            tokens = torch.zeros(b * run.tokens_per_request, dtype=torch.long)
+            with torch.inference_mode():
+                model.forward(tokens, cache, run.tokens_per_request, torch.arange(b))
+    finally:
+        model.sync_collectives = False
+
+
+def draft_table(cfg: ModelConfig, successor: torch.Tensor) -> torch.Tensor:
+    """The draft model, a bigram table: the target's successor for a `draft_match` share of the
+    tokens, a random token for the others."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
-    return torch.randint(cfg.vocab, (cfg.vocab,), generator=g)
+    with torch.device("cpu"):
+        table = successor.cpu().clone()
+        other = torch.rand(cfg.vocab, generator=g) >= cfg.draft_match
+        table[other] = torch.randint(cfg.vocab, (int(other.sum()),), generator=g)
+    return table.to(successor.device)
+
+
+def verify(inputs: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative verify step: (greedy tokens [b, T], drafts accepted [b]). inputs[:, 0] is
+    each request's last token, inputs[:, 1:] its drafts; a draft is accepted when it equals the
+    target's greedy token at the previous position and every earlier draft was accepted."""
+    greedy = logits.argmax(-1)
+    match = (inputs[:, 1:] == greedy[:, :-1]).long()
+    return greedy, match.cumprod(1).sum(1)
 
 
 def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, slots: list) -> None:
@@ -183,18 +238,22 @@ def _append_kv(cache: KVCache, new_kv, accepted: torch.Tensor, slots: list) -> N
         cache.length[s] += int(accepted[i]) + 1
 
 
-def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
+def decode(model: Model, run: RunConfig, comm, reference: dict | None, log=None) -> dict:
     """Run the verify steps. Without `reference`, decide inputs and acceptances (and return them
     with the logits); with it, replay its inputs and return, per step, each running request's
-    largest |error| against the reference logits."""
+    largest |error| against the reference logits and the drafts its own verify step accepted
+    (`observed`: lower than the reference's where the logits are corrupted). `log`, a
+    serverlog.DecodeLog, gets every step's running requests and accepted drafts."""
     torch.manual_seed(0)
     cfg = model.cfg
     B, T = run.batch, run.tokens_per_request
     sched = Schedule(run)
     cache = KVCache(cfg, B, model.W.heads_local)
-    table = draft_table(cfg)
+    table = draft_table(cfg, model.W.successor)
     last = torch.zeros(B, dtype=torch.long)
-    out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": []}
+    if reference is not None:
+        warm_up(model, run)
+    out = {"inputs": [], "accepted": [], "logits": []} if reference is None else {"errors": [], "observed": [], "expected": []}
     for n in range(run.steps):
         running = sched.active[n]
         if not running:
@@ -202,6 +261,8 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
                 out["inputs"].append(None), out["accepted"].append(None), out["logits"].append(None)
             else:
                 out["errors"].append([])
+                out["observed"].append([])
+                out["expected"].append([])
             continue
         for s in sorted(sched.starting[n]):
             last[s] = sched.prefill(model, cache, s, dict(running)[s])
@@ -219,26 +280,48 @@ def decode(model: Model, run: RunConfig, comm, reference: dict | None) -> dict:
             logits, new_kv = model.forward(inputs.reshape(-1), cache, T, active)
         logits = logits.view(len(slots), T, cfg.vocab)
         if reference is None:
-            greedy = logits.argmax(-1)                            # [b, T]
-            match = (inputs[:, 1:] == greedy[:, :-1]).long()
-            accepted = match.cumprod(1).sum(1)                    # drafts accepted
+            greedy, accepted = verify(inputs, logits)
             out["inputs"].append(inputs)
             out["accepted"].append(accepted)
             out["logits"].append(logits.clone())
         else:
+            # The server's verify step on these logits: what it would accept. The decode itself
+            # goes on with the reference's tokens (teacher forcing), so every step's shape, and
+            # with it the window's placement, is the reference's and the comparison stays exact.
+            _, observed = verify(inputs, logits)
             accepted = reference["accepted"][n]
             greedy = reference["logits"][n].argmax(-1)
             diff = (logits - reference["logits"][n]).abs().nan_to_num(nan=float("inf"))
-            errs = diff.flatten(1).amax(1).tolist()
+            errs = diff.flatten(1).amax(1).cpu().tolist()
             out["errors"].append([(req, e) for (_, req), e in zip(running, errs)])
+            out["observed"].append([(req, int(a)) for (_, req), a in zip(running, observed.tolist())])
+            out["expected"].append([(req, int(a)) for (_, req), a in zip(running, accepted.tolist())])
+            if log is not None:
+                log.step(len(slots), observed.tolist(), int(cache.length[active].sum()) + len(slots) * T)
         last[active] = greedy[torch.arange(len(slots)), accepted]
         _append_kv(cache, new_kv, accepted, slots)
+    if log is not None:
+        log.close()
     return out
 
 
 # ----------------------------------------------------------------------------- rank entry points
+def use_device(rank: int, run: RunConfig) -> int | None:
+    """Make the run's device torch's default in this rank process; the GPU index, or None on CPU."""
+    if run.device == "cpu":
+        return None
+    if run.device != "cuda":
+        raise ValueError(f"device must be cpu or cuda, not {run.device!r}")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS: exact comparison
+    gpu = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    torch.set_default_device(f"cuda:{gpu}")
+    return gpu
+
+
 def reference_rank(rank: int, files, run: RunConfig, port: int, path: str):
     torch.set_num_threads(1)
+    use_device(rank, run)
     comm = PlainComm(rank, files.world_size, port)
     try:
         model = Model(run.model, comm, rank, files.world_size, "fixed")
@@ -253,13 +336,15 @@ def reference_rank(rank: int, files, run: RunConfig, port: int, path: str):
 def sanitised_rank(rank: int, files, run: RunConfig, ref_path: str, trace_dir: str):
     """One sanitised run in its own world (the reference comes from a file)."""
     torch.set_num_threads(1)
-    return _sanitised(rank, files, run, torch.load(ref_path), trace_dir)
+    use_device(rank, run)
+    return _sanitised(rank, files, run, torch.load(ref_path, map_location=torch.get_default_device()), trace_dir)
 
 
 def world_rank(rank: int, files, plan: list, port: int):
     """Several runs in one world (no capture): each run's reference decode (computed once per
     shape) and its sanitised decode on a fresh communicator writing to its own trace_dir."""
     torch.set_num_threads(1)
+    use_device(rank, plan[0][0])
     plain = PlainComm(rank, files.world_size, port)
     results, key, reference = [], None, None
     try:
@@ -277,17 +362,27 @@ def world_rank(rank: int, files, plan: list, port: int):
 
 def _sanitised(rank: int, files, run: RunConfig, reference: dict, trace_dir: str) -> dict:
     from sanitizer.testbed import SymmetricCommunicator
+    kwargs = {}
+    if run.device == "cuda":
+        from sanitizer.testbed.cuda import CudaSymmetricCommunicator as SymmetricCommunicator  # noqa: N813
+        kwargs["device"] = use_device(rank, run)
     comm = SymmetricCommunicator(files, rank, name="tp", trace_dir=trace_dir,
-                                 read_delay=run.comm_latency_ms / 1000.0)
+                                 read_delay=run.comm_latency_ms / 1000.0, **kwargs)
     t0 = time.monotonic()
     try:
         model = Model(run.model, comm, rank, files.world_size, run.variant, run.hold_partial)
-        got = decode(model, run, comm, reference)
+        log = None
+        if rank == 0 and trace_dir:      # TP0's scheduler writes the server log, as in SGLang
+            from .serverlog import LOG_NAME, DecodeLog
+            log = DecodeLog(os.path.join(trace_dir, LOG_NAME), depth=run.depth, interval=run.log_interval,
+                            capacity=run.batch * run.model.max_context)
+        got = decode(model, run, comm, reference, log)
         placed = comm.pool.allocations
         colls = comm.collectives
     finally:
         comm.close()
-    return {"rank": rank, "errors": got["errors"], "window_allocations": placed,
+    return {"rank": rank, "errors": got["errors"], "observed": got["observed"],
+            "expected": got["expected"], "window_allocations": placed,
             "collectives": colls, "trace": comm.recorder.path, "seconds": time.monotonic() - t0}
 
 

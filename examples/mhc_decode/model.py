@@ -42,7 +42,7 @@ DT = torch.bfloat16
 
 @dataclass(frozen=True)
 class ModelConfig:
-    hidden: int = 2048
+    hidden: int = 7168              # DeepSeek-V4's: the window's bytes per token are the real ones
     layers: int = 2
     heads: int = 8
     head_dim: int = 64
@@ -55,6 +55,19 @@ class ModelConfig:
     sinkhorn_iters: int = 4
     max_context: int = 256
     seed: int = 1234
+    # The draft model proposes the target's own next token for this share of the vocabulary (a
+    # random one elsewhere): each draft is accepted with about this probability, as with a good
+    # MTP/EAGLE draft head (accept len about 4 at depth 4).
+    draft_match: float = 0.92
+    # Scale of the token embedding against the blocks' outputs (which see normalised inputs):
+    # below 1 the blocks' outputs weigh more in the final hidden state, so a corrupted block
+    # output changes the greedy tokens, as it does in a real model.
+    embed_scale: float = 1.0
+    # The successor's logit (times the cosine between the final hidden state and the token's
+    # embedding) against the random head's N(0, 1) logits: how confident the target's greedy
+    # choice is. About 9 keeps every clean choice (the best of 2048 normals is about 3.5) and lets
+    # a corrupted block output flip it, whatever the hidden size.
+    head_margin: float = 9.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,9 +79,22 @@ def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class Weights:
-    """Full weights drawn from one seed (equal on every rank), then this rank's shards."""
+    """Full weights drawn from one seed (equal on every rank), then this rank's shards. Drawn on
+    the CPU (the same numbers whatever the device), then moved to torch's default device."""
 
     def __init__(self, cfg: ModelConfig, rank: int, world: int):
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            self._draw(cfg, rank, world)
+        if device.type != "cpu":
+            for L in self.layers:
+                for k, v in L.items():
+                    if isinstance(v, torch.Tensor):
+                        L[k] = v.to(device)
+            for k in ("embed", "head_phi", "successor", "lm_head"):
+                setattr(self, k, getattr(self, k).to(device))
+
+    def _draw(self, cfg: ModelConfig, rank: int, world: int):
         if cfg.heads % world or cfg.experts % world or cfg.shared_inter % world or cfg.vocab % world:
             raise ValueError(f"heads, experts, shared_inter and vocab must divide by the world size {world}")
         g = torch.Generator().manual_seed(cfg.seed)
@@ -78,7 +104,7 @@ class Weights:
             scale = scale if scale is not None else 1.0 / math.sqrt(shape[0])
             return (torch.randn(*shape, generator=g) * scale).to(DT)
 
-        self.embed = w(cfg.vocab, h, scale=1.0)
+        self.embed = w(cfg.vocab, h, scale=cfg.embed_scale)
         hl = cfg.heads // world
         q0, q1 = rank * hl * cfg.head_dim, (rank + 1) * hl * cfg.head_dim
         el = cfg.experts // world
@@ -105,7 +131,15 @@ class Weights:
             L["s2"] = s2[rank * sl:(rank + 1) * sl].contiguous()
             self.layers.append(L)
         self.head_phi = (torch.randn(n * h, n, generator=g) / math.sqrt(n * h)).float()
-        self.lm_head = w(h, cfg.vocab)[:, rank * vl:(rank + 1) * vl].contiguous()
+        # The LM head is tied to the embedding through a permutation: column v is the embedding
+        # of the token whose successor is v, so the target's greedy next token after t is
+        # successor[t] (the residual stream keeps t's embedding dominant). That gives the target
+        # a behaviour a draft model can predict, so acceptance means something, and corrupted
+        # block outputs (garbage sums) change the greedy tokens and lower it.
+        self.successor = torch.randperm(cfg.vocab, generator=g)
+        tied = self.embed[torch.argsort(self.successor)].t().float() / (h * cfg.embed_scale)
+        head = tied * cfg.head_margin + torch.randn(h, cfg.vocab, generator=g) / math.sqrt(h)
+        self.lm_head = head[:, rank * vl:(rank + 1) * vl].to(DT).contiguous()
         self.heads_local = hl
 
 
@@ -166,6 +200,7 @@ class Model:
                  hold_partial: bool = False):
         self.cfg = cfg
         self.hold_partial = hold_partial   # keep the partial referenced until the wait (safe)
+        self.sync_collectives = False      # wait for each all-reduce at once (warm-up: no overlap)
         self.comm = comm
         self.rank, self.world = rank, world
         self.W = Weights(cfg, rank, world)
@@ -229,6 +264,8 @@ class Model:
         # Out-of-place all-reduce into y. The partial is a temporary: after this line nothing
         # references it, and the collective (one-sided, by offset) holds no reference either.
         work = self.comm.all_reduce(partial, out=y)
+        if self.sync_collectives:
+            work.wait()                    # same placement as below, but nothing left in flight
         if not self.hold_partial:
             del partial
         mixed = self.mhc.mix(x, comb)      # overlaps the all-reduce

@@ -26,19 +26,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=4, help="speculative draft depth (verify takes depth+1 tokens per request)")
     p.add_argument("--ranks", type=int, default=2, help="rank processes (2 to 4)")
     p.add_argument("--steps", type=int, default=16, help="verify steps")
-    p.add_argument("--batch", type=int, default=8, help="batch slots (most requests decoded together)")
+    p.add_argument("--batch", type=int, default=18, help="batch slots (most requests decoded together)")
     p.add_argument("--request-steps", type=int, default=4, help="mean verify steps per request")
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (DeepSeek-V4's by default)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--heads", type=int, default=8, help="attention heads (split over ranks)")
     p.add_argument("--experts", type=int, default=8, help="routed experts (split over ranks)")
     p.add_argument("--shared-inter", type=int, default=512, help="shared expert size (split over ranks); "
                    "3 ranks need e.g. --heads 6 --experts 6 --shared-inter 384 --vocab 1536")
+    p.add_argument("--embed-scale", type=float, default=None, help="token embedding scale against the blocks' outputs")
+    p.add_argument("--head-margin", type=float, default=None,
+                   help="how far the target's successor logit stands above the random head's (default 9)")
+    p.add_argument("--draft-match", type=float, default=None, help="share of tokens the draft model predicts right")
     p.add_argument("--comm-latency-ms", type=float, default=1.0,
                    help="delay before a collective's loads (the time a real one is in flight)")
     p.add_argument("--hold-partial", action="store_true",
                    help="keep each all-reduce input referenced until its wait (removes the latent early free)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the CuPy GPU testbed (sanitizer/testbed/cuda.py), rank r on GPU r %% device count")
+    p.add_argument("--warmup", choices=("none", "max", "pow2"), default="pow2",
+                   help="warm-up verify steps before serving: batch sizes 1, 2, 4, ... up to --batch (pow2), --batch only (max)")
+    p.add_argument("--log-interval", type=int, default=1,
+                   help="verify steps per SGLang-format 'Decode batch' line in OUT/server.log")
     p.add_argument("--reference-cache", metavar="DIR",
                    help="reuse (or store) the reference decode here; stock and fixed runs of one shape share it")
     p.add_argument("--out", required=True, help="directory for traces, outcomes.jsonl, summary.json")
@@ -47,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_config(args):
     from .model import ModelConfig
+    extra = {k: v for k, v in (("embed_scale", args.embed_scale), ("draft_match", args.draft_match),
+                               ("head_margin", args.head_margin)) if v is not None}
     return ModelConfig(hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=args.heads,
-                       experts=args.experts, shared_inter=args.shared_inter)
+                       experts=args.experts, shared_inter=args.shared_inter, **extra)
 
 
 def main(argv=None) -> int:
@@ -65,7 +77,7 @@ def main(argv=None) -> int:
         model = model_config(args)
         run = RunConfig(variant=args.variant, depth=args.depth, batch=args.batch, steps=args.steps,
                         request_steps=args.request_steps, comm_latency_ms=args.comm_latency_ms,
-                        hold_partial=args.hold_partial, model=model)
+                        hold_partial=args.hold_partial, log_interval=args.log_interval, warmup=args.warmup, device=args.device, model=model)
         if model.heads % args.ranks or model.experts % args.ranks or model.vocab % args.ranks \
                 or model.shared_inter % args.ranks:
             raise ValueError(f"--ranks {args.ranks} must divide --heads ({model.heads}), --experts ({model.experts}), "
@@ -95,7 +107,7 @@ def _prepare(out: str) -> str:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     for old in glob.glob(os.path.join(out, "rank*.jsonl*")) + glob.glob(os.path.join(out, "pid*.jsonl*")) + \
-            [os.path.join(out, n) for n in ("outcomes.jsonl", "summary.json")]:
+            [os.path.join(out, n) for n in ("outcomes.jsonl", "summary.json", "server.log")]:
         if os.path.exists(old):
             os.unlink(old)
     return out
@@ -176,11 +188,39 @@ def _write(run, out, ranks, results, seconds) -> dict:
         "corrupted_steps": sorted({n for o in outcomes for n in o["corrupted_steps"]}),
         "window_allocations": {r["rank"]: r["window_allocations"] for r in results},
         "collectives": {r["rank"]: r["collectives"] for r in results},
+        "accept_len": accept_lengths(results),
+        "server_log": server_log_summary(out),
         "seconds": seconds,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
+
+
+def accept_lengths(results) -> dict:
+    """Mean tokens gained per request per verify step on rank 0 (accepted drafts + 1): what its
+    own verify step measured (`observed`) and what the reference decode accepted (`reference`)."""
+    r0 = next(r for r in results if r["rank"] == 0)
+    out = {}
+    for key, name in (("observed", "observed"), ("expected", "reference")):
+        vals = [a for row in r0[key] for _, a in row]
+        out[name] = round(sum(vals) / len(vals) + 1, 4) if vals else None
+    return out
+
+
+def server_log_summary(out: str) -> dict | None:
+    """What `hazsan logscan` (default threshold 2.0) says about the run's server log."""
+    from sanitizer.logscan.scan import scan
+
+    from .serverlog import LOG_NAME
+    path = os.path.join(out, LOG_NAME)
+    if not os.path.exists(path):
+        return None
+    res = scan([path])
+    lens = list(res.accept_lens())
+    return {"path": path, "intervals": res.intervals, "flagged": len(res.flagged),
+            "accept_len_min": min(lens) if lens else None,
+            "accept_len_mean": round(sum(lens) / len(lens), 4) if lens else None}
 
 
 def outcomes_of(run, results) -> list[dict]:
@@ -192,8 +232,13 @@ def outcomes_of(run, results) -> list[dict]:
         first, last = sched.span(req)
         per[req] = {"request": req, "step": last, "first_step": first, "rank": None, "corrupted": False,
                     "max_abs_err": 0.0, "corrupted_ranks": [], "corrupted_steps": [], "depth": run.depth,
-                    "variant": run.variant}
+                    "variant": run.variant, "accepted_drafts": 0, "reference_accepted_drafts": 0}
     for r in results:
+        if r["rank"] == 0:                     # what rank 0's verify accepted, against the reference
+            for key, field in (("observed", "accepted_drafts"), ("expected", "reference_accepted_drafts")):
+                for row in r.get(key, []):
+                    for req, a in row:
+                        per[req][field] += a
         for step, row in enumerate(r["errors"]):
             for req, err in row:
                 o = per[req]

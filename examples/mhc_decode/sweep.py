@@ -42,7 +42,8 @@ def main(argv=None) -> int:
         return 2
     depths, variants = parse_depths(args.depths), args.variants.split(",")
     plan = [(RunConfig(variant=v, depth=d, batch=base.batch, steps=base.steps, request_steps=base.request_steps,
-                       comm_latency_ms=base.comm_latency_ms, hold_partial=base.hold_partial, model=model),
+                       comm_latency_ms=base.comm_latency_ms, hold_partial=base.hold_partial,
+                       log_interval=base.log_interval, warmup=base.warmup, device=base.device, model=model),
              os.path.join(args.out, f"{v}-d{d}")) for d in depths for v in variants]
     t = time.monotonic()
     try:
@@ -54,6 +55,10 @@ def main(argv=None) -> int:
     for (run, _), s in zip(plan, summaries):
         row = rows.setdefault(run.depth, {"depth": run.depth, "max tokens": run.tokens})
         row[f"{run.variant} corrupted"] = f"{s['corrupted']}/{s['requests']}"
+        log = s.get("server_log") or {}
+        row[f"{run.variant} accept len (min)"] = (f"{s['accept_len']['observed']:.2f} ({log.get('accept_len_min', 0):.2f})"
+                                                  if log else f"{s['accept_len']['observed']:.2f}")
+        row[f"{run.variant} flagged"] = f"{log.get('flagged', 0)}/{log.get('intervals', 0)}"
         row[f"{run.variant} s"] = s["seconds"]["sanitised"]
     print(tabulate(list(rows.values()), headers="keys"))
     print(f"total {time.monotonic() - t:.1f} s")

@@ -128,6 +128,7 @@ class WindowPool:
         self.live: dict[int, _Live] = {}
         self.by_key: dict[int, int] = {}               # storage key -> block id
         self.held: dict[int, tuple[_Live, int]] = {}    # block id -> (block, comm jobs enqueued at free)
+        self.stream = getattr(mapping, "alloc_stream", HOST_STREAM)   # the stream blocks are handed to
         self._lock = threading.RLock()
         self.allocations = 0
 
@@ -138,7 +139,7 @@ class WindowPool:
         with self._lock:
             self._release_finished()
             try:
-                model = self.allocator.malloc(nbytes, stream=HOST_STREAM, pool=self.pool)
+                model = self.allocator.malloc(nbytes, stream=self.stream, pool=self.pool)
             except OutOfMemory as exc:
                 raise TestbedError(f"{exc}; create the world with a larger window_bytes") from None
             bid = rec.next_id()
@@ -152,7 +153,7 @@ class WindowPool:
             weakref.finalize(storage, self._died, bid).atexit = False   # nothing to release at exit
         if rec.active:
             ev = {"ev": "alloc", "id": bid, "addr": model.addr, "size": model.size, "requested": nbytes,
-                  "stream": HOST_STREAM, "pool": self.pool, "op": op}
+                  "stream": self.stream, "pool": self.pool, "op": op}
             if shape is not None:
                 ev["shape"] = [int(s) for s in shape]
             if dtype is not None:
@@ -237,6 +238,7 @@ def _build_mode_class():
             self.pool = pool
             self.lo = pool.mapping.base
             self.hi = pool.mapping.base + pool.mapping.size
+            self.device_type = getattr(pool.mapping, "device_type", "cpu")
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -249,7 +251,7 @@ def _build_mode_class():
             name = str(func)
 
             def relocate(t):
-                if not isinstance(t, Tensor) or t.layout != torch.strided or t.device.type != "cpu":
+                if not isinstance(t, Tensor) or t.layout != torch.strided or t.device.type != self.device_type:
                     return t
                 s = t.untyped_storage()
                 ptr, nbytes = s.data_ptr(), s.nbytes()
@@ -258,7 +260,7 @@ def _build_mode_class():
                 u8 = moved.get(ptr)
                 if u8 is None:
                     u8 = self.pool.place(nbytes, name, t.shape, t.dtype)
-                    u8.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
+                    u8.copy_(torch.empty(0, dtype=torch.uint8, device=t.device).set_(s))
                     moved[ptr] = u8
                 return u8.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
@@ -295,8 +297,8 @@ class SymmetricCommunicator:
         self.timeout = timeout
         self.stream = f"symm:{name}"
         self.recorder = recorder or _record.for_process(
-            trace_dir, rank, files.world_size, {"testbed": "hazsan.testbed", "comm": name})
-        self.windows = [Mapping(files.window_path(q), files.window_bytes) for q in range(files.world_size)]
+            trace_dir, rank, files.world_size, {"testbed": "hazsan.testbed", "comm": name}, device=self.device)
+        self.windows = self._open_windows(files)
         self.window = self.windows[rank]
         self.counters = Counters(Mapping(files.control_path(), self._control_bytes()), files.world_size, rank)
         self.recorder.emit({"ev": "window", "addr": self.window.base, "size": self.window.size, "comm": name})
@@ -310,6 +312,14 @@ class SymmetricCommunicator:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"hazsan-symm-{name}-r{rank}", daemon=True)
         self._thread.start()
+
+    # Overridden by a device backend (cuda.py): the windows, the Work class, the record device.
+    work_class = Work
+    device = "cpu"
+
+    def _open_windows(self, files: WindowFiles) -> list:
+        """Every rank's window mapped into this process, in rank order."""
+        return [Mapping(files.window_path(q), files.window_bytes) for q in range(files.world_size)]
 
     def _control_bytes(self) -> int:
         from .shm import CONTROL_BYTES_PER_RANK
@@ -428,7 +438,7 @@ class SymmetricCommunicator:
         cid = self.recorder.next_cid()
         self.recorder.emit({"ev": "coll", "cid": cid, "comm": self.name, "seq": seq, "op": op,
                             "stream": self.stream, "bufs": bufs}, site=True)
-        work = Work(self, cid, seq, op)
+        work = self.work_class(self, cid, seq, op)
         self.enqueued += 1
         self.collectives += 1
         self._queue.put(_Job(op, seq, in_off, nbytes, dtype, out_off, work))

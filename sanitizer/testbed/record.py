@@ -66,12 +66,13 @@ class FileRecorder(Recorder):
 
     active = True
 
-    def __init__(self, directory: str, rank: int, world_size: int, header_extra: dict | None = None):
+    def __init__(self, directory: str, rank: int, world_size: int, header_extra: dict | None = None,
+                 device: str = "cpu"):
         super().__init__()
         from sanitizer.capture.sites import SiteFinder
         from sanitizer.trace.writer import TraceWriter
         self.writer = TraceWriter(os.path.abspath(directory), header_extra=header_extra)
-        self.writer.set_rank(rank, world_size, device="cpu")
+        self.writer.set_rank(rank, world_size, device=device)
         self.sites = SiteFinder("site")
         torch = sys.modules.get("torch")
         if torch is not None:
@@ -163,16 +164,17 @@ class CaptureRecorder(Recorder):
         self.capture.writer.flush()
 
 
-def for_process(trace_dir: str | None, rank: int, world_size: int, header_extra: dict | None = None) -> Recorder:
+def for_process(trace_dir: str | None, rank: int, world_size: int, header_extra: dict | None = None,
+                device: str = "cpu") -> Recorder:
     """Capture's trace if capture is on, else a file in trace_dir if given, else nothing."""
     runtime = sys.modules.get("sanitizer.capture.runtime")
     cap = runtime.active() if runtime is not None else None
     if cap is not None:
         try:
-            cap.writer.set_rank(rank, world_size, device="cpu")
+            cap.writer.set_rank(rank, world_size, device=device)
         except Exception as exc:
             cap.failed("testbed.rank", exc)
         return CaptureRecorder(cap)
     if trace_dir:
-        return FileRecorder(trace_dir, rank, world_size, header_extra)
+        return FileRecorder(trace_dir, rank, world_size, header_extra, device)
     return Recorder()
