@@ -164,10 +164,10 @@ def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank
     assert {t["nodeid"].split("::")[1] for t in record["tests"]} == set(outcomes)
 
 
-@pytest.mark.xfail(strict=True, reason="needs launch capture (issue 10)")
 def test_plugin_fails_a_read_before_wait(pytester):
     pytester.makepyfile(test_project=PROJECT)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--hazsan", "--hazsan-dir", "traces",
+                                           "--hazsan-level", "full",
                                            "-k", "read_before_wait or wait_first", timeout=300)
     assert _outcomes(result) == {"test_wait_first": "PASSED", "test_read_before_wait": "FAILED"}
     assert "unordered-access" in result.stdout.str()
