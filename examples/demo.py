@@ -33,6 +33,7 @@ from tabulate import tabulate
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "traces"))
+sys.path.insert(1, str(ROOT))   # `examples.mhc_decode` as a package, as the subprocesses (cwd ROOT, -m) see it
 
 from make_traces import SCENARIOS  # noqa: E402
 
