@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Synthetic decode trace in schema 1 (../shared/DESIGN.md section 2), for benchmarks and checks.
+"""Synthetic decode trace in schema 1 (docs/trace-format.md), for benchmarks and checks.
 
 What one rank of a tensor-parallel DeepSeek-style decode server records, step after step:
 
@@ -108,7 +108,7 @@ SITE = {
     "hazard_transient": "sglang/srt/layers/mhc.py:2743:mhc_combine",
 }
 
-#: The optional fields --lean leaves out (DESIGN.md section 2: all optional).
+#: The optional fields --lean leaves out (docs/trace-format.md, "Fields every event may carry": all optional).
 LEAN_DROPS = ("site", "op", "shape", "dtype", "requested", "stack")
 
 HAZARD_KINDS = ("missing-record-stream", "collision", "read-before-wait", "transient-in-window")

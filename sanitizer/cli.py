@@ -1,6 +1,6 @@
 """The `hazsan` command line: discovers subcommands in `sanitizer.commands`.
 
-Exit codes (DESIGN.md section 5): 0 clean, 1 findings at or above the threshold, 2 unusable
+Exit codes (docs/cli.md, "Conventions for every command"): 0 clean, 1 findings at or above the threshold, 2 unusable
 input or arguments (argparse's own errors exit 2 too).
 """
 from __future__ import annotations

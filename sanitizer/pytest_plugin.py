@@ -54,13 +54,13 @@ def pytest_addoption(parser):
     group.addoption("--hazsan-stacks", choices=("none", "site", "full"), default=None,
                     help="call-site detail recorded (default: full, so reports show both stacks)")
     group.addoption("--hazsan-level", choices=("alloc", "full"), default=None,
-                    help="capture level (default: HAZSAN_LEVEL, else alloc; full adds kernel accesses, "
-                         "so that reads of in-flight buffers fail a test too)")
+                    help="what is recorded, as HAZSAN_LEVEL (default: $HAZSAN_LEVEL, else alloc); full also "
+                         "records every op's reads and writes, so unordered-access covers kernels")
     parser.addini("hazsan", "capture every test with hazsan (as --hazsan)", type="bool", default=False)
     parser.addini("hazsan_fail_on", "lowest severity that fails a test (error or warning)", default="error")
     parser.addini("hazsan_allow", "allow-list files for the session", type="paths", default=[])
     parser.addini("hazsan_dir", "where the traces go", default="")
-    parser.addini("hazsan_level", "capture level, alloc or full (as --hazsan-level)", default="")
+    parser.addini("hazsan_level", "what is recorded: alloc or full (as --hazsan-level)", default="")
 
 
 def pytest_configure(config):
@@ -221,10 +221,12 @@ class HazsanSession:
         os.environ["HAZSAN_DIR"] = self.idle_dir
         stacks = config.getoption("hazsan_stacks") or os.environ.get("HAZSAN_STACKS") or "full"
         os.environ["HAZSAN_STACKS"] = stacks
+        # full: every op is a launch with its reads and writes, so that a read of a collective's
+        # output before its wait is seen; alloc (capture's default) records no launches
         level = (config.getoption("hazsan_level") or config.getini("hazsan_level")
-                 or os.environ.get("HAZSAN_LEVEL") or "alloc")
+                 or os.environ.get("HAZSAN_LEVEL") or "alloc").strip().lower()
         if level not in ("alloc", "full"):
-            raise pytest.UsageError(f"hazsan_level must be alloc or full, not {level!r}")
+            raise AllowListError(f"hazsan_level must be alloc or full, got {level!r}")
         os.environ["HAZSAN_LEVEL"] = level
         from sanitizer.capture.bootstrap import activate
         self.capture = activate(os.environ)

@@ -1,4 +1,5 @@
-"""A brute-force reference for hazsan's rules, written from DESIGN.md sections 3 and 4 alone.
+"""A brute-force reference for hazsan's rules, written from the ordering and rules contract alone
+(docs/ordering-and-rules.md; first written from the older text of the contract).
 
 It shares no code with `sanitizer/` on purpose: the property test in test_engine_property.py
 runs both on the same random traces and compares what they find. Where the engine is built for
@@ -6,7 +7,7 @@ speed (indexes, pruning of finished ops, incremental state), this model is built
 right: it keeps every op that ever ran, and at every alloc, free and enqueue it looks at all of
 them, buffer by buffer, and recomputes "done" from the vector clocks.
 
-Decisions taken where DESIGN.md is silent (agreed with the lead, see the issue-2 report):
+Decisions taken where the contract was silent (now in docs/ordering-and-rules.md; agreed with the lead, see the issue-2 report):
 - One finding per (triggering event, op instance) pair, however many buffers overlap; its
   `overlap` spans the lowest lo to the highest hi of the hazardous intersections.
 - A graph replay enqueues every captured launch/coll again on the replay stream, in capture order,
@@ -131,10 +132,11 @@ def _span(ranges):
 
 @dataclass(frozen=True)
 class Semantics:
-    """Readings of DESIGN.md that the engine has (so far) taken differently; defaults = DESIGN.
+    """Readings of the contract that the engine has (so far) taken differently; defaults = the
+    literal text (docs/ordering-and-rules.md, "`successor`").
 
     strict_reads: in successor mode a *read* of a window buffer whose collective is not yet
-        peer-complete is unordered too (DESIGN 1: "peers read and write my window"; my local
+        peer-complete is unordered too (docs/hazard-model.md: "peers read and write my window"; my local
         completion "says nothing about peers finishing theirs", so their writes may still land).
         False (the lead's decision on issue 2): only writes and reuse get the successor rule; a
         read needs the collective locally complete, as in local mode.

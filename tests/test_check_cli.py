@@ -1,4 +1,4 @@
-"""`hazsan check` end to end: input handling (DESIGN.md section 2) and the CLI contract (section 5)."""
+"""`hazsan check` end to end: input handling (docs/trace-format.md) and the CLI contract (docs/cli.md)."""
 from __future__ import annotations
 
 import gzip

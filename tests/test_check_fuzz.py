@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from hostile_inputs import trace_lines
 from sanitizer.cli import main
-from sanitizer.rules import driver
+from sanitizer.rules.driver import compiled_available
 
-ENGINES = ["interpreted"] + (["compiled"] if driver.compiled_available()[0] else [])
+ENGINES = ["interpreted"] + (["compiled"] if compiled_available()[0] else [])
 
 
 def _write(d, seed, ranks, rate):

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from sanitizer.cli import main
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 from sanitizer.rules.parallel import analyze_parallel
 
 from tracebuilder import Trace
@@ -137,3 +137,24 @@ def test_jobs_counts_collectives_missing_on_a_rank_as_serial_does(decode_dir, tm
     serial = analyze([str(d)], max_per_group=0)
     assert any("were not seen on every rank" in w for w in serial.warnings)
     _same(serial, analyze_parallel([str(d)], jobs=2, max_per_group=0))
+
+
+def test_driver_matcher_seam_sees_every_collective_of_one_file():
+    # the seam --jobs uses: analyze(matcher=factory) hands each collective's signature to it
+    from sanitizer.rules.parallel import SignatureRecorder
+
+    rank1 = ASYM / "rank1.jsonl"
+    colls = [orjson.loads(raw) for raw in rank1.read_bytes().splitlines()[1:]]
+    colls = [ev for ev in colls if ev.get("ev") == "coll"]
+    recorder = SignatureRecorder()
+    made = []
+
+    def factory(sink, enabled):
+        made.append(enabled)
+        return recorder
+
+    a = analyze([str(rank1)], matcher=factory)
+    assert made == [False]                         # one rank: nothing to match across ranks
+    assert [(c[0], c[1]) for c in recorder.colls] == [(ev["comm"], ev["seq"]) for ev in colls]
+    assert any(c[2] for c in recorder.colls)       # window signatures recorded
+    assert "asymmetric-offset" not in a.summary["by_rule"]

@@ -5,7 +5,7 @@ recorded before they are waited on, unique cids, per-comm seqs, graphs captured 
 over a small address space, so overlaps, windows, graphs and cross-stream races are frequent.
 `tests/reference_model.py` replays the same events with all-pairs checks and no indexes; the
 engine (`sanitizer.rules.driver.analyze`, compiled and interpreted) reads the files written here. Any difference is a bug
-in one of them: DESIGN.md decides which.
+in one of them: docs/ordering-and-rules.md decides which.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from reference_model import SEVERITY, Semantics, reference_findings
 
-# How the engine must read DESIGN.md where the text admits two readings (see Semantics). The
+# How the engine must read docs/ordering-and-rules.md where the text admits two readings (see Semantics). The
 # defaults follow the text literally; the lead decided (issue 2) that in successor mode a read
 # needs local completion only (a locally complete collective's result is final; peers may still
 # read my window, so writes and reuse wait for a later collective).
@@ -408,7 +408,7 @@ ASYM_RANK0 = [_WIN0, _coll(0, 0, "s0", [(256, 32, "rw")]), _coll(1, 1, "s0", [(2
 ASYM_RANK1 = [{**_WIN0, "addr": BASE + 272}, _coll(0, 0, "s0", [(272, 32, "rw")]),
               _coll(1, 1, "s0", [(272, 16, "rw")])]
 
-# Cases where the engine and DESIGN.md disagreed when this test was written (see the report to the
+# Cases where the engine and the contract (its older text) disagreed when this test was written (see the report to the
 # lead on issue 2). Each is tiny; the reference's answer is pinned by hand below.
 # (a) successor mode: a read on another stream, not even locally ordered after the coll's write.
 STRICT_READ_UNORDERED = [_WIN0, _coll(0, 0, "s0", [(256, 16, "w")]), _launch("s1", reads=[(256, 16)])]
@@ -550,7 +550,8 @@ def test_reference_transients_and_asymmetry():
 
 
 def test_reference_on_reported_cases():
-    """The reference's answers on the reported cases, worked out by hand from DESIGN.md."""
+    """The reference's answers on the reported cases, worked out by hand from the contract
+    (docs/ordering-and-rules.md)."""
     expected = {
         # the s1 read (line 4) vs the s0 write (line 3): not even locally ordered.
         "strict-read-unordered": {("unordered-access", 0, 4, 3)},

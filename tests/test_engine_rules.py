@@ -1,4 +1,4 @@
-"""Each rule of DESIGN.md section 4, positive and negative, on hand-written traces."""
+"""Each rule of docs/ordering-and-rules.md ("The rules"), positive and negative, on hand-written traces."""
 from __future__ import annotations
 
 import pytest

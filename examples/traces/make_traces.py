@@ -1,7 +1,7 @@
 """Writes the example traces in this folder: one clean decode step, and one per rule.
 
 Each scenario is a few decode layers of a tensor-parallel model as a serving stack records it
-(schema 1, DESIGN.md section 2): a compute stream (7), a communication stream (9), an NCCL
+(schema 1, docs/trace-format.md): a compute stream (7), a communication stream (9), an NCCL
 symmetric window for communicator "tp", and the ordering edges between them. Regenerate with
 `python examples/traces/make_traces.py`; `examples/demo.py` checks that each file gives exactly
 the findings its name says.

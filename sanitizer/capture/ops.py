@@ -10,7 +10,7 @@ or the returned tensor), resolved to trace ranges by the block table, on the cur
 Peer semantics: every kernel here synchronises with its peers at entry and exit, except the
 Triton multimem all-gather built with skip_entry_sync: its op is recorded as
 "multimem_all_gather(skip_entry_sync)", the case the analysis checks with
-`--peer-completion successor` (DESIGN.md 3.1): its buffers are free only after a later collective
+`--peer-completion successor` (docs/ordering-and-rules.md, "successor"): its buffers are free only after a later collective
 on the same comm.
 
 Verified on SGLang 0.5.23's source (names and signatures); these classes need CUDA IPC to be

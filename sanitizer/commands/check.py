@@ -1,4 +1,4 @@
-"""`hazsan check`: analyse rank traces together (DESIGN.md section 5)."""
+"""`hazsan check`: analyse rank traces together (docs/cli.md, "hazsan check")."""
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,4 @@
-"""`hazsan scan PATH...`: static scan of Python sources for symmetric-memory scopes (DESIGN.md 5)."""
+"""`hazsan scan PATH...`: static scan of Python sources for symmetric-memory scopes (docs/cli.md, "hazsan scan")."""
 from __future__ import annotations
 
 import argparse

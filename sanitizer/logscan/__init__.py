@@ -1,4 +1,4 @@
-"""`hazsan logscan`: the corruption signature in SGLang server logs (DESIGN.md section 5)."""
+"""`hazsan logscan`: the corruption signature in SGLang server logs (docs/cli.md, "hazsan logscan")."""
 from sanitizer.logscan.parse import BrokenLine, DecodeLine, parse_line
 from sanitizer.logscan.scan import LogError, LogScanner, ScanResult, scan
 

@@ -1,4 +1,4 @@
-"""Scan SGLang server logs for the corruption signature (DESIGN.md section 5, `hazsan logscan`).
+"""Scan SGLang server logs for the corruption signature (docs/cli.md, "hazsan logscan").
 
 A *decode interval* is a `Decode batch` line carrying `accept len` (speculative decoding on): the
 mean accepted tokens per verify step since the previous such line. Corrupted collective output

@@ -9,7 +9,7 @@ line). Mapping:
   thread (tid) 1..    one per stream: collectives and launches as complete slices. A stream runs
                       its work in order, so each slice starts at max(enqueue, end of the previous one)
                       and a collective ends where the host or the block's stream first knows it done
-                      (the engine's StreamClocks, DESIGN.md section 3), a launch one microsecond
+                      (the engine's StreamClocks, docs/ordering-and-rules.md, "Vector clocks"), a launch one microsecond
                       later: slices on one track never overlap.
   counter "memory"    bytes allocated per pool ("C"), on every alloc and free
   instant "i"         each finding, on the track of the stream or host where it fired (scope "t")

@@ -3,7 +3,7 @@ blocks and collective buffers against program order (trace line numbers).
 
 Per rank and window (comm, ordinal):
   * coll bars: a collective's buffer inside the window, from its `coll` line to the line where it
-    is locally complete (DESIGN.md section 3, the engine's StreamClocks) for the host or for the
+    is locally complete (docs/ordering-and-rules.md, "When is an op done"; the engine's StreamClocks) for the host or for the
     stream of the block it lies in (or the end of the trace: never seen done);
   * blocks: allocations inside the window, from `alloc` to `free` (or the end), marked transient
     when no collective buffer ever overlapped them (the transient-in-window case);

@@ -1,1 +1,1 @@
-"""The six rules (DESIGN.md section 4) and the engine that applies them while streaming events."""
+"""The six rules (docs/ordering-and-rules.md, "The rules") and the engine that applies them while streaming events."""

@@ -1,4 +1,4 @@
-"""`analyze`: everything around the algorithm (docs/design.md section 5).
+"""`analyze`: everything around the algorithm (docs/cli.md, "hazsan check").
 
 Finds the rank files, opens them, picks the engine (compiled or interpreted, the same source),
 reads the ranks round-robin a batch at a time, decodes each batch into typed events
@@ -117,7 +117,7 @@ def load_engine(choice: str | None = None):
 
 @dataclass
 class Analysis:
-    """What `analyze` returns: the findings and a summary (docs/design.md section 5, json format)."""
+    """What `analyze` returns: the findings and a summary (docs/cli.md, "hazsan check", json)."""
 
     findings: list[Finding]
     summary: dict
@@ -154,25 +154,33 @@ class RankReader:
 
 
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
-            max_per_group: int = 100, max_errors: int = 50, engine: str | None = None) -> Analysis:
+            max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
+            matcher=None) -> Analysis:
     """Analyse rank trace files (or directories of them) together.
 
     Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
     them. Problems that make a file unusable (missing, bad header) are errors in both modes.
     `engine`: 'compiled', 'interpreted' or 'auto' (default: $HAZSAN_ENGINE, else auto).
+
+    `matcher`: the seam for an analysis split across processes (sanitizer.rules.parallel). A
+    callable ``matcher(sink, enabled=...)`` returning the object every rank's engine hands each
+    collective's window signature to: ``submit(analyzer, comm, seq, op, sig)`` (analyzer with
+    .rank/.step/.file, op the engine's Op), ``end_round()`` after each round-robin round,
+    ``finish()`` at the end, and an ``unmatched`` count. Default: the engine's CollectiveMatcher,
+    which makes the asymmetric-offset findings.
     """
     # Millions of short-lived decoded events, no reference cycles among them: the cyclic
     # collector's passes over them cost time and find nothing.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
+        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine) -> Analysis:
+def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher) -> Analysis:
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
     sink = FindingSink(max_per_group=max_per_group)
@@ -199,7 +207,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
         if t.rank in ranks_seen:
             warnings.append(f"{t.path}: rank {t.rank} also in {ranks_seen[t.rank]}; asymmetric-offset is checked per distinct rank")
         ranks_seen.setdefault(t.rank, str(t.path))
-    matcher = eng.CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
+    matcher = (make_matcher or eng.CollectiveMatcher)(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
     readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion))
                for t in traces]
     error_total = 0

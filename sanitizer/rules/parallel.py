@@ -1,11 +1,12 @@
 """`hazsan check --jobs N`: rank files analysed in parallel processes, then joined.
 
-Every rule but one is per rank, so each rank file is analysed on its own, by `engine.analyze` (the
-same entry point `hazsan check` uses), in a pool of N processes. The one cross-rank rule,
-asymmetric-offset, needs only each collective's window signature (comm, seq -> the (window
-ordinal, offset, size) of its buffers in its communicator's windows): each worker records those
-as its rank's engine submits them, and the parent feeds all of them, rank by rank, to the engine's
-own `CollectiveMatcher`, so the finding is made by the same code as in a serial run.
+Every rule but one is per rank, so each rank file is analysed on its own, by the driver's
+`analyze` (the same entry point `hazsan check` uses), in a pool of N processes. The one cross-rank
+rule, asymmetric-offset (docs/ordering-and-rules.md), needs only each collective's window
+signature (comm, seq -> the (window ordinal, offset, size) of its buffers in its communicator's
+windows): each worker passes the driver a matcher (its `matcher=` seam) that records those as its
+rank's engine submits them, and the parent feeds them, rank by rank, to the engine's own
+`CollectiveMatcher`, so the finding is made by the same code as in a serial run.
 
 The join gives what the serial run gives: the same findings and counts, the same per-file
 warnings, errors and summary. Two differences, both where the serial run is bounded in memory:
@@ -13,12 +14,6 @@ when a rule and call site has more than --max-per-group findings, which of them 
 differ (the counts do not); and every collective is matched against every rank, however far the
 ranks drift apart (the serial matcher gives up on a rank that lags by more than a few thousand
 events and counts its collectives as unmatched).
-
-The seam with the engine (what a new engine must offer for this module): `analyze([one file])`,
-and a matcher object that the engine calls as ``submit(analyzer, comm, seq, op, sig)`` (analyzer
-with .rank/.step/.file, op with .describe()/.line/.site), created as
-``CollectiveMatcher(sink, enabled=...)``; the worker swaps that class for a recorder, in the
-worker process only.
 """
 from __future__ import annotations
 
@@ -28,29 +23,39 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-from sanitizer.rules import engine
+from sanitizer.rules import driver
+from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import Finding, FindingSink
+from sanitizer.trace import reader
 from sanitizer.trace.reader import TraceError, expand_paths
 
-# Warnings the engine computes over all files at once: recomputed after the join.
+# Warnings the driver computes over all files at once: recomputed after the join.
 _AGGREGATE_WARNINGS = ("--lenient: skipped ", " more malformed line(s) not listed",
                        " repeated finding(s) counted but not listed",
-                       " collective(s) were not seen on every rank")
+                       " collective(s) were not seen on every rank",
+                       "running the interpreted engine: ")
 
 
-class _RecordedOp:
-    """A collective as the matcher sees it: its description, line and site."""
+class _OpView:
+    """A collective as OpRecord.of reads it, rebuilt in the parent from plain data."""
 
-    __slots__ = ("desc", "line", "site")
+    __slots__ = ("kind", "name", "stream", "line", "step", "site", "stack", "cid", "comm", "seq",
+                 "captured")
 
-    def __init__(self, desc, line, site):
-        self.desc, self.line, self.site = desc, line, site
+    def __init__(self, kind, name, stream, line, step, site, stack, cid, comm, seq, captured_line):
+        self.kind, self.name, self.stream, self.line, self.step = kind, name, stream, line, step
+        self.site, self.stack, self.cid, self.comm, self.seq = site, stack, cid, comm, seq
+        self.captured = None if captured_line is None else _Line(captured_line)
 
-    def describe(self) -> dict:
-        return dict(self.desc)
+
+class _Line:
+    __slots__ = ("line",)
+
+    def __init__(self, line):
+        self.line = line
 
 
-class _RankStandIn:
+class _RankView:
     """The analyzer as the matcher sees it: rank, file, and the step at submission time."""
 
     __slots__ = ("rank", "file", "step")
@@ -60,16 +65,17 @@ class _RankStandIn:
 
 
 class SignatureRecorder:
-    """Stands in for CollectiveMatcher inside a worker: keeps every submitted collective."""
+    """The matcher a worker gives the driver: keeps every submitted collective as plain data."""
 
-    enabled = True
-
-    def __init__(self, *args, **kwargs):
-        self.colls: list[tuple] = []   # (comm, seq, sig, step, describe(), line, site)
+    def __init__(self, sink=None, enabled: bool = True):
+        self.colls: list[tuple] = []   # (comm, seq, sig, step at submission, _OpView arguments)
         self.unmatched = 0
 
     def submit(self, analyzer, comm, seq, op, sig) -> None:
-        self.colls.append((comm, seq, sig, analyzer.step, op.describe(), op.line, op.site))
+        captured = op.captured
+        self.colls.append((comm, seq, sig, analyzer.step,
+                           (op.kind, op.name, op.stream, op.line, op.step, op.site, op.stack, op.cid,
+                            op.comm, op.seq, None if captured is None else captured.line)))
 
     def end_round(self) -> None:
         pass
@@ -78,16 +84,14 @@ class SignatureRecorder:
         pass
 
 
-def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int):
+def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int,
+                engine: str | None, limits):
     """Worker: one rank file. Returns plain data (TraceError does not survive pickling)."""
+    reader.DEFAULT_LIMITS = limits     # what the parent's command line set (spawned workers too)
     recorder = SignatureRecorder()
-    original = engine.CollectiveMatcher
-    engine.CollectiveMatcher = lambda *a, **k: recorder
-    try:
-        a = engine.analyze([path], peer_completion=peer_completion, lenient=lenient,
-                           max_per_group=max_per_group, max_errors=max_errors)
-    finally:
-        engine.CollectiveMatcher = original
+    a = driver.analyze([path], peer_completion=peer_completion, lenient=lenient,
+                       max_per_group=max_per_group, max_errors=max_errors, engine=engine,
+                       matcher=lambda sink, enabled: recorder)
     errors = [(e.path, e.line, e.message) if isinstance(e, TraceError) else (path, None, str(e))
               for e in a.errors]
     steps = a.summary.get("steps_by_rank", {})
@@ -119,16 +123,21 @@ def _progress(total_bytes: int, enabled: bool | None):
                 leave=False, ncols=width or 80, mininterval=0.5)
 
 
-def analyze_parallel(paths, *, jobs: int, peer_completion: str = engine.LOCAL, lenient: bool = False,
-                     max_per_group: int = 100, max_errors: int = 50, progress: bool | None = None):
-    """`engine.analyze`, with rank files analysed in `jobs` processes and joined."""
+def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenient: bool = False,
+                     max_per_group: int = 100, max_errors: int = 50, progress: bool | None = None,
+                     engine: str | None = None) -> Analysis:
+    """The driver's `analyze`, with rank files analysed in `jobs` processes and joined."""
     try:
         files = [str(p) for p in expand_paths(paths)]
     except TraceError:
         files = []
-    if jobs <= 1 or len(files) <= 1:
-        return engine.analyze(paths, peer_completion=peer_completion, lenient=lenient,
-                              max_per_group=max_per_group, max_errors=max_errors)
+    try:
+        eng, engine_kind, fallback = driver.load_engine(engine)
+    except (ValueError, RuntimeError):
+        eng = None                     # the serial run reports it, as an error
+    if jobs <= 1 or len(files) <= 1 or eng is None or peer_completion not in ("local", "successor"):
+        return driver.analyze(paths, peer_completion=peer_completion, lenient=lenient,
+                              max_per_group=max_per_group, max_errors=max_errors, engine=engine)
     sizes = {}
     for f in files:
         try:
@@ -142,14 +151,16 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = engine.LOCAL, l
     gc.disable()
     try:
         with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=_pool_context()) as pool:
-            futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors)
+            futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors,
+                                   engine_kind, reader.DEFAULT_LIMITS)
                        for f in files]
             for fut in as_completed(futures):
                 res = fut.result()
                 results[res[0]] = res
                 if bar is not None:
                     bar.update(sizes.get(res[0], 0))
-        return join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors)
+        return join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors,
+                    engine=eng, engine_kind=engine_kind, fallback=fallback)
     finally:
         if bar is not None:
             bar.close()
@@ -161,9 +172,11 @@ def _finding_order(f: Finding):
     return (0 if f.severity == "error" else 1, f.rule, f.rank, f.file, f.line)
 
 
-def join(parts, *, max_per_group: int, max_errors: int):
-    """One Analysis from per-file results (in file order), as engine.analyze would give."""
-    warnings: list[str] = []
+def join(parts, *, max_per_group: int, max_errors: int, engine, engine_kind: str,
+         fallback: str | None) -> Analysis:
+    """One Analysis from per-file results (in file order), as the driver's analyze would give.
+    `engine`: the engine module whose CollectiveMatcher makes the cross-rank findings."""
+    warnings: list[str] = [f"running the interpreted engine: {fallback}"] if fallback else []
     ranks_seen: dict = {}
     for path, rank, *_ in parts:
         if rank is None:
@@ -199,11 +212,11 @@ def join(parts, *, max_per_group: int, max_errors: int):
                 suspects.add(key)
         if suspects:
             for path, rank, *_rest, colls in opened:
-                an = _RankStandIn(rank, path)
-                for comm, seq, sig, step, desc, line, site in colls:
+                an = _RankView(rank, path)
+                for comm, seq, sig, step, op in colls:
                     if (comm, seq) in suspects:
                         an.step = step
-                        matcher.submit(an, comm, seq, _RecordedOp(desc, line, site), sig)
+                        matcher.submit(an, comm, seq, _OpView(*op), sig)
             matcher.finish()
 
     by_rule: dict[str, int] = {}
@@ -254,6 +267,7 @@ def join(parts, *, max_per_group: int, max_errors: int):
     summary = {
         "events": events,
         "ranks": len(opened),
+        "engine": engine_kind,
         "by_rule": dict(sorted(by_rule.items())),
         "findings": total,
         "listed": len(listed),
@@ -264,4 +278,4 @@ def join(parts, *, max_per_group: int, max_errors: int):
         "malformed": malformed,
         "steps_by_rank": steps_by_rank,
     }
-    return engine.Analysis(listed, summary, listed_errors, warnings)
+    return Analysis(listed, summary, listed_errors, warnings)

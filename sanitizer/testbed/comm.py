@@ -21,9 +21,9 @@ The algorithm of each collective, as run by every rank's comm thread (ranks see 
       at rank * nbytes  ->  end barrier (if end_barrier)  ->  locally complete.
 
 With end_barrier=True (default) a rank completes only after every peer is done with its window,
-which is what NCCL documents for its symmetric kernels (DESIGN.md 3.1, local completion). With
+which is what NCCL documents for its symmetric kernels (docs/ordering-and-rules.md, "`local` (the default)"). With
 end_barrier=False a slow peer can still be loading my *input* after my completion, as with a
-barrier-less kernel (DESIGN.md 3.1, successor semantics); `read_delay` makes a rank that slow
+barrier-less kernel (docs/ordering-and-rules.md, "`successor`"); `read_delay` makes a rank that slow
 peer, deterministically.
 """
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""The trace contract (DESIGN.md section 2): event kinds, fields, and the streaming reader."""
+"""The trace contract (docs/trace-format.md): event kinds, fields, and the streaming reader."""

@@ -1,4 +1,4 @@
-"""Schema 1 of the hazsan trace (DESIGN.md section 2), as data.
+"""Schema 1 of the hazsan trace (docs/trace-format.md, "Event kinds"), as data.
 
 The reader and the engine use these tables to name fields in error messages and to tell known
 fields from unknown ones (unknown ones are ignored with a counted warning).
@@ -10,7 +10,7 @@ SCHEMA_VERSION = 1
 #: Fields every event may carry (all optional).
 COMMON_FIELDS = frozenset({"ev", "t", "step", "site", "stack", "op", "shape", "dtype"})
 
-#: Known event kinds -> the fields DESIGN.md names for them (required and optional together).
+#: Known event kinds -> the fields docs/trace-format.md ("Event kinds") names for them (required and optional together).
 EVENT_FIELDS: dict[str, frozenset[str]] = {
     "segment": frozenset({"addr", "size", "pool"}),
     "segment_free": frozenset({"addr", "pool"}),
@@ -33,7 +33,7 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "graph_free": frozenset({"graph"}),
     "scope": frozenset({"name", "enter", "pool", "comm", "no_split"}),
     "step": frozenset({"n", "phase", "tokens"}),
-    # Written by capture (beyond DESIGN.md): events the writer had to drop, and hook failures.
+    # Written by capture (docs/trace-format.md, "Annotations and capture bookkeeping"): events the writer had to drop, and hook failures.
     "dropped": frozenset({"count", "reason"}),
     "hook_error": frozenset({"count", "hook", "error"}),
 }

@@ -1,4 +1,4 @@
-"""Trace writer: one schema-1 JSON Lines file per process (DESIGN.md section 2).
+"""Trace writer: one schema-1 JSON Lines file per process (docs/trace-format.md; docs/capture.md, "Files").
 
 Events are buffered as dicts and serialised with orjson at flush time, so the hot path is one
 list append. A flush writes whole lines with os.write on an O_APPEND descriptor: a process killed
