@@ -7,8 +7,7 @@ cpdef bint merge_into(dict target, dict other)
 
 
 cdef class StreamClocks:
-    cdef public dict streams, host, events, _merged_version
-    cdef public long long host_version
+    cdef public dict streams, host, events
 
     cpdef dict stream_clock(self, object stream)
 

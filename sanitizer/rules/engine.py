@@ -9,9 +9,12 @@ over ranks, the summary) is sanitizer.rules.driver's.
   O done for stream X". An op with declared buffers (a `launch` with reads/writes, a `coll` with
   bufs) stays *in flight* until it is done for the host; then nobody can ever see it unfinished
   again and it is retired.
-* In-flight ops are kept per stream in epoch order, so "ops on S not done for X" is the suffix of
-  S's list past max(VC_X, VC_H)[S]: a bisect, then a short scan for address-range overlap. That is
-  why cost grows with in-flight work, never with trace length.
+* In-flight ops are kept per stream (`InFlight`): in epoch order, so that retiring what the host
+  has seen done is a bisect and "all of S's ops are done for X" one comparison; and by address
+  (`BufferIndex`), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
+  leaves the table once none of its ops is in flight. An access costs O(streams with ops not
+  done for X, each log n) plus the overlaps, never O(in-flight ops) nor O(trace length)
+  (docs/ordering-and-rules.md, "When is an op done").
 * `--peer-completion successor`: a collective's buffers inside a window of its own communicator
   are done for X only once a later (program order, higher seq) collective on that communicator is
   locally done for X: its successor. Those buffers sit on a per-communicator list instead
@@ -37,6 +40,8 @@ record_stream streams were its own is accepted and changes nothing.
 from __future__ import annotations
 
 from bisect import bisect_right
+
+from sortedcontainers import SortedList
 
 from sanitizer.order.clocks import StreamClocks
 from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
@@ -82,7 +87,7 @@ class Op:
     """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
 
     __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "name", "cid", "comm", "seq",
-                 "site", "stack", "clock", "captured", "window_bufs")
+                 "site", "stack", "clock", "captured", "window_bufs", "index_keys")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -98,6 +103,7 @@ class Op:
         self.clock = None  # collectives: what their stream knew at enqueue (for coll_done)
         self.captured = None  # replays: the captured op they re-run
         self.window_bufs = ()  # successor mode: bufs in a window of the op's own communicator
+        self.index_keys = None  # its entries in the BufferIndex while in flight
 
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
@@ -106,6 +112,7 @@ class Op:
         op.cid, op.comm, op.seq = self.cid, self.comm, self.seq
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
+        op.index_keys = None
         return op
 
 
@@ -166,14 +173,16 @@ class RangeIndex:
 
 
 class InFlight:
-    """Ops of one stream in epoch order; ops[start:] are not yet done for the host."""
+    """Ops of one stream in epoch order; ops[start:] are not yet done for the host. Their
+    buffers are also indexed by address (`index`)."""
 
-    __slots__ = ("ops", "epochs", "start")
+    __slots__ = ("ops", "epochs", "start", "index")
 
     def __init__(self):
         self.ops: list = []
         self.epochs: list = []
         self.start = 0
+        self.index = BufferIndex()
 
     def retire_upto(self, known: int) -> list[Op]:
         epochs, start, n = self.epochs, self.start, len(self.epochs)
@@ -187,6 +196,92 @@ class InFlight:
             del self.epochs[:stop]
             self.start = 0
         return gone
+
+
+class BufferIndex:
+    """Buffers of in-flight ops by address: overlap queries in O(log n + overlaps).
+
+    Buffers are grouped by length class (the bit length of hi - lo); within a class they are
+    sorted by lo, and a buffer of class c overlapping [lo, hi) starts in [lo - longest of c, hi).
+    The scan of one class meets, besides the overlaps, only buffers of that class starting less
+    than twice their own length before lo. A class is a plain sorted list while it is small (the
+    usual case: bisect and insert in C) and a SortedList (O(log n) insert and remove) past
+    `BIG` entries.
+    """
+
+    __slots__ = ("classes", "longest", "serial")
+
+    BIG = 4096
+
+    def __init__(self):
+        self.classes: dict = {}  # length class -> sorted list or SortedList of entries
+        self.longest: dict = {}
+        self.serial = 0
+
+    def add(self, op) -> None:
+        """Index op.bufs; each entry is (lo, serial, hi, access, op), the serial making it unique
+        (comparisons never reach the op)."""
+        keys = []
+        for lo, hi, acc in op.bufs:
+            n = hi - lo
+            c = n.bit_length()
+            self.serial += 1
+            key = (lo, self.serial, hi, acc, op)
+            entries = self.classes.get(c)
+            if entries is None:
+                self.classes[c] = [key]
+                self.longest[c] = n
+            else:
+                if n > self.longest[c]:
+                    self.longest[c] = n
+                if type(entries) is list:
+                    if not entries or entries[-1] < key:
+                        entries.append(key)
+                    else:
+                        entries.insert(bisect_right(entries, key), key)
+                    if len(entries) > self.BIG:
+                        self.classes[c] = SortedList(entries)
+                else:
+                    entries.add(key)
+            keys.append((c, key))
+        op.index_keys = keys
+
+    def remove(self, op) -> None:
+        for c, key in op.index_keys:
+            entries = self.classes[c]
+            if type(entries) is list:
+                i = bisect_right(entries, key) - 1
+                del entries[i]
+            else:
+                entries.remove(key)
+            if not entries:
+                del self.classes[c]
+                del self.longest[c]
+        op.index_keys = None
+
+    def overlapping(self, lo, hi) -> list:
+        """Entries (lo, serial, hi, access, op) whose [lo, hi) overlaps the given range."""
+        found = []
+        for c, entries in self.classes.items():
+            start = (lo - self.longest[c],)
+            if type(entries) is list:
+                i = bisect_right(entries, start)
+                n = len(entries)
+                while i < n:
+                    key = entries[i]
+                    if key[0] >= hi:
+                        break
+                    if lo < key[2]:
+                        found.append(key)
+                    i += 1
+            else:
+                for key in entries.irange(start, (hi,), (True, False)):
+                    if lo < key[2]:
+                        found.append(key)
+        return found
+
+    def __len__(self):
+        return sum(len(e) for e in self.classes.values())
 
 
 class SuccessorWait:
@@ -330,23 +425,24 @@ class RankAnalyzer:
         vh = clocks.host
         vx = clocks.streams.get(stream) or vh
         for s, fl in self.inflight.items():
-            epochs = fl.epochs
-            if fl.start == len(epochs):
-                continue
             known = vx.get(s, 0)
             h = vh.get(s, 0)
             if h > known:
                 known = h
-            if epochs[-1] <= known or (protected and s in protected):
-                continue
-            ops = fl.ops
-            for i in range(bisect_right(epochs, known, fl.start), len(ops)):
-                op = ops[i]
-                for blo, bhi, bacc in op.bufs:
-                    if blo < hi and lo < bhi and (bacc | access) & WRITE:
-                        if hits is None:
-                            hits = {}
-                        _widen(hits, op, max(lo, blo), min(hi, bhi))
+            if fl.epochs[-1] <= known or (protected and s in protected):
+                continue  # all of s's in-flight ops are done for `stream` (the usual case)
+            for key in fl.index.overlapping(lo, hi):
+                bacc = key[3]
+                if not (bacc | access) & WRITE:
+                    continue
+                op = key[4]
+                if op.epoch <= known:
+                    continue
+                if hits is None:
+                    hits = {}
+                blo = key[0]
+                bhi = key[2]
+                _widen(hits, op, max(lo, blo), min(hi, bhi))
         if self.successor_waits:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
@@ -447,7 +543,7 @@ class RankAnalyzer:
         if snaps:
             for clock in snaps:
                 self.clocks.host_learns(clock)
-            self._retire()
+                self._retire(clock)
 
     def on_record_stream(self, ev, line):
         bid = ev.id
@@ -571,6 +667,7 @@ class RankAnalyzer:
                 fl = self.inflight[stream] = InFlight()
             fl.ops.append(op)
             fl.epochs.append(op.epoch)
+            fl.index.add(op)
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
@@ -585,7 +682,7 @@ class RankAnalyzer:
                 return  # already retired (done for the host) or captured in a graph
             raise Malformed(f"coll_done of unknown cid {cid!r}")
         self.clocks.host_learns(op.clock)
-        self._retire()
+        self._retire(op.clock)
 
     def on_record(self, ev, line):
         event = ev.event
@@ -602,24 +699,43 @@ class RankAnalyzer:
     def on_sync(self, ev, line):
         stream = ev.stream
         event = ev.event
+        clocks = self.clocks
         if stream is not None:
-            self.clocks.sync_stream(stream)
+            clocks.sync_stream(stream)
+            self._retire(clocks.streams.get(stream) or {})
         elif event is not None:
-            if not self.clocks.sync_event(event):
+            if not clocks.sync_event(event):
                 self.unrecorded_waits += 1
+            self._retire(clocks.events.get(event) or {})
         else:
-            self.clocks.sync_device()
-        self._retire()
+            clocks.sync_device()
+            self._retire()
 
-    def _retire(self) -> None:
-        """Drop ops done for the host: no stream can ever see them unfinished again."""
+    def _retire(self, learned=None) -> None:
+        """Drop ops done for the host: no stream can ever see them unfinished again. `learned`:
+        the clock the host just learned (only its streams can have new ops done), None for all."""
         vh = self.clocks.host
-        for s, fl in self.inflight.items():
+        inflight = self.inflight
+        streams = inflight if learned is None or len(learned) > len(inflight) else learned
+        emptied = None
+        for s in streams:
+            fl = inflight.get(s)
+            if fl is None:
+                continue
             known = vh.get(s, 0)
             if known:
                 for op in fl.retire_upto(known):
+                    fl.index.remove(op)
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
+                if fl.start == len(fl.epochs):
+                    if emptied is None:
+                        emptied = []
+                    emptied.append(s)
+        if emptied:
+            # only streams with ops in flight stay: queries walk them
+            for s in emptied:
+                del inflight[s]
         if self.successor_waits:
             # A collective leaves once it is done for the host itself: locally complete and a
             # later one done. The others stay, in order (they may still serve as successors).
