@@ -199,7 +199,8 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
         if t.rank in ranks_seen:
             warnings.append(f"{t.path}: rank {t.rank} also in {ranks_seen[t.rank]}; asymmetric-offset is checked per distinct rank")
         ranks_seen.setdefault(t.rank, str(t.path))
-    matcher = eng.CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
+    matcher = eng.CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces),
+                                    ranks=ranks_seen)
     readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion))
                for t in traces]
     error_total = 0
@@ -212,9 +213,11 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
             try:
                 r.step(problems)
             except StopIteration:
+                matcher.rank_finished(r.analyzer.rank)
                 continue
             except TraceError as exc:
                 errors.append(exc)
+                matcher.rank_finished(r.analyzer.rank)
                 continue
             finally:
                 for line, problem in problems:

@@ -885,23 +885,34 @@ class CollectiveMatcher:
 
     The lowest rank's signature is the reference. Ranks are read round-robin, a batch each; an
     entry is settled at the end of a round once every rank known to use the communicator has
-    reported it (a rank that first uses it later in the same round is known by then). Settled
-    references are kept for `keep_rounds` more rounds for ranks that lag behind, then dropped:
-    memory stays bounded by how far the ranks drift apart, and a rank later than that is counted
-    as unmatched (a warning), never silently passed.
+    reported it (a rank that first uses it later in the same round is known by then). A rank may
+    first use a communicator long after the others (thousands of other events first): the
+    settled references of a communicator are therefore kept until no rank can still bring it for
+    the first time, that is until every rank of the run (`ranks`) uses it or has been read to
+    its end (`rank_finished`); with all ranks in the communicator, the usual case, that is at
+    once. At most `max_retained` references are kept so: past that the oldest go, and a rank
+    later than that is counted as unmatched (a warning), never silently passed.
     """
 
-    def __init__(self, sink, enabled: bool, keep_rounds: int = 4):
+    MAX_RETAINED = 1_000_000
+
+    def __init__(self, sink, enabled: bool, ranks=None, max_retained: int = MAX_RETAINED):
         self.sink = sink
         self.enabled = enabled
-        self.keep_rounds = keep_rounds
+        self.ranks = set(ranks) if ranks is not None else None
+        self.finished: set = set()
+        self.closed: set = set()  # communicators no rank can still join
+        self.max_retained = max_retained
         self.pending: dict[tuple, dict] = {}
-        self.settled: dict[tuple, tuple] = {}  # key -> (round, reference rank, its entry value)
+        # comm -> {seq: [reference rank, its entry value, ranks that reported it]}, oldest first
+        self.settled: dict[object, dict] = {}
+        self.retained = 0
         self.members: dict[object, set] = {}
         self.round = 0
         self.unmatched = 0
+        self.dropped = 0  # references dropped past max_retained
 
-    def submit(self, analyzer: RankAnalyzer, comm, seq, op: Op, sig: tuple) -> None:
+    def submit(self, analyzer, comm, seq, op, sig: tuple) -> None:
         if not self.enabled:
             return
         members = self.members.get(comm)
@@ -910,33 +921,75 @@ class CollectiveMatcher:
         members.add(analyzer.rank)
         key = (comm, seq)
         value = (sig, analyzer, op, analyzer.step)
-        done = self.settled.get(key)
-        if done is not None:
-            _, ref_rank, ref_value = done
-            self._compare(key, ref_rank, ref_value, analyzer.rank, value)
-            return
+        by_seq = self.settled.get(comm)
+        if by_seq is not None:
+            done = by_seq.get(seq)
+            if done is not None:
+                self._compare(key, done[0], done[1], analyzer.rank, value)
+                done[2] += 1
+                if done[2] >= len(members) and comm in self.closed:
+                    del by_seq[seq]  # every rank of the communicator has reported it
+                    self.retained -= 1
+                return
         entry = self.pending.get(key)
         if entry is None:
             self.pending[key] = {analyzer.rank: value}
         else:
             entry[analyzer.rank] = value
 
+    def rank_finished(self, rank) -> None:
+        """`rank`'s file has been read to its end: it brings no more collectives."""
+        self.finished.add(rank)
+
+    def _may_still_join(self, comm) -> bool:
+        """Some rank neither uses `comm` yet nor has been read to its end."""
+        if self.ranks is None:
+            return True
+        members = self.members.get(comm, ())
+        return any(r not in members and r not in self.finished for r in self.ranks)
+
     def end_round(self) -> None:
-        """Settle complete entries; forget references older than `keep_rounds` rounds."""
+        """Settle complete entries; keep references only while some rank may still report them."""
         self.round += 1
+        for comm in self.members:
+            if comm not in self.closed and not self._may_still_join(comm):
+                self.closed.add(comm)
+                by_seq = self.settled.get(comm)
+                if by_seq:
+                    n = len(self.members[comm])
+                    for seq in [q for q, v in by_seq.items() if v[2] >= n]:
+                        del by_seq[seq]
+                        self.retained -= 1
         for key in [k for k, e in self.pending.items() if len(e) >= len(self.members[k[0]])]:
             self._settle(key, self.pending.pop(key))
-        if self.settled:
-            horizon = self.round - self.keep_rounds
-            for key in [k for k, v in self.settled.items() if v[0] < horizon]:
-                del self.settled[key]
+        while self.retained > self.max_retained:
+            settled = self.settled
+            comm = min((c for c in settled if settled[c]), key=lambda c: next(iter(settled[c].values()))[3])
+            by_seq = settled[comm]
+            del by_seq[next(iter(by_seq))]
+            self.retained -= 1
+            self.dropped += 1
+
+    def _forget(self, comm) -> None:
+        """Stop keeping `comm`'s references; those some member never reported are unmatched."""
+        by_seq = self.settled.pop(comm)
+        self.retained -= len(by_seq)
+        n = len(self.members.get(comm, ()))
+        self.unmatched += sum(1 for v in by_seq.values() if v[2] < n)
 
     def _settle(self, key, entry) -> None:
         ranks = sorted(entry)
         ref_value = entry[ranks[0]]
         for r in ranks[1:]:
             self._compare(key, ranks[0], ref_value, r, entry[r])
-        self.settled[key] = (self.round, ranks[0], ref_value)
+        if key[0] in self.closed and len(ranks) >= len(self.members[key[0]]):
+            return  # no rank can still report it
+        by_seq = self.settled.get(key[0])
+        if by_seq is None:
+            by_seq = self.settled[key[0]] = {}
+        if key[1] not in by_seq:
+            self.retained += 1
+        by_seq[key[1]] = [ranks[0], ref_value, len(ranks), self.round]
 
     def _compare(self, key, ref_rank, ref_value, rank, value) -> None:
         ref_sig, ref_an, ref_op, _ = ref_value
@@ -955,6 +1008,8 @@ class CollectiveMatcher:
         for key, entry in list(self.pending.items()):
             if len(entry) > 1:
                 self._settle(key, entry)
+                continue  # counted with the settled ones below
             self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
         self.pending.clear()
-        self.settled.clear()
+        for comm in list(self.settled):
+            self._forget(comm)
