@@ -21,6 +21,14 @@ from __future__ import annotations
 
 Clock = dict
 
+#: Distinct stream and event ids one rank may use (`hazsan check --max-streams/--max-events`).
+MAX_STREAMS = 100_000
+MAX_EVENTS = 100_000
+
+
+class TooMany(Exception):
+    """A new stream or event id past the limit; the message says which and how to raise it."""
+
 
 def merge_into(target: Clock, other: Clock) -> bool:
     """target = max(target, other); True when target changed."""
@@ -35,17 +43,26 @@ def merge_into(target: Clock, other: Clock) -> bool:
 class StreamClocks:
     """The ordering state of one rank. Knows nothing of memory; the engine asks it questions."""
 
-    __slots__ = ("streams", "host", "events")
+    __slots__ = ("streams", "host", "events", "max_streams", "max_events")
 
-    def __init__(self) -> None:
+    def __init__(self, max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS) -> None:
         self.streams: dict[object, Clock] = {}
         self.host: Clock = {}
         self.events: dict[object, Clock] = {}
+        self.max_streams = max_streams
+        self.max_events = max_events
+
+    def _new_stream(self, stream) -> Clock:
+        if len(self.streams) >= self.max_streams:
+            raise TooMany(f"stream {stream!r} is one more than the limit of {self.max_streams:,} distinct "
+                          "streams on one rank (raise it with --max-streams)")
+        clock = self.streams[stream] = {}
+        return clock
 
     def stream_clock(self, stream) -> Clock:
         clock = self.streams.get(stream)
         if clock is None:
-            clock = self.streams[stream] = {}
+            clock = self._new_stream(stream)
         return clock
 
     def enqueue(self, stream) -> int:
@@ -55,12 +72,15 @@ class StreamClocks:
         the max with the host leaves the own component as it is."""
         clock = self.streams.get(stream)
         if clock is None:
-            clock = self.streams[stream] = {}
+            clock = self._new_stream(stream)
         epoch = clock.get(stream, 0) + 1
         clock[stream] = epoch
         return epoch
 
     def record(self, event, stream) -> None:
+        if len(self.events) >= self.max_events and event not in self.events:
+            raise TooMany(f"event {event!r} is one more than the limit of {self.max_events:,} distinct "
+                          "events on one rank (raise it with --max-events)")
         clock = self.streams.get(stream)
         self.events[event] = dict(clock) if clock else {}
 

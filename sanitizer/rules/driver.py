@@ -31,6 +31,10 @@ BATCH = 4096  # lines read from one rank before moving to the next
 # chunk keeps that memory inside the allocator's pools (4096 at a time cost a third more time,
 # measured on the 1M-event decode trace).
 CHUNK = 512
+#: What one rank may hold (the engine's limits: distinct streams, events, communicators);
+#: `hazsan check --max-streams/--max-events/--max-comms` sets them.
+DEFAULT_ENGINE_LIMITS = {"max_streams": 100_000, "max_events": 100_000, "max_comms": 100_000}
+ENGINE_LIMITS = dict(DEFAULT_ENGINE_LIMITS)
 
 
 # ----------------------------------------------------------------------------- engine choice
@@ -201,7 +205,8 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine)
         ranks_seen.setdefault(t.rank, str(t.path))
     matcher = eng.CollectiveMatcher(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces),
                                     ranks=ranks_seen)
-    readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion))
+    readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion,
+                                                          **ENGINE_LIMITS))
                for t in traces]
     error_total = 0
     # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.

@@ -81,7 +81,8 @@ cdef class RankAnalyzer:
     cdef public RangeIndex live_ranges
     cdef public list windows, capturing, live_graphs
     cdef public SeenIds cids
-    cdef public set steps_seen
+    cdef public set steps_seen, comms
+    cdef public Py_ssize_t max_comms
     cdef public Py_ssize_t line, events, unrecorded_waits
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 

@@ -43,12 +43,14 @@ from bisect import bisect_right
 
 from sortedcontainers import SortedList
 
-from sanitizer.order.clocks import StreamClocks
+from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
 from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.trace import events as E
 from sanitizer.trace.events import Alloc, Free, Launch, Record, Scope, Wait
 
 READ, WRITE = 1, 2
+#: Distinct communicators one rank may use (`hazsan check --max-comms`).
+MAX_COMMS = 100_000
 LOCAL, SUCCESSOR = "local", "successor"
 ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
 
@@ -333,7 +335,10 @@ class SeenIds:
 class RankAnalyzer:
     """Replays one rank's events in program order and applies the per-rank rules."""
 
-    def __init__(self, file: str, rank: int, sink, matcher, peer_completion: str = LOCAL):
+    def __init__(self, file: str, rank: int, sink, matcher, peer_completion: str = LOCAL,
+                 max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS, max_comms: int = MAX_COMMS):
+        """The limits bound what hostile input can make one rank hold: an id past one of them is
+        an error on its line (the event is not applied)."""
         if peer_completion not in (LOCAL, SUCCESSOR):
             raise ValueError(f"peer_completion must be {LOCAL!r} or {SUCCESSOR!r}")
         self.file = file
@@ -341,7 +346,9 @@ class RankAnalyzer:
         self.sink = sink
         self.matcher = matcher
         self.successor = peer_completion == SUCCESSOR
-        self.clocks = StreamClocks()
+        self.clocks = StreamClocks(max_streams, max_events)
+        self.comms = set()  # communicators this rank used (windows, collectives)
+        self.max_comms = max_comms
         self.inflight = {}  # stream -> InFlight
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
         self.live = {}  # block id -> Block
@@ -379,7 +386,10 @@ class RankAnalyzer:
     def feed(self, line: int, ev) -> None:
         """Apply one event. Raises Malformed for an event that breaks the contract."""
         self.line = line
-        self.handlers[type(ev)](ev, line)
+        try:
+            self.handlers[type(ev)](ev, line)
+        except TooMany as exc:
+            raise Malformed(str(exc)) from None
         self.events += 1
 
     def feed_batch(self, first: int, items: list, problems: list) -> None:
@@ -410,7 +420,7 @@ class RankAnalyzer:
                     pass
                 else:
                     handlers[kind](ev, line)
-            except Malformed as exc:
+            except (Malformed, TooMany) as exc:
                 problems.append((line, str(exc)))
                 continue
             self.events += 1
@@ -560,6 +570,8 @@ class RankAnalyzer:
         addr = ev.addr
         size = ev.size
         comm = ev.comm
+        if comm not in self.comms:
+            self._new_comm(comm)
         ordinal = self.window_ordinals.get(comm, 0)
         self.window_ordinals[comm] = ordinal + 1
         w = Window(addr, size, comm, ordinal)
@@ -610,6 +622,8 @@ class RankAnalyzer:
         seq = ev.seq
         name = ev.op
         stream = ev.stream
+        if comm not in self.comms:
+            self._new_comm(comm)
         if not self.cids.add(cid):
             raise Malformed(f"duplicate cid {cid!r}")
         bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
@@ -636,6 +650,12 @@ class RankAnalyzer:
         self._enqueue(op)
         op.clock = self.clocks.snapshot(stream)
         self.colls_in_flight[cid] = op
+
+    def _new_comm(self, comm) -> None:
+        if len(self.comms) >= self.max_comms:
+            raise Malformed(f"communicator {comm!r} is one more than the limit of {self.max_comms:,} distinct "
+                            "communicators on one rank (raise it with --max-comms)")
+        self.comms.add(comm)
 
     def _mark_coll_touched(self, bufs) -> None:
         """A block is a collective buffer once any collective touches part of it (even before a
