@@ -1,4 +1,4 @@
-"""`analyze`: everything around the algorithm (docs/design.md section 5).
+"""`analyze`: everything around the algorithm (docs/cli.md, "hazsan check").
 
 Finds the rank files, opens them, picks the engine (compiled or interpreted, the same source),
 reads the ranks round-robin a batch at a time, decodes each batch into typed events
@@ -121,7 +121,7 @@ def load_engine(choice: str | None = None):
 
 @dataclass
 class Analysis:
-    """What `analyze` returns: the findings and a summary (docs/design.md section 5, json format)."""
+    """What `analyze` returns: the findings and a summary (docs/cli.md, "hazsan check": the json format)."""
 
     findings: list[Finding]
     summary: dict

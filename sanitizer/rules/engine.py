@@ -1,4 +1,4 @@
-"""The happens-before engine: the algorithm, and nothing else (docs/design.md sections 3 and 4).
+"""The happens-before engine: the algorithm, and nothing else (docs/ordering-and-rules.md).
 
 One statement of the algorithm. It runs as plain Python, and the same file is compiled by Cython
 (pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs,
@@ -32,7 +32,8 @@ Events arrive as typed records (sanitizer.trace.events): the decoder has checked
 type, and that sizes are not negative. What is left to check here is what needs state: ids that
 are unknown, live, duplicate.
 
-Settled (docs/design.md 3.2): a `wait` or `sync` on an event never recorded is a no-op (CUDA's
+Settled (docs/trace-format.md, "Decisions the old text left open"; docs/ordering-and-rules.md,
+"record_stream and free_done"): a `wait` or `sync` on an event never recorded is a no-op (CUDA's
 cudaStreamWaitEvent on a never-recorded event does nothing), counted for a warning;
 `record_stream` on the block's own stream is ignored, and a `free_done` after a free whose only
 record_stream streams were its own is accepted and changes nothing.
@@ -429,7 +430,7 @@ class RankAnalyzer:
 
     def _not_done(self, stream, lo, hi, access, protected=None):
         """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
-        for `stream` (docs/design.md 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
+        for `stream` (docs/ordering-and-rules.md, "When is an op done"). Returns {op: [overlap_lo, overlap_hi]}."""
         hits = None
         clocks = self.clocks
         vh = clocks.host
@@ -462,7 +463,7 @@ class RankAnalyzer:
                 done_seq = None  # highest seq among later collectives done for `stream`
                 for op in reversed(sc.colls):
                     local = clocks.knows(stream, op.stream) >= op.epoch
-                    # done for a write: locally complete AND a later collective done (3.1)
+                    # done for a write: locally complete AND a later collective done ("successor")
                     not_done = not (local and done_seq is not None and done_seq > op.seq) if write else not local
                     if op.window_bufs and not_done and not (protected and op.stream in protected):
                         for blo, bhi, bacc in op.window_bufs:
@@ -535,7 +536,7 @@ class RankAnalyzer:
                 self._report("free-in-flight", line, block, op, ov)
         if protected is not None:
             # Until free_done the allocator holds the block; then the host knows these streams
-            # as they were now (docs/design.md 3.1). With only its own stream recorded there is
+            # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
             # nothing to learn, but the free_done that follows is still expected.
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
         self.live_ranges.remove(addr, block)

@@ -1,4 +1,4 @@
-"""Finding records and the rule table (DESIGN.md section 4)."""
+"""Finding records and the rule table (docs/ordering-and-rules.md, "The rules")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
