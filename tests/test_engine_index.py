@@ -70,3 +70,30 @@ def test_clocks_stay_sparse_when_the_host_knows_every_stream(engine):
     assert sum(len(c) for c in clocks.events.values()) == 2000
     # what the host knows still counts for every stream
     assert clocks.knows(5, 7) == 1 and clocks.knows(7, 7) == 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_range_index_matches_brute_force(engine):
+    """Live blocks of every size, one of them huge, 6,000 in all, half freed again."""
+    eng = load_engine(engine)[0]
+    rng = random.Random(7)
+    index = eng.RangeIndex()
+    live = []
+    for i in range(6000):
+        lo = rng.randrange(1 << 32)
+        hi = lo + (1 << 31 if i == 0 else rng.choice((0, 512, 4096, rng.randrange(1 << 22))))
+        item = object()
+        index.add(lo, hi, item)
+        live.append((lo, hi, item))
+    rng.shuffle(live)
+    for lo, hi, item in live[:3000]:
+        index.remove(lo, hi, item)
+    live = live[3000:]
+    index.remove(1, 2, object())  # unknown: nothing happens
+    assert len(index) == 3000
+    for _ in range(300):
+        qlo = rng.randrange(1 << 32)
+        qhi = qlo + rng.choice((1, 4096, 1 << 20))
+        got = sorted((lo, hi, id(x)) for lo, hi, x in index.overlapping(qlo, qhi))
+        want = sorted((lo, hi, id(x)) for lo, hi, x in live if lo < qhi and qlo < hi)
+        assert got == want

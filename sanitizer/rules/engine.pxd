@@ -29,14 +29,18 @@ cdef class Graph:
 
 
 cdef class RangeIndex:
-    cdef public list los, items
-    cdef public long long max_len
+    cdef public dict classes, longest
+    cdef public long long serial
+    cdef public Py_ssize_t count
 
-    @cython.locals(i=Py_ssize_t)
-    cpdef add(self, long long lo, long long hi, object item)
+    @cython.locals(key=tuple)
+    cpdef add(self, object lo, object hi, object item)
 
-    @cython.locals(i=Py_ssize_t)
-    cpdef remove(self, long long lo, object item)
+    @cython.locals(key=tuple, i=Py_ssize_t, n=Py_ssize_t)
+    cpdef remove(self, object lo, object hi, object item)
+
+    @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
+    cpdef list overlapping(self, object lo, object hi)
 
 
 cdef class BufferIndex:

@@ -137,42 +137,87 @@ class Graph:
 
 
 class RangeIndex:
-    """Items with [lo, hi) ranges, sorted by lo; overlap queries by bisect plus a bounded scan."""
+    """Items with [lo, hi) ranges (live blocks, a graph's reserved buffers): overlap queries in
+    O(log n + overlaps), as BufferIndex, whatever the mix of sizes (one huge block does not make
+    every query scan the small ones below it)."""
 
-    __slots__ = ("los", "items", "max_len")
+    __slots__ = ("classes", "longest", "serial", "count")
 
     def __init__(self):
-        self.los: list[int] = []
-        self.items: list[tuple[int, int, object]] = []
-        self.max_len = 0
+        self.classes: dict = {}  # length class -> sorted list or SortedList of (lo, serial, hi, item)
+        self.longest: dict = {}
+        self.serial = 0
+        self.count = 0
 
     def add(self, lo, hi, item) -> None:
-        i = bisect_right(self.los, lo)
-        self.los.insert(i, lo)
-        self.items.insert(i, (lo, hi, item))
-        if hi - lo > self.max_len:
-            self.max_len = hi - lo
+        n = hi - lo
+        c = n.bit_length()
+        self.serial += 1
+        key = (lo, self.serial, hi, item)
+        entries = self.classes.get(c)
+        if entries is None:
+            self.classes[c] = [key]
+            self.longest[c] = n
+        else:
+            if n > self.longest[c]:
+                self.longest[c] = n
+            if type(entries) is list:
+                if entries[-1] < key:
+                    entries.append(key)
+                else:
+                    entries.insert(bisect_right(entries, key), key)
+                if len(entries) > BufferIndex.BIG:
+                    self.classes[c] = SortedList(entries)
+            else:
+                entries.add(key)
+        self.count += 1
 
-    def remove(self, lo, item) -> None:
-        i = bisect_right(self.los, lo) - 1
-        while i >= 0 and self.los[i] == lo:
-            if self.items[i][2] is item:
-                del self.los[i]
-                del self.items[i]
+    def remove(self, lo, hi, item) -> None:
+        c = (hi - lo).bit_length()
+        entries = self.classes.get(c)
+        if entries is None:
+            return
+        i = bisect_right(entries, (lo,)) if type(entries) is list else entries.bisect_right((lo,))
+        n = len(entries)
+        while i < n:
+            key = entries[i]
+            if key[0] != lo:
                 return
-            i -= 1
+            if key[3] is item:
+                if type(entries) is list:
+                    del entries[i]
+                else:
+                    entries.remove(key)
+                self.count -= 1
+                if not entries:
+                    del self.classes[c]
+                    del self.longest[c]
+                return
+            i += 1
 
-    def overlapping(self, lo, hi):
-        items = self.items
-        i = bisect_right(self.los, lo - self.max_len)
-        end = bisect_right(self.los, hi - 1)
-        for j in range(i, end):
-            ilo, ihi, item = items[j]
-            if ihi > lo:
-                yield ilo, ihi, item
+    def overlapping(self, lo, hi) -> list:
+        """(lo, hi, item) of every item overlapping [lo, hi)."""
+        found = []
+        for c, entries in self.classes.items():
+            start = (lo - self.longest[c],)
+            if type(entries) is list:
+                i = bisect_right(entries, start)
+                n = len(entries)
+                while i < n:
+                    key = entries[i]
+                    if key[0] >= hi:
+                        break
+                    if lo < key[2]:
+                        found.append((key[0], key[2], key[3]))
+                    i += 1
+            else:
+                for key in entries.irange(start, (hi,), (True, False)):
+                    if lo < key[2]:
+                        found.append((key[0], key[2], key[3]))
+        return found
 
     def __len__(self):
-        return len(self.items)
+        return self.count
 
 
 class InFlight:
@@ -539,7 +584,7 @@ class RankAnalyzer:
             # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
             # nothing to learn, but the free_done that follows is still expected.
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
-        self.live_ranges.remove(addr, block)
+        self.live_ranges.remove(addr, end, block)
         if block.window is not None:
             if not block.coll_touched:
                 self._transient(block, line)
