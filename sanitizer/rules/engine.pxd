@@ -42,6 +42,9 @@ cdef class RangeIndex:
     @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
     cpdef list overlapping(self, object lo, object hi)
 
+    @cython.locals(best=tuple, key=tuple)
+    cpdef object first_added(self, object lo, object hi)
+
 
 cdef class BufferIndex:
     cdef public dict classes, longest

@@ -216,6 +216,18 @@ class RangeIndex:
                         found.append((key[0], key[2], key[3]))
         return found
 
+    def first_added(self, lo, hi):
+        """Of the items overlapping [lo, hi), the one added first (None if none)."""
+        best = None
+        for c, entries in self.classes.items():
+            start = (lo - self.longest[c],)
+            it = entries.irange(start, (hi,), (True, False)) if type(entries) is not list else \
+                entries[bisect_right(entries, start):bisect_right(entries, (hi,))]
+            for key in it:
+                if lo < key[2] and (best is None or key[1] < best[1]):
+                    best = key
+        return None if best is None else best[3]
+
     def __len__(self):
         return self.count
 
@@ -905,11 +917,9 @@ class RankAnalyzer:
         self.sink.add(f)
 
     def _block_at(self, lo, hi):
-        """The live block holding [lo, hi), for display (linear: only on findings)."""
-        for block in self.live.values():
-            if block.addr < hi and lo < block.end:
-                return BlockRecord.of(block)
-        return None
+        """The live block holding [lo, hi), for display: of several, the one allocated first."""
+        block = self.live_ranges.first_added(lo, hi)
+        return BlockRecord.of(block) if block is not None else None
 
     def _transient(self, block: Block, line) -> None:
         key = block.site
