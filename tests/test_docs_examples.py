@@ -28,12 +28,7 @@ from sanitizer.rules.findings import RULES
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 # (page, a string unique to the example) -> why it does not pass yet.
-PENDING = {
-    ("trace-format.md", '{"ev": "record_stream", "id": 1, "stream": "s0"}'):
-        "free_done after record_stream on the block's own stream: accepted as a no-op (issue 14, engine)",
-    ("trace-format.md", '"reads": [[4096, -64]]'):
-        "negative range sizes are malformed (issue 14, engine)",
-}
+PENDING: dict = {}
 
 _FENCE = re.compile(r"^```jsonl[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _STATEMENT = re.compile(r"`hazsan check([^`]*)` exits (\d)(.*?)(?=`hazsan check|\Z)", re.S)
