@@ -292,7 +292,7 @@ class HazsanSession:
     def _judge(self, item, verdict: HazardVerdict) -> str | None:
         """Analyse the test's folder; return the report of new failing findings, or None."""
         from sanitizer.report.render import render_text
-        from sanitizer.rules.engine import Analysis, analyze
+        from sanitizer.rules.driver import Analysis, analyze
 
         if self.capture is not None:
             self.capture.writer.flush()

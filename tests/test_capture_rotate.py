@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from sanitizer.rules.engine import analyze  # noqa: E402
+from sanitizer.rules.driver import analyze  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sanitizer.cli import main
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "examples" / "traces"

@@ -9,7 +9,7 @@ import pytest
 
 from sanitizer.cli import main
 from sanitizer.report.markdown import cell, code_block
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 
 from tracebuilder import Trace
 

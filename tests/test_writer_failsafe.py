@@ -8,7 +8,7 @@ import shutil
 import stat
 
 from sanitizer.report.render import incomplete
-from sanitizer.rules.engine import analyze
+from sanitizer.rules.driver import analyze
 from sanitizer.trace.reader import open_trace
 from sanitizer.trace.writer import TraceWriter
 

@@ -17,7 +17,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from sanitizer.report.perfetto import export_perfetto
-    from sanitizer.rules.engine import analyze
+    from sanitizer.rules.driver import analyze
     from sanitizer.trace.reader import TraceError
 
     analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient, max_per_group=0)
