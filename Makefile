@@ -28,11 +28,16 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
 	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
 	touch $@
 
-.PHONY: venv test demo bench scan-report gpu-check
+.PHONY: venv test test-sanitizers demo bench scan-report gpu-check
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -p no:cacheprovider
+
+# The compiled engine built with -fsanitize=address,undefined, under the engine's fuzz and property
+# tests (.ci/sanitizers.sh; CI runs it after `make test`).
+test-sanitizers: $(VENV)/.installed
+	VPY=$(VPY) bash .ci/sanitizers.sh
 
 demo: $(VENV)/.installed
 	$(VPY) examples/demo.py

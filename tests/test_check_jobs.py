@@ -149,7 +149,7 @@ def test_driver_matcher_seam_sees_every_collective_of_one_file():
     recorder = SignatureRecorder()
     made = []
 
-    def factory(sink, enabled):
+    def factory(sink, enabled, ranks=None):
         made.append(enabled)
         return recorder
 

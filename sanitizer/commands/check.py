@@ -21,6 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--lenient", action="store_true",
                    help="skip and count malformed lines instead of failing with exit 2")
     add_limit_arguments(p)
+    add_engine_limit_arguments(p)
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also print which engine ran (compiled or interpreted), events and events/s, on stderr")
     p.add_argument("--max-per-group", type=int, default=100, metavar="N",
@@ -54,6 +55,18 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_limit_arguments(p) -> None:
     """The reader's limits (sanitizer.trace.reader.ReadLimits): what one trace file may cost."""
     from sanitizer.trace.reader import ReadLimits
@@ -69,11 +82,26 @@ def add_limit_arguments(p) -> None:
                         f"{DEFAULT_LIMITS.gzip_ratio_floor >> 20}MiB")
 
 
+def add_engine_limit_arguments(p) -> None:
+    """The engine's limits (sanitizer.rules.driver.ENGINE_LIMITS): what one rank may hold."""
+    from sanitizer.rules.driver import DEFAULT_ENGINE_LIMITS as ENGINE_LIMITS  # not what an earlier run set
+
+    for name, what in (("streams", "stream ids"), ("events", "CUDA event ids"), ("comms", "communicators")):
+        p.add_argument(f"--max-{name}", type=_count, default=ENGINE_LIMITS[f"max_{name}"], metavar="N",
+                       help=f"distinct {what} one rank may use (default {ENGINE_LIMITS[f'max_{name}']:,}); "
+                            "one more is an error on its line")
+
+
 def apply_limits(args) -> None:
     from sanitizer.trace import reader
 
     reader.DEFAULT_LIMITS = reader.ReadLimits(max_line_bytes=args.max_line_bytes,
                                               max_gzip_ratio=args.max_gzip_ratio)
+    if hasattr(args, "max_streams"):
+        from sanitizer.rules import driver
+
+        driver.ENGINE_LIMITS = {"max_streams": args.max_streams, "max_events": args.max_events,
+                                "max_comms": args.max_comms}
 
 
 def run(args) -> int:

@@ -1,1 +1,1 @@
-"""Happens-before ordering per rank (DESIGN.md section 3)."""
+"""Happens-before ordering per rank (docs/ordering-and-rules.md, "Vector clocks")."""

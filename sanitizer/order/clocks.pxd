@@ -7,9 +7,10 @@ cpdef bint merge_into(dict target, dict other)
 
 
 cdef class StreamClocks:
-    cdef public dict streams, host, events, _merged_version
-    cdef public long long host_version
+    cdef public dict streams, host, events
+    cdef public Py_ssize_t max_streams, max_events
 
+    cdef dict _new_stream(self, object stream)
     cpdef dict stream_clock(self, object stream)
 
     @cython.locals(clock=dict, epoch=cython.longlong)

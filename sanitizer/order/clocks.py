@@ -1,4 +1,4 @@
-"""Vector clocks per stream, host and recorded event (DESIGN.md section 3).
+"""Vector clocks per stream, host and recorded event (docs/ordering-and-rules.md, "Vector clocks").
 
 As in ThreadSanitizer and torch.cuda._sanitizer: every stream S has a clock VC_S, the host VC_H,
 every recorded event E a copy VC_E. A clock is a dict {stream: count}; a missing key means 0.
@@ -9,10 +9,25 @@ every recorded event E a copy VC_E. A clock is a dict {stream: count}; a missing
 - sync stream S:     VC_H = max(VC_H, VC_S)    (event E: VC_H = max(VC_H, VC_E); bare: all streams)
 - coll_done C:       VC_H = max(VC_H, clock of C)
 - op O is locally complete for stream X when max(VC_X, VC_H)[O.stream] >= O's epoch.
+
+Sparse: the host's part is never copied into another clock. The host clock only grows, and every
+use of a stream's or an event's clock takes the max with the host clock *as it is then* (a query,
+a record, a wait that is later queried, a sync that the host learns), which is at least the host
+clock at the time of the copy. So stored clocks hold only what their stream learned through
+`wait` (and its own count), and memory grows with the streams that actually synchronise, not
+with (streams x streams known to the host).
 """
 from __future__ import annotations
 
 Clock = dict
+
+#: Distinct stream and event ids one rank may use (`hazsan check --max-streams/--max-events`).
+MAX_STREAMS = 100_000
+MAX_EVENTS = 100_000
+
+
+class TooMany(Exception):
+    """A new stream or event id past the limit; the message says which and how to raise it."""
 
 
 def merge_into(target: Clock, other: Clock) -> bool:
@@ -28,71 +43,79 @@ def merge_into(target: Clock, other: Clock) -> bool:
 class StreamClocks:
     """The ordering state of one rank. Knows nothing of memory; the engine asks it questions."""
 
-    __slots__ = ("streams", "host", "events", "host_version", "_merged_version")
+    __slots__ = ("streams", "host", "events", "max_streams", "max_events")
 
-    def __init__(self) -> None:
+    def __init__(self, max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS) -> None:
         self.streams: dict[object, Clock] = {}
         self.host: Clock = {}
         self.events: dict[object, Clock] = {}
-        # The host clock only grows; a stream that already merged this version skips the merge.
-        self.host_version = 0
-        self._merged_version: dict[object, int] = {}
+        self.max_streams = max_streams
+        self.max_events = max_events
+
+    def _new_stream(self, stream) -> Clock:
+        if len(self.streams) >= self.max_streams:
+            raise TooMany(f"stream {stream!r} is one more than the limit of {self.max_streams:,} distinct "
+                          "streams on one rank (raise it with --max-streams)")
+        clock = self.streams[stream] = {}
+        return clock
 
     def stream_clock(self, stream) -> Clock:
         clock = self.streams.get(stream)
         if clock is None:
-            clock = self.streams[stream] = {}
-            self._merged_version[stream] = -1
+            clock = self._new_stream(stream)
         return clock
 
     def enqueue(self, stream) -> int:
-        """Work enqueued on `stream`; returns its epoch (the op's own component)."""
+        """Work enqueued on `stream`; returns its epoch (the op's own component).
+
+        VC_H[S] never exceeds VC_S[S] (the host learns S's count only from copies of VC_S), so
+        the max with the host leaves the own component as it is."""
         clock = self.streams.get(stream)
         if clock is None:
-            clock = self.stream_clock(stream)
-        if self._merged_version[stream] != self.host_version:
-            merge_into(clock, self.host)
-            self._merged_version[stream] = self.host_version
+            clock = self._new_stream(stream)
         epoch = clock.get(stream, 0) + 1
         clock[stream] = epoch
         return epoch
 
     def record(self, event, stream) -> None:
-        clock = dict(self.stream_clock(stream))
-        merge_into(clock, self.host)
-        self.events[event] = clock
+        if len(self.events) >= self.max_events and event not in self.events:
+            raise TooMany(f"event {event!r} is one more than the limit of {self.max_events:,} distinct "
+                          "events on one rank (raise it with --max-events)")
+        clock = self.streams.get(stream)
+        self.events[event] = dict(clock) if clock else {}
 
     def wait(self, stream, event) -> bool:
         """False when the event was never recorded (CUDA treats that wait as a no-op)."""
         clock = self.events.get(event)
         if clock is None:
             return False
-        merge_into(self.stream_clock(stream), clock)
+        if clock:
+            merge_into(self.stream_clock(stream), clock)
         return True
 
     def host_learns(self, clock: Clock) -> None:
-        if merge_into(self.host, clock):
-            self.host_version += 1
+        merge_into(self.host, clock)
 
     def sync_stream(self, stream) -> None:
-        self.host_learns(self.stream_clock(stream))
+        clock = self.streams.get(stream)
+        if clock:
+            merge_into(self.host, clock)
 
     def sync_event(self, event) -> bool:
         clock = self.events.get(event)
         if clock is None:
             return False
-        self.host_learns(clock)
+        merge_into(self.host, clock)
         return True
 
     def sync_device(self) -> None:
-        for clock in list(self.streams.values()):
-            self.host_learns(clock)
+        for clock in self.streams.values():
+            merge_into(self.host, clock)
 
     def snapshot(self, stream) -> Clock:
-        """A copy of what `stream` knows now (for coll_done and free_done)."""
-        clock = dict(self.stream_clock(stream))
-        merge_into(clock, self.host)
-        return clock
+        """A copy of what `stream` knows now, beyond the host (for coll_done and free_done)."""
+        clock = self.streams.get(stream)
+        return dict(clock) if clock else {}
 
     def knows(self, stream, of_stream) -> int:
         """max(VC_X, VC_H)[of_stream]: how far `stream` is known to have seen `of_stream`."""

@@ -31,6 +31,10 @@ BATCH = 4096  # lines read from one rank before moving to the next
 # chunk keeps that memory inside the allocator's pools (4096 at a time cost a third more time,
 # measured on the 1M-event decode trace).
 CHUNK = 512
+#: What one rank may hold (the engine's limits: distinct streams, events, communicators);
+#: `hazsan check --max-streams/--max-events/--max-comms` sets them.
+DEFAULT_ENGINE_LIMITS = {"max_streams": 100_000, "max_events": 100_000, "max_comms": 100_000}
+ENGINE_LIMITS = dict(DEFAULT_ENGINE_LIMITS)
 
 
 # ----------------------------------------------------------------------------- engine choice
@@ -117,7 +121,7 @@ def load_engine(choice: str | None = None):
 
 @dataclass
 class Analysis:
-    """What `analyze` returns: the findings and a summary (docs/cli.md, "hazsan check", json)."""
+    """What `analyze` returns: the findings and a summary (docs/cli.md, "hazsan check": the json format)."""
 
     findings: list[Finding]
     summary: dict
@@ -163,9 +167,9 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     `engine`: 'compiled', 'interpreted' or 'auto' (default: $HAZSAN_ENGINE, else auto).
 
     `matcher`: the seam for an analysis split across processes (sanitizer.rules.parallel). A
-    callable ``matcher(sink, enabled=...)`` returning the object every rank's engine hands each
+    callable ``matcher(sink, enabled=..., ranks=...)`` returning the object every rank's engine hands each
     collective's window signature to: ``submit(analyzer, comm, seq, op, sig)`` (analyzer with
-    .rank/.step/.file, op the engine's Op), ``end_round()`` after each round-robin round,
+    .rank/.step/.file, op the engine's Op), ``end_round()`` after each round-robin round, ``rank_finished(rank)`` when a rank's file ends,
     ``finish()`` at the end, and an ``unmatched`` count. Default: the engine's CollectiveMatcher,
     which makes the asymmetric-offset findings.
     """
@@ -207,8 +211,10 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         if t.rank in ranks_seen:
             warnings.append(f"{t.path}: rank {t.rank} also in {ranks_seen[t.rank]}; asymmetric-offset is checked per distinct rank")
         ranks_seen.setdefault(t.rank, str(t.path))
-    matcher = (make_matcher or eng.CollectiveMatcher)(sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces))
-    readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion))
+    matcher = (make_matcher or eng.CollectiveMatcher)(
+        sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces), ranks=ranks_seen)
+    readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion,
+                                              **ENGINE_LIMITS))
                for t in traces]
     error_total = 0
     # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
@@ -220,9 +226,11 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
             try:
                 r.step(problems)
             except StopIteration:
+                matcher.rank_finished(r.analyzer.rank)
                 continue
             except TraceError as exc:
                 errors.append(exc)
+                matcher.rank_finished(r.analyzer.rank)
                 continue
             finally:
                 for line, problem in problems:

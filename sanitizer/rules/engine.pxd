@@ -13,7 +13,7 @@ cdef class Block:
 
 
 cdef class Op:
-    cdef public object kind, stream, bufs, step, name, cid, comm, seq, site, stack, clock, captured, window_bufs
+    cdef public object kind, stream, bufs, step, name, cid, comm, seq, site, stack, clock, captured, window_bufs, index_keys
     cdef public long long epoch
     cdef public Py_ssize_t line
 
@@ -29,19 +29,41 @@ cdef class Graph:
 
 
 cdef class RangeIndex:
-    cdef public list los, items
-    cdef public long long max_len
+    cdef public dict classes, longest
+    cdef public long long serial
+    cdef public Py_ssize_t count
 
-    @cython.locals(i=Py_ssize_t)
-    cpdef add(self, long long lo, long long hi, object item)
+    @cython.locals(key=tuple)
+    cpdef add(self, object lo, object hi, object item)
 
-    @cython.locals(i=Py_ssize_t)
-    cpdef remove(self, long long lo, object item)
+    @cython.locals(key=tuple, i=Py_ssize_t, n=Py_ssize_t)
+    cpdef remove(self, object lo, object hi, object item)
+
+    @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
+    cpdef list overlapping(self, object lo, object hi)
+
+    @cython.locals(best=tuple, key=tuple)
+    cpdef object first_added(self, object lo, object hi)
+
+
+cdef class BufferIndex:
+    cdef public dict classes, longest
+    cdef public long long serial
+
+    @cython.locals(keys=list, key=tuple, i=Py_ssize_t)
+    cpdef add(self, object op)
+
+    @cython.locals(key=tuple, i=Py_ssize_t)
+    cpdef remove(self, object op)
+
+    @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
+    cpdef list overlapping(self, object lo, object hi)
 
 
 cdef class InFlight:
     cdef public list ops, epochs
     cdef public Py_ssize_t start
+    cdef public BufferIndex index
 
     @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t)
     cpdef list retire_upto(self, long long known)
@@ -66,7 +88,8 @@ cdef class RankAnalyzer:
     cdef public RangeIndex live_ranges
     cdef public list windows, capturing, live_graphs
     cdef public SeenIds cids
-    cdef public set steps_seen
+    cdef public set steps_seen, comms
+    cdef public Py_ssize_t max_comms
     cdef public Py_ssize_t line, events, unrecorded_waits
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
@@ -78,8 +101,8 @@ cdef class RankAnalyzer:
     cpdef on_record_stream(self, object ev, Py_ssize_t line)
     cpdef on_free_done(self, object ev, Py_ssize_t line)
 
-    @cython.locals(hits=dict, vh=dict, vx=dict, fl=InFlight, epochs=list, ops=list, op=Op,
-                   known=cython.longlong, h=cython.longlong, i=Py_ssize_t, n=Py_ssize_t,
+    @cython.locals(hits=dict, vh=dict, vx=dict, key=tuple, op=Op, fl=InFlight,
+                   known=cython.longlong, h=cython.longlong,
                    blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
     cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, object protected=*)
 
@@ -95,5 +118,5 @@ cdef class RankAnalyzer:
     @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int)
     cpdef _enqueue(self, Op op)
 
-    @cython.locals(vh=dict, fl=InFlight, known=cython.longlong)
-    cpdef _retire(self)
+    @cython.locals(vh=dict, inflight=dict, fl=InFlight, known=cython.longlong)
+    cpdef _retire(self, object learned=*)

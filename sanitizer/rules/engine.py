@@ -1,4 +1,4 @@
-"""The happens-before engine: the algorithm, and nothing else (docs/design.md sections 3 and 4).
+"""The happens-before engine: the algorithm, and nothing else (docs/ordering-and-rules.md).
 
 One statement of the algorithm. It runs as plain Python, and the same file is compiled by Cython
 (pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs,
@@ -9,9 +9,12 @@ over ranks, the summary) is sanitizer.rules.driver's.
   O done for stream X". An op with declared buffers (a `launch` with reads/writes, a `coll` with
   bufs) stays *in flight* until it is done for the host; then nobody can ever see it unfinished
   again and it is retired.
-* In-flight ops are kept per stream in epoch order, so "ops on S not done for X" is the suffix of
-  S's list past max(VC_X, VC_H)[S]: a bisect, then a short scan for address-range overlap. That is
-  why cost grows with in-flight work, never with trace length.
+* In-flight ops are kept per stream (`InFlight`): in epoch order, so that retiring what the host
+  has seen done is a bisect and "all of S's ops are done for X" one comparison; and by address
+  (`BufferIndex`), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
+  leaves the table once none of its ops is in flight. An access costs O(streams with ops not
+  done for X, each log n) plus the overlaps, never O(in-flight ops) nor O(trace length)
+  (docs/ordering-and-rules.md, "When is an op done").
 * `--peer-completion successor`: a collective's buffers inside a window of its own communicator
   are done for X only once a later (program order, higher seq) collective on that communicator is
   locally done for X: its successor. Those buffers sit on a per-communicator list instead
@@ -29,7 +32,8 @@ Events arrive as typed records (sanitizer.trace.events): the decoder has checked
 type, and that sizes are not negative. What is left to check here is what needs state: ids that
 are unknown, live, duplicate.
 
-Settled (docs/design.md 3.2): a `wait` or `sync` on an event never recorded is a no-op (CUDA's
+Settled (docs/trace-format.md, "Decisions the old text left open"; docs/ordering-and-rules.md,
+"record_stream and free_done"): a `wait` or `sync` on an event never recorded is a no-op (CUDA's
 cudaStreamWaitEvent on a never-recorded event does nothing), counted for a warning;
 `record_stream` on the block's own stream is ignored, and a `free_done` after a free whose only
 record_stream streams were its own is accepted and changes nothing.
@@ -38,12 +42,16 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from sanitizer.order.clocks import StreamClocks
+from sortedcontainers import SortedList
+
+from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
 from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.trace import events as E
 from sanitizer.trace.events import Alloc, Free, Launch, Record, Scope, Wait
 
 READ, WRITE = 1, 2
+#: Distinct communicators one rank may use (`hazsan check --max-comms`).
+MAX_COMMS = 100_000
 LOCAL, SUCCESSOR = "local", "successor"
 ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
 
@@ -82,7 +90,7 @@ class Op:
     """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
 
     __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "name", "cid", "comm", "seq",
-                 "site", "stack", "clock", "captured", "window_bufs")
+                 "site", "stack", "clock", "captured", "window_bufs", "index_keys")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -98,6 +106,7 @@ class Op:
         self.clock = None  # collectives: what their stream knew at enqueue (for coll_done)
         self.captured = None  # replays: the captured op they re-run
         self.window_bufs = ()  # successor mode: bufs in a window of the op's own communicator
+        self.index_keys = None  # its entries in the BufferIndex while in flight
 
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
@@ -106,6 +115,7 @@ class Op:
         op.cid, op.comm, op.seq = self.cid, self.comm, self.seq
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
+        op.index_keys = None
         return op
 
 
@@ -127,53 +137,112 @@ class Graph:
 
 
 class RangeIndex:
-    """Items with [lo, hi) ranges, sorted by lo; overlap queries by bisect plus a bounded scan."""
+    """Items with [lo, hi) ranges (live blocks, a graph's reserved buffers): overlap queries in
+    O(log n + overlaps), as BufferIndex, whatever the mix of sizes (one huge block does not make
+    every query scan the small ones below it)."""
 
-    __slots__ = ("los", "items", "max_len")
+    __slots__ = ("classes", "longest", "serial", "count")
 
     def __init__(self):
-        self.los: list[int] = []
-        self.items: list[tuple[int, int, object]] = []
-        self.max_len = 0
+        self.classes: dict = {}  # length class -> sorted list or SortedList of (lo, serial, hi, item)
+        self.longest: dict = {}
+        self.serial = 0
+        self.count = 0
 
     def add(self, lo, hi, item) -> None:
-        i = bisect_right(self.los, lo)
-        self.los.insert(i, lo)
-        self.items.insert(i, (lo, hi, item))
-        if hi - lo > self.max_len:
-            self.max_len = hi - lo
+        n = hi - lo
+        c = n.bit_length()
+        self.serial += 1
+        key = (lo, self.serial, hi, item)
+        entries = self.classes.get(c)
+        if entries is None:
+            self.classes[c] = [key]
+            self.longest[c] = n
+        else:
+            if n > self.longest[c]:
+                self.longest[c] = n
+            if type(entries) is list:
+                if entries[-1] < key:
+                    entries.append(key)
+                else:
+                    entries.insert(bisect_right(entries, key), key)
+                if len(entries) > BufferIndex.BIG:
+                    self.classes[c] = SortedList(entries)
+            else:
+                entries.add(key)
+        self.count += 1
 
-    def remove(self, lo, item) -> None:
-        i = bisect_right(self.los, lo) - 1
-        while i >= 0 and self.los[i] == lo:
-            if self.items[i][2] is item:
-                del self.los[i]
-                del self.items[i]
+    def remove(self, lo, hi, item) -> None:
+        c = (hi - lo).bit_length()
+        entries = self.classes.get(c)
+        if entries is None:
+            return
+        i = bisect_right(entries, (lo,)) if type(entries) is list else entries.bisect_right((lo,))
+        n = len(entries)
+        while i < n:
+            key = entries[i]
+            if key[0] != lo:
                 return
-            i -= 1
+            if key[3] is item:
+                if type(entries) is list:
+                    del entries[i]
+                else:
+                    entries.remove(key)
+                self.count -= 1
+                if not entries:
+                    del self.classes[c]
+                    del self.longest[c]
+                return
+            i += 1
 
-    def overlapping(self, lo, hi):
-        items = self.items
-        i = bisect_right(self.los, lo - self.max_len)
-        end = bisect_right(self.los, hi - 1)
-        for j in range(i, end):
-            ilo, ihi, item = items[j]
-            if ihi > lo:
-                yield ilo, ihi, item
+    def overlapping(self, lo, hi) -> list:
+        """(lo, hi, item) of every item overlapping [lo, hi)."""
+        found = []
+        for c, entries in self.classes.items():
+            start = (lo - self.longest[c],)
+            if type(entries) is list:
+                i = bisect_right(entries, start)
+                n = len(entries)
+                while i < n:
+                    key = entries[i]
+                    if key[0] >= hi:
+                        break
+                    if lo < key[2]:
+                        found.append((key[0], key[2], key[3]))
+                    i += 1
+            else:
+                for key in entries.irange(start, (hi,), (True, False)):
+                    if lo < key[2]:
+                        found.append((key[0], key[2], key[3]))
+        return found
+
+    def first_added(self, lo, hi):
+        """Of the items overlapping [lo, hi), the one added first (None if none)."""
+        best = None
+        for c, entries in self.classes.items():
+            start = (lo - self.longest[c],)
+            it = entries.irange(start, (hi,), (True, False)) if type(entries) is not list else \
+                entries[bisect_right(entries, start):bisect_right(entries, (hi,))]
+            for key in it:
+                if lo < key[2] and (best is None or key[1] < best[1]):
+                    best = key
+        return None if best is None else best[3]
 
     def __len__(self):
-        return len(self.items)
+        return self.count
 
 
 class InFlight:
-    """Ops of one stream in epoch order; ops[start:] are not yet done for the host."""
+    """Ops of one stream in epoch order; ops[start:] are not yet done for the host. Their
+    buffers are also indexed by address (`index`)."""
 
-    __slots__ = ("ops", "epochs", "start")
+    __slots__ = ("ops", "epochs", "start", "index")
 
     def __init__(self):
         self.ops: list = []
         self.epochs: list = []
         self.start = 0
+        self.index = BufferIndex()
 
     def retire_upto(self, known: int) -> list[Op]:
         epochs, start, n = self.epochs, self.start, len(self.epochs)
@@ -187,6 +256,92 @@ class InFlight:
             del self.epochs[:stop]
             self.start = 0
         return gone
+
+
+class BufferIndex:
+    """Buffers of in-flight ops by address: overlap queries in O(log n + overlaps).
+
+    Buffers are grouped by length class (the bit length of hi - lo); within a class they are
+    sorted by lo, and a buffer of class c overlapping [lo, hi) starts in [lo - longest of c, hi).
+    The scan of one class meets, besides the overlaps, only buffers of that class starting less
+    than twice their own length before lo. A class is a plain sorted list while it is small (the
+    usual case: bisect and insert in C) and a SortedList (O(log n) insert and remove) past
+    `BIG` entries.
+    """
+
+    __slots__ = ("classes", "longest", "serial")
+
+    BIG = 4096
+
+    def __init__(self):
+        self.classes: dict = {}  # length class -> sorted list or SortedList of entries
+        self.longest: dict = {}
+        self.serial = 0
+
+    def add(self, op) -> None:
+        """Index op.bufs; each entry is (lo, serial, hi, access, op), the serial making it unique
+        (comparisons never reach the op)."""
+        keys = []
+        for lo, hi, acc in op.bufs:
+            n = hi - lo
+            c = n.bit_length()
+            self.serial += 1
+            key = (lo, self.serial, hi, acc, op)
+            entries = self.classes.get(c)
+            if entries is None:
+                self.classes[c] = [key]
+                self.longest[c] = n
+            else:
+                if n > self.longest[c]:
+                    self.longest[c] = n
+                if type(entries) is list:
+                    if not entries or entries[-1] < key:
+                        entries.append(key)
+                    else:
+                        entries.insert(bisect_right(entries, key), key)
+                    if len(entries) > self.BIG:
+                        self.classes[c] = SortedList(entries)
+                else:
+                    entries.add(key)
+            keys.append((c, key))
+        op.index_keys = keys
+
+    def remove(self, op) -> None:
+        for c, key in op.index_keys:
+            entries = self.classes[c]
+            if type(entries) is list:
+                i = bisect_right(entries, key) - 1
+                del entries[i]
+            else:
+                entries.remove(key)
+            if not entries:
+                del self.classes[c]
+                del self.longest[c]
+        op.index_keys = None
+
+    def overlapping(self, lo, hi) -> list:
+        """Entries (lo, serial, hi, access, op) whose [lo, hi) overlaps the given range."""
+        found = []
+        for c, entries in self.classes.items():
+            start = (lo - self.longest[c],)
+            if type(entries) is list:
+                i = bisect_right(entries, start)
+                n = len(entries)
+                while i < n:
+                    key = entries[i]
+                    if key[0] >= hi:
+                        break
+                    if lo < key[2]:
+                        found.append(key)
+                    i += 1
+            else:
+                for key in entries.irange(start, (hi,), (True, False)):
+                    if lo < key[2]:
+                        found.append(key)
+        return found
+
+    def __len__(self):
+        return sum(len(e) for e in self.classes.values())
 
 
 class SuccessorWait:
@@ -238,7 +393,10 @@ class SeenIds:
 class RankAnalyzer:
     """Replays one rank's events in program order and applies the per-rank rules."""
 
-    def __init__(self, file: str, rank: int, sink, matcher, peer_completion: str = LOCAL):
+    def __init__(self, file: str, rank: int, sink, matcher, peer_completion: str = LOCAL,
+                 max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS, max_comms: int = MAX_COMMS):
+        """The limits bound what hostile input can make one rank hold: an id past one of them is
+        an error on its line (the event is not applied)."""
         if peer_completion not in (LOCAL, SUCCESSOR):
             raise ValueError(f"peer_completion must be {LOCAL!r} or {SUCCESSOR!r}")
         self.file = file
@@ -246,7 +404,9 @@ class RankAnalyzer:
         self.sink = sink
         self.matcher = matcher
         self.successor = peer_completion == SUCCESSOR
-        self.clocks = StreamClocks()
+        self.clocks = StreamClocks(max_streams, max_events)
+        self.comms = set()  # communicators this rank used (windows, collectives)
+        self.max_comms = max_comms
         self.inflight = {}  # stream -> InFlight
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
         self.live = {}  # block id -> Block
@@ -284,7 +444,10 @@ class RankAnalyzer:
     def feed(self, line: int, ev) -> None:
         """Apply one event. Raises Malformed for an event that breaks the contract."""
         self.line = line
-        self.handlers[type(ev)](ev, line)
+        try:
+            self.handlers[type(ev)](ev, line)
+        except TooMany as exc:
+            raise Malformed(str(exc)) from None
         self.events += 1
 
     def feed_batch(self, first: int, items: list, problems: list) -> None:
@@ -315,7 +478,7 @@ class RankAnalyzer:
                     pass
                 else:
                     handlers[kind](ev, line)
-            except Malformed as exc:
+            except (Malformed, TooMany) as exc:
                 problems.append((line, str(exc)))
                 continue
             self.events += 1
@@ -324,29 +487,30 @@ class RankAnalyzer:
 
     def _not_done(self, stream, lo, hi, access, protected=None):
         """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
-        for `stream` (docs/design.md 3.1). Returns {op: [overlap_lo, overlap_hi]}."""
+        for `stream` (docs/ordering-and-rules.md, "When is an op done"). Returns {op: [overlap_lo, overlap_hi]}."""
         hits = None
         clocks = self.clocks
         vh = clocks.host
         vx = clocks.streams.get(stream) or vh
         for s, fl in self.inflight.items():
-            epochs = fl.epochs
-            if fl.start == len(epochs):
-                continue
             known = vx.get(s, 0)
             h = vh.get(s, 0)
             if h > known:
                 known = h
-            if epochs[-1] <= known or (protected and s in protected):
-                continue
-            ops = fl.ops
-            for i in range(bisect_right(epochs, known, fl.start), len(ops)):
-                op = ops[i]
-                for blo, bhi, bacc in op.bufs:
-                    if blo < hi and lo < bhi and (bacc | access) & WRITE:
-                        if hits is None:
-                            hits = {}
-                        _widen(hits, op, max(lo, blo), min(hi, bhi))
+            if fl.epochs[-1] <= known or (protected and s in protected):
+                continue  # all of s's in-flight ops are done for `stream` (the usual case)
+            for key in fl.index.overlapping(lo, hi):
+                bacc = key[3]
+                if not (bacc | access) & WRITE:
+                    continue
+                op = key[4]
+                if op.epoch <= known:
+                    continue
+                if hits is None:
+                    hits = {}
+                blo = key[0]
+                bhi = key[2]
+                _widen(hits, op, max(lo, blo), min(hi, bhi))
         if self.successor_waits:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
@@ -356,7 +520,7 @@ class RankAnalyzer:
                 done_seq = None  # highest seq among later collectives done for `stream`
                 for op in reversed(sc.colls):
                     local = clocks.knows(stream, op.stream) >= op.epoch
-                    # done for a write: locally complete AND a later collective done (3.1)
+                    # done for a write: locally complete AND a later collective done ("successor")
                     not_done = not (local and done_seq is not None and done_seq > op.seq) if write else not local
                     if op.window_bufs and not_done and not (protected and op.stream in protected):
                         for blo, bhi, bacc in op.window_bufs:
@@ -429,10 +593,10 @@ class RankAnalyzer:
                 self._report("free-in-flight", line, block, op, ov)
         if protected is not None:
             # Until free_done the allocator holds the block; then the host knows these streams
-            # as they were now (docs/design.md 3.1). With only its own stream recorded there is
+            # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
             # nothing to learn, but the free_done that follows is still expected.
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
-        self.live_ranges.remove(addr, block)
+        self.live_ranges.remove(addr, end, block)
         if block.window is not None:
             if not block.coll_touched:
                 self._transient(block, line)
@@ -447,7 +611,7 @@ class RankAnalyzer:
         if snaps:
             for clock in snaps:
                 self.clocks.host_learns(clock)
-            self._retire()
+                self._retire(clock)
 
     def on_record_stream(self, ev, line):
         bid = ev.id
@@ -464,6 +628,8 @@ class RankAnalyzer:
         addr = ev.addr
         size = ev.size
         comm = ev.comm
+        if comm not in self.comms:
+            self._new_comm(comm)
         ordinal = self.window_ordinals.get(comm, 0)
         self.window_ordinals[comm] = ordinal + 1
         w = Window(addr, size, comm, ordinal)
@@ -514,6 +680,8 @@ class RankAnalyzer:
         seq = ev.seq
         name = ev.op
         stream = ev.stream
+        if comm not in self.comms:
+            self._new_comm(comm)
         if not self.cids.add(cid):
             raise Malformed(f"duplicate cid {cid!r}")
         bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
@@ -540,6 +708,12 @@ class RankAnalyzer:
         self._enqueue(op)
         op.clock = self.clocks.snapshot(stream)
         self.colls_in_flight[cid] = op
+
+    def _new_comm(self, comm) -> None:
+        if len(self.comms) >= self.max_comms:
+            raise Malformed(f"communicator {comm!r} is one more than the limit of {self.max_comms:,} distinct "
+                            "communicators on one rank (raise it with --max-comms)")
+        self.comms.add(comm)
 
     def _mark_coll_touched(self, bufs) -> None:
         """A block is a collective buffer once any collective touches part of it (even before a
@@ -571,6 +745,7 @@ class RankAnalyzer:
                 fl = self.inflight[stream] = InFlight()
             fl.ops.append(op)
             fl.epochs.append(op.epoch)
+            fl.index.add(op)
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
@@ -585,7 +760,7 @@ class RankAnalyzer:
                 return  # already retired (done for the host) or captured in a graph
             raise Malformed(f"coll_done of unknown cid {cid!r}")
         self.clocks.host_learns(op.clock)
-        self._retire()
+        self._retire(op.clock)
 
     def on_record(self, ev, line):
         event = ev.event
@@ -602,24 +777,43 @@ class RankAnalyzer:
     def on_sync(self, ev, line):
         stream = ev.stream
         event = ev.event
+        clocks = self.clocks
         if stream is not None:
-            self.clocks.sync_stream(stream)
+            clocks.sync_stream(stream)
+            self._retire(clocks.streams.get(stream) or {})
         elif event is not None:
-            if not self.clocks.sync_event(event):
+            if not clocks.sync_event(event):
                 self.unrecorded_waits += 1
+            self._retire(clocks.events.get(event) or {})
         else:
-            self.clocks.sync_device()
-        self._retire()
+            clocks.sync_device()
+            self._retire()
 
-    def _retire(self) -> None:
-        """Drop ops done for the host: no stream can ever see them unfinished again."""
+    def _retire(self, learned=None) -> None:
+        """Drop ops done for the host: no stream can ever see them unfinished again. `learned`:
+        the clock the host just learned (only its streams can have new ops done), None for all."""
         vh = self.clocks.host
-        for s, fl in self.inflight.items():
+        inflight = self.inflight
+        streams = inflight if learned is None or len(learned) > len(inflight) else learned
+        emptied = None
+        for s in streams:
+            fl = inflight.get(s)
+            if fl is None:
+                continue
             known = vh.get(s, 0)
             if known:
                 for op in fl.retire_upto(known):
+                    fl.index.remove(op)
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
+                if fl.start == len(fl.epochs):
+                    if emptied is None:
+                        emptied = []
+                    emptied.append(s)
+        if emptied:
+            # only streams with ops in flight stay: queries walk them
+            for s in emptied:
+                del inflight[s]
         if self.successor_waits:
             # A collective leaves once it is done for the host itself: locally complete and a
             # later one done. The others stay, in order (they may still serve as successors).
@@ -723,11 +917,9 @@ class RankAnalyzer:
         self.sink.add(f)
 
     def _block_at(self, lo, hi):
-        """The live block holding [lo, hi), for display (linear: only on findings)."""
-        for block in self.live.values():
-            if block.addr < hi and lo < block.end:
-                return BlockRecord.of(block)
-        return None
+        """The live block holding [lo, hi), for display: of several, the one allocated first."""
+        block = self.live_ranges.first_added(lo, hi)
+        return BlockRecord.of(block) if block is not None else None
 
     def _transient(self, block: Block, line) -> None:
         key = block.site
@@ -769,23 +961,34 @@ class CollectiveMatcher:
 
     The lowest rank's signature is the reference. Ranks are read round-robin, a batch each; an
     entry is settled at the end of a round once every rank known to use the communicator has
-    reported it (a rank that first uses it later in the same round is known by then). Settled
-    references are kept for `keep_rounds` more rounds for ranks that lag behind, then dropped:
-    memory stays bounded by how far the ranks drift apart, and a rank later than that is counted
-    as unmatched (a warning), never silently passed.
+    reported it (a rank that first uses it later in the same round is known by then). A rank may
+    first use a communicator long after the others (thousands of other events first): the
+    settled references of a communicator are therefore kept until no rank can still bring it for
+    the first time, that is until every rank of the run (`ranks`) uses it or has been read to
+    its end (`rank_finished`); with all ranks in the communicator, the usual case, that is at
+    once. At most `max_retained` references are kept so: past that the oldest go, and a rank
+    later than that is counted as unmatched (a warning), never silently passed.
     """
 
-    def __init__(self, sink, enabled: bool, keep_rounds: int = 4):
+    MAX_RETAINED = 1_000_000
+
+    def __init__(self, sink, enabled: bool, ranks=None, max_retained: int = MAX_RETAINED):
         self.sink = sink
         self.enabled = enabled
-        self.keep_rounds = keep_rounds
+        self.ranks = set(ranks) if ranks is not None else None
+        self.finished: set = set()
+        self.closed: set = set()  # communicators no rank can still join
+        self.max_retained = max_retained
         self.pending: dict[tuple, dict] = {}
-        self.settled: dict[tuple, tuple] = {}  # key -> (round, reference rank, its entry value)
+        # comm -> {seq: [reference rank, its entry value, ranks that reported it]}, oldest first
+        self.settled: dict[object, dict] = {}
+        self.retained = 0
         self.members: dict[object, set] = {}
         self.round = 0
         self.unmatched = 0
+        self.dropped = 0  # references dropped past max_retained
 
-    def submit(self, analyzer: RankAnalyzer, comm, seq, op: Op, sig: tuple) -> None:
+    def submit(self, analyzer, comm, seq, op, sig: tuple) -> None:
         if not self.enabled:
             return
         members = self.members.get(comm)
@@ -794,33 +997,75 @@ class CollectiveMatcher:
         members.add(analyzer.rank)
         key = (comm, seq)
         value = (sig, analyzer, op, analyzer.step)
-        done = self.settled.get(key)
-        if done is not None:
-            _, ref_rank, ref_value = done
-            self._compare(key, ref_rank, ref_value, analyzer.rank, value)
-            return
+        by_seq = self.settled.get(comm)
+        if by_seq is not None:
+            done = by_seq.get(seq)
+            if done is not None:
+                self._compare(key, done[0], done[1], analyzer.rank, value)
+                done[2] += 1
+                if done[2] >= len(members) and comm in self.closed:
+                    del by_seq[seq]  # every rank of the communicator has reported it
+                    self.retained -= 1
+                return
         entry = self.pending.get(key)
         if entry is None:
             self.pending[key] = {analyzer.rank: value}
         else:
             entry[analyzer.rank] = value
 
+    def rank_finished(self, rank) -> None:
+        """`rank`'s file has been read to its end: it brings no more collectives."""
+        self.finished.add(rank)
+
+    def _may_still_join(self, comm) -> bool:
+        """Some rank neither uses `comm` yet nor has been read to its end."""
+        if self.ranks is None:
+            return True
+        members = self.members.get(comm, ())
+        return any(r not in members and r not in self.finished for r in self.ranks)
+
     def end_round(self) -> None:
-        """Settle complete entries; forget references older than `keep_rounds` rounds."""
+        """Settle complete entries; keep references only while some rank may still report them."""
         self.round += 1
+        for comm in self.members:
+            if comm not in self.closed and not self._may_still_join(comm):
+                self.closed.add(comm)
+                by_seq = self.settled.get(comm)
+                if by_seq:
+                    n = len(self.members[comm])
+                    for seq in [q for q, v in by_seq.items() if v[2] >= n]:
+                        del by_seq[seq]
+                        self.retained -= 1
         for key in [k for k, e in self.pending.items() if len(e) >= len(self.members[k[0]])]:
             self._settle(key, self.pending.pop(key))
-        if self.settled:
-            horizon = self.round - self.keep_rounds
-            for key in [k for k, v in self.settled.items() if v[0] < horizon]:
-                del self.settled[key]
+        while self.retained > self.max_retained:
+            settled = self.settled
+            comm = min((c for c in settled if settled[c]), key=lambda c: next(iter(settled[c].values()))[3])
+            by_seq = settled[comm]
+            del by_seq[next(iter(by_seq))]
+            self.retained -= 1
+            self.dropped += 1
+
+    def _forget(self, comm) -> None:
+        """Stop keeping `comm`'s references; those some member never reported are unmatched."""
+        by_seq = self.settled.pop(comm)
+        self.retained -= len(by_seq)
+        n = len(self.members.get(comm, ()))
+        self.unmatched += sum(1 for v in by_seq.values() if v[2] < n)
 
     def _settle(self, key, entry) -> None:
         ranks = sorted(entry)
         ref_value = entry[ranks[0]]
         for r in ranks[1:]:
             self._compare(key, ranks[0], ref_value, r, entry[r])
-        self.settled[key] = (self.round, ranks[0], ref_value)
+        if key[0] in self.closed and len(ranks) >= len(self.members[key[0]]):
+            return  # no rank can still report it
+        by_seq = self.settled.get(key[0])
+        if by_seq is None:
+            by_seq = self.settled[key[0]] = {}
+        if key[1] not in by_seq:
+            self.retained += 1
+        by_seq[key[1]] = [ranks[0], ref_value, len(ranks), self.round]
 
     def _compare(self, key, ref_rank, ref_value, rank, value) -> None:
         ref_sig, ref_an, ref_op, _ = ref_value
@@ -839,6 +1084,8 @@ class CollectiveMatcher:
         for key, entry in list(self.pending.items()):
             if len(entry) > 1:
                 self._settle(key, entry)
+                continue  # counted with the settled ones below
             self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
         self.pending.clear()
-        self.settled.clear()
+        for comm in list(self.settled):
+            self._forget(comm)

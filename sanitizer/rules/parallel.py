@@ -67,7 +67,7 @@ class _RankView:
 class SignatureRecorder:
     """The matcher a worker gives the driver: keeps every submitted collective as plain data."""
 
-    def __init__(self, sink=None, enabled: bool = True):
+    def __init__(self, sink=None, enabled: bool = True, ranks=None):
         self.colls: list[tuple] = []   # (comm, seq, sig, step at submission, _OpView arguments)
         self.unmatched = 0
 
@@ -80,6 +80,9 @@ class SignatureRecorder:
     def end_round(self) -> None:
         pass
 
+    def rank_finished(self, rank) -> None:
+        pass
+
     def finish(self) -> None:
         pass
 
@@ -87,11 +90,12 @@ class SignatureRecorder:
 def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int,
                 engine: str | None, limits):
     """Worker: one rank file. Returns plain data (TraceError does not survive pickling)."""
-    reader.DEFAULT_LIMITS = limits     # what the parent's command line set (spawned workers too)
+    # what the parent's command line set (spawned workers too)
+    reader.DEFAULT_LIMITS, driver.ENGINE_LIMITS = limits
     recorder = SignatureRecorder()
     a = driver.analyze([path], peer_completion=peer_completion, lenient=lenient,
                        max_per_group=max_per_group, max_errors=max_errors, engine=engine,
-                       matcher=lambda sink, enabled: recorder)
+                       matcher=lambda sink, enabled, ranks=None: recorder)
     errors = [(e.path, e.line, e.message) if isinstance(e, TraceError) else (path, None, str(e))
               for e in a.errors]
     steps = a.summary.get("steps_by_rank", {})
@@ -152,7 +156,7 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
     try:
         with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=_pool_context()) as pool:
             futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors,
-                                   engine_kind, reader.DEFAULT_LIMITS)
+                                   engine_kind, (reader.DEFAULT_LIMITS, driver.ENGINE_LIMITS))
                        for f in files]
             for fut in as_completed(futures):
                 res = fut.result()

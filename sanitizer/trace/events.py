@@ -213,11 +213,16 @@ def describe(kind: str | None, message: str) -> str:
     if m:
         expected, bound, got, path = m.groups()
         name = _field(path)
-        if name.startswith(("reads", "writes")):
+        ranges = name.startswith(("reads", "writes"))
+        # a size under its lower bound 0 is a negative size (docs/trace-format.md, settled)
+        negative = bound.strip() == ">= 0" and (name.endswith("size") or (ranges and name.endswith("[1]")))
+        if ranges:
+            why = "negative size" if negative else message.split(" - at")[0]
             return (f"{where}'reads' and 'writes' must be lists of [addr, size] integer pairs, size >= 0 "
-                    f"({name}: {message.split(' - at')[0]})")
+                    f"({name}: {why})")
         words = _TYPE_WORDS.get(expected, f"`{expected}`") + bound
-        return f"{where}field {name!r} must be {words}" + (f", got {got}" if got else "")
+        return (f"{where}field {name!r} must be {words}" + (f", got {got}" if got else "")
+                + (" (negative size)" if negative else ""))
     return f"{where}{message}"
 
 

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""How the engine's time and memory grow on two hostile shapes (issue 14), at several sizes.
+
+- `inflight N`: N collectives that never complete (no coll_done, no sync) on one stream, each on
+  its own buffer, then N launches on another stream, each writing one of those buffers: every
+  launch is an unordered-access finding. The per-access cost must be O(log n + overlaps), not
+  O(ops in flight). Target: N = 10^5 in under 2 s on one core.
+- `streams N`: N distinct streams; on each, an allocation, a launch writing it, an event recorded
+  there and waited on by stream 0, then a sync of that stream. Clock memory must grow with the
+  streams that actually synchronise, not with N x N. Target: N = 10^5 under 300 MB peak RSS.
+
+Each run is a fresh interpreter (`analyze()` of the driver, the engine chosen by --engines)
+pinned to one core; the figures are its CPU seconds in analyze() and its peak RSS. The last
+column is time per event relative to the smallest size: near 1 means linear growth.
+
+    .venv/bin/python benchmarks/engine_scaling.py                       # 10^4, 10^5, 10^6, compiled
+    .venv/bin/python benchmarks/engine_scaling.py --sizes 10000 100000 --engines compiled interpreted
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = r"""
+import json, resource, sys, time
+spec = json.loads(sys.argv[1])
+from sanitizer.rules import driver
+from sanitizer.rules.driver import analyze
+# the engine itself is measured here, not `hazsan check`'s limits (100,000 streams by default)
+driver.ENGINE_LIMITS = {"max_streams": 10**9, "max_events": 10**9, "max_comms": 10**9}
+cpu = time.process_time()
+a = analyze([spec["path"]], engine=spec["engine"])
+out = {"cpu": time.process_time() - cpu, "events": a.summary["events"],
+       "findings": a.summary["findings"], "engine": a.summary["engine"], "errors": len(a.errors),
+       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+print(json.dumps(out))
+"""
+
+HEADER = {"hazsan": 1, "rank": 0, "world_size": 1, "device": "cuda:0", "generator": "benchmarks/engine_scaling.py"}
+BASE = 1 << 40
+SIZE = 4096
+
+
+def write_inflight(path: Path, n: int) -> None:
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": "tp", "seq": i + 1, "op": "all_reduce",
+                            "stream": 2, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE, "access": "rw"}]}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "launch", "stream": 1, "op": "k",
+                            "writes": [[BASE + i * SIZE, SIZE]]}) + b"\n")
+
+
+def write_streams(path: Path, n: int) -> None:
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for i in range(1, n + 1):
+            addr = BASE + i * SIZE
+            fh.write(dumps({"ev": "alloc", "id": i, "addr": addr, "size": SIZE, "stream": i,
+                             "pool": "default"}) + b"\n")
+            fh.write(dumps({"ev": "launch", "stream": i, "op": "k", "writes": [[addr, SIZE]]}) + b"\n")
+            fh.write(dumps({"ev": "record", "event": i, "stream": i}) + b"\n")
+            fh.write(dumps({"ev": "wait", "event": i, "stream": 0}) + b"\n")
+            fh.write(dumps({"ev": "sync", "stream": i}) + b"\n")
+
+
+CASES = {"inflight": write_inflight, "streams": write_streams}
+
+
+def run(path: Path, engine: str, core: int, tree: Path = ROOT) -> dict:
+    cmd = [sys.executable, "-c", _CHILD, json.dumps({"path": str(path), "engine": engine})]
+    if core >= 0 and hasattr(os, "sched_setaffinity"):
+        cmd = ["taskset", "-c", str(core), *cmd]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--engines", nargs="+", default=["compiled"], choices=["compiled", "interpreted"])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--core", type=int, default=0, help="pin runs to this core (-1: no pinning)")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/hazsan-scaling"))
+    ap.add_argument("--old", type=Path, metavar="TREE",
+                    help="also run another hazsan checkout with its engine built in place "
+                         "(e.g. `git archive f82bfab | tar -x -C TREE; python setup.py build_ext --inplace`)")
+    ap.add_argument("--old-max", type=int, default=100_000, help="largest N given to --old")
+    args = ap.parse_args(argv)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    print(f"{'case':9} {'engine':11} {'N':>9} {'events':>9} {'CPU s':>8} {'us/event':>9} {'peak MB':>8} "
+          f"{'findings':>9} {'vs smallest':>11}")
+    trees = [("", ROOT)] + ([("old ", args.old)] if args.old else [])
+    for case in args.cases:
+        for label, tree in trees:
+            for engine in args.engines:
+                first = None
+                for n in args.sizes:
+                    if label and n > args.old_max:
+                        continue
+                    path = args.dir / f"{case}-{n}.jsonl"
+                    if not path.exists():
+                        CASES[case](path, n)
+                    r = run(path, engine, args.core, tree)
+                    if "error" in r:
+                        print(f"{case:9} {label + engine:11} {n:>9,} failed: {r['error']}")
+                        continue
+                    if r["errors"]:
+                        print(f"{case:9} {label + engine:11} {n:>9,} the trace has malformed lines")
+                    per = r["cpu"] / max(r["events"], 1) * 1e6
+                    first = first or per
+                    print(f"{case:9} {label + r['engine']:11} {n:>9,} {r['events']:>9,} {r['cpu']:>8.2f} {per:>9.2f} "
+                          f"{r['rss_mb']:>8.0f} {r['findings']:>9,} {per / first:>10.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
