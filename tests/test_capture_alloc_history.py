@@ -278,3 +278,33 @@ def test_history_source_in_a_captured_cpu_program(tmp_path):
     assert "dispatch-mode" in installed and "allocator-history" not in installed
     assert not [e for e in lines[1:] if e["ev"] == "hook_error"]
     assert any(e["ev"] == "alloc" for e in lines[1:])
+
+
+def test_cheap_read_that_returns_no_traces_falls_back_to_the_full_snapshot():
+    """A build whose pool-filtered snapshot also filters the traces: detected, full read used."""
+    cap, alloc, _, hist = make()
+    hist._cheap_read = True
+    asked = []
+    hist.pool_snapshot = lambda pool: asked.append(pool) or {"segments": [], "device_traces": [[]]}
+    alloc.traces.append([entry("alloc", SEG, 512)])
+    alloc.counters += [(1, 0, 0, 0), (1, 0, 0, 0)]
+    hist.drain()
+    assert asked == [ah._NO_POOL]
+    assert hist.stats()["read"] == "full-snapshot" and hist.stats()["unseen_allocs"] == 1
+    assert cap.writer.drops == []
+
+
+def test_cheap_read_used_when_it_returns_the_traces():
+    cap, alloc, _, hist = make()
+    hist._cheap_read = True
+    hist.pool_snapshot = lambda pool: {"segments": [], "device_traces": [[entry("alloc", SEG, 512)]]}
+    alloc.counters += [(1, 0, 0, 0), (1, 0, 0, 0)]
+    hist.drain()
+    assert hist.stats()["read"] == "pool-filtered" and hist.stats()["unseen_allocs"] == 1
+    assert alloc.traces == [] and cap.writer.drops == []
+
+
+def test_gpu_selfcheck_alloc_sources_program_compiles():
+    from sanitizer.capture import gpu_selfcheck as sc
+    compile(sc.ALLOC_SOURCES_PROGRAM, "alloc-sources", "exec")
+    assert callable(sc.alloc_sources)

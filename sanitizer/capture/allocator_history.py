@@ -131,6 +131,9 @@ class AllocatorHistory:
         self._lock = threading.Lock()
         self._base: dict = {}              # device -> counters after the last clear
         self._cheap_read = True
+        import torch
+        # c10's snapshot of one pool (torch._C, absent from CPU builds): traces without the walk
+        self.pool_snapshot = getattr(torch._C, "_cuda_memorySnapshot", None)
         self.totals: Counter = Counter()
         self._tap(table)
 
@@ -168,8 +171,7 @@ class AllocatorHistory:
     def _read_traces(self) -> list:
         if self._cheap_read:
             try:
-                import torch
-                return torch._C._cuda_memorySnapshot(_NO_POOL)["device_traces"]
+                return self.pool_snapshot(_NO_POOL)["device_traces"]
             except Exception:
                 self._cheap_read = False
         return self.cuda.memory._snapshot()["device_traces"]
@@ -184,6 +186,11 @@ class AllocatorHistory:
                 devices = sorted(self._base)
                 before = {d: self._read_counters(d) for d in devices}
                 traces = self._read_traces()
+                if self._cheap_read and not any(traces) and \
+                        any(before[d] != self._base.get(d) for d in devices):
+                    # this build filters the traces by pool too: read them all from now on
+                    self._cheap_read = False
+                    traces = self._read_traces()
                 self._record(clear=True)
                 after = {d: self._read_counters(d) for d in devices}
                 seen, self.seen = self.seen, Counter()
