@@ -186,6 +186,7 @@ def make(max_entries=100):
     table = Table(cap)
     hist = ah.AllocatorHistory(cap, table, max_entries, alloc)
     hist._cheap_read = False
+    assert hist.memory_stats is None        # a CPU build: torch._C has no _cuda_memoryStats
     alloc.counters.append((0, 0, 0, 0))
     hist.enable()
     return cap, alloc, table, hist
@@ -308,3 +309,23 @@ def test_gpu_selfcheck_alloc_sources_program_compiles():
     from sanitizer.capture import gpu_selfcheck as sc
     compile(sc.ALLOC_SOURCES_PROGRAM, "alloc-sources", "exec")
     assert callable(sc.alloc_sources)
+
+
+def test_enable_inside_torchs_lazy_init_reads_the_c_level_counters():
+    """Queued calls run before torch.cuda.is_initialized() turns true, when
+    memory_stats_as_nested_dict still answers {}: the counters are read through torch._C."""
+    cap, alloc = Cap(), Allocator()
+    alloc.memory_stats_as_nested_dict = lambda device: {}
+    hist = ah.AllocatorHistory(cap, Table(cap), 16, alloc)
+    hist.memory_stats = lambda device: {"allocation": {"all": {"allocated": 7, "freed": 5}},
+                                        "segment": {"all": {"allocated": 1, "freed": 0}}}
+    hist.enable()
+    assert hist.enabled and hist._base == {0: (7, 5, 1, 0)} and not cap.failures
+
+
+def test_enable_that_cannot_read_the_counters_stops_recording():
+    cap, alloc = Cap(), Allocator()                # no counters queued: reading them fails
+    hist = ah.AllocatorHistory(cap, Table(cap), 16, alloc)
+    hist.enable()
+    assert not hist.enabled and cap.failures["alloc_history.enable"] == 1
+    assert alloc.calls[-1] == (None, {})           # recording turned off again

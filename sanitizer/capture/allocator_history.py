@@ -134,6 +134,9 @@ class AllocatorHistory:
         import torch
         # c10's snapshot of one pool (torch._C, absent from CPU builds): traces without the walk
         self.pool_snapshot = getattr(torch._C, "_cuda_memorySnapshot", None)
+        # the allocator's counters, read through torch._C: enable() runs inside torch.cuda's lazy
+        # init, where torch.cuda.memory_stats_as_nested_dict still answers {} (not initialised)
+        self.memory_stats = getattr(torch._C, "_cuda_memoryStats", None)
         self.totals: Counter = Counter()
         self._tap(table)
 
@@ -160,13 +163,20 @@ class AllocatorHistory:
                 self._base[d] = self._read_counters(d)
         except Exception as exc:
             self.capture.failed("alloc_history.enable", exc)
+            if self.enabled:               # recording started but cannot be accounted: stop it
+                self.enabled = False
+                try:
+                    self.cuda.memory._record_memory_history(None)
+                except Exception:
+                    pass
 
     def _record(self, clear: bool) -> None:
         self.cuda.memory._record_memory_history("all", context=None, stacks="python",
                                                 max_entries=self.max_entries, clear_history=clear)
 
     def _read_counters(self, device: int):
-        return _counters(self.cuda.memory.memory_stats_as_nested_dict(device))
+        read = self.memory_stats or self.cuda.memory.memory_stats_as_nested_dict
+        return _counters(read(device))
 
     def _read_traces(self) -> list:
         if self._cheap_read:
@@ -212,7 +222,9 @@ class AllocatorHistory:
         if before is None or after is None or base is None:
             return
         got = Counter(e.get("action") for e in entries)
-        recorded = (got["alloc"], got["free_requested"], got["segment_alloc"], got["segment_free"])
+        # expandable segments map / unmap pages where others cudaMalloc / cudaFree
+        recorded = (got["alloc"], got["free_requested"], got["segment_alloc"] + got["segment_map"],
+                    got["segment_free"] + got["segment_unmap"])
         expected = tuple(b - a for a, b in zip(base, before))
         if min(expected) < 0:             # the program reset the allocator's accumulated stats
             self._base[device] = after
