@@ -279,10 +279,10 @@ def install(capture, table):
     """HAZSAN_ALLOC_SOURCE=history: record from CUDA initialisation on (never initialise CUDA
     ourselves: a parent that forks workers must not own a CUDA context because of us)."""
     import torch
+    if not torch.cuda.is_available():      # nothing to record: leave the dispatch path untouched
+        return None
     hist = AllocatorHistory(capture, table, capture.settings.alloc_history_entries, torch.cuda)
     capture.alloc_history = hist
-    if not torch.cuda.is_available():
-        return hist
 
     def start():
         try:
