@@ -126,8 +126,8 @@ class AllocatorHistory:
         self.cuda = cuda                   # torch.cuda (injectable for tests)
         self.enabled = False
         self.converter = HistoryConverter(capture.streams.of_handle, lambda: next(table._ids))
-        self.seen: Counter = Counter()     # addr -> dispatch-mode CUDA allocs since the last drain
-        self.seen_stream: dict = {}        # addr -> the dispatch mode's stream of the latest one
+        self.seen: dict = {}               # addr -> streams of the dispatch mode's CUDA allocs there
+                                           # since the last drain, oldest first
         self._lock = threading.Lock()
         self._base: dict = {}              # device -> counters after the last clear
         self._cheap_read = True
@@ -147,9 +147,8 @@ class AllocatorHistory:
         hist = self
 
         def tap(ev):
-            if ev["ev"] == "alloc" and ev.get("stream", "cpu") != "cpu":
-                hist.seen[ev["addr"]] += 1
-                hist.seen_stream[ev["addr"]] = ev["stream"]
+            if ev["ev"] == "alloc" and ev["stream"] != "cpu":
+                hist.seen.setdefault(ev["addr"], []).append(ev["stream"])
             emit(ev)
         table.emit = tap
 
@@ -203,13 +202,12 @@ class AllocatorHistory:
                     traces = self._read_traces()
                 self._record(clear=True)
                 after = {d: self._read_counters(d) for d in devices}
-                seen, self.seen = self.seen, Counter()
-                seen_stream, self.seen_stream = self.seen_stream, {}
+                seen, self.seen = self.seen, {}
                 for d, entries in enumerate(traces):
                     self._account(d, entries, before.get(d), after.get(d))
                     for ev in self.converter.convert(entries, d):
-                        self._reconcile(ev, seen, seen_stream)
-                self.totals["dispatch_only"] += sum(seen.values())
+                        self._reconcile(ev, seen)
+                self.totals["dispatch_only"] += sum(len(v) for v in seen.values())
                 self.totals["drains"] += 1
         except Exception as exc:
             self.capture.failed("alloc_history.drain", exc)
@@ -245,17 +243,16 @@ class AllocatorHistory:
                                                    "clearing the history (another thread)")
         self._base[device] = after
 
-    def _reconcile(self, ev, seen, seen_stream) -> None:
+    def _reconcile(self, ev, seen) -> None:
         kind = ev["ev"]
         if kind in ("segment", "segment_free"):
             self.capture.emit(ev)
             self.totals[kind] += 1
         elif kind == "alloc":
-            addr = ev["addr"]
-            if seen.get(addr):
-                seen[addr] -= 1
+            streams = seen.get(ev["addr"])
+            if streams:
                 self.totals["matched"] += 1
-                if seen_stream.get(addr) != ev["stream"]:
+                if streams.pop(0) != ev["stream"]:
                     self.totals["stream_mismatch"] += 1
             else:
                 self.totals["unseen_allocs"] += 1
