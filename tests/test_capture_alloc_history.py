@@ -329,3 +329,26 @@ def test_enable_that_cannot_read_the_counters_stops_recording():
     hist.enable()
     assert not hist.enabled and cap.failures["alloc_history.enable"] == 1
     assert alloc.calls[-1] == (None, {})           # recording turned off again
+
+
+def test_step_boundary_and_close_drain_into_the_trace(tmp_path):
+    """The runtime's hook-in: Capture.mark_step drains before its `step` event and flush,
+    Capture.close drains and turns recording off (real Capture, writer and BlockTable)."""
+    from sanitizer.capture import memory, runtime
+    cap = runtime.Capture(Settings(directory=str(tmp_path)))
+    cap.installed.append("test")
+    table = memory.BlockTable(cap)
+    alloc = Allocator()
+    alloc.counters.append((0, 0, 0, 0))
+    hist = ah.AllocatorHistory(cap, table, 64, alloc)
+    hist._cheap_read = False
+    cap.alloc_history = hist
+    hist.enable()
+    alloc.traces += [[entry("segment_alloc", SEG, 2 << 20)], [entry("segment_free", SEG, 2 << 20)]]
+    alloc.counters += [(0, 0, 1, 0), (0, 0, 1, 0), (0, 0, 1, 1), (0, 0, 1, 1)]
+    cap.mark_step(1)
+    cap.close()
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".jsonl")]
+    evs = [json.loads(x)["ev"] for x in open(tmp_path / files[0]).read().splitlines()[1:]]
+    assert evs == ["segment", "step", "segment_free", "end"]
+    assert alloc.calls[-1] == (None, {}) and not hist.enabled
