@@ -41,7 +41,6 @@ import threading
 import time
 from collections import Counter
 
-SOURCES = ("dispatch", "history")
 # every TraceEntry action c10 writes (memory_snapshot.cpp action_to_str)
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "oom", "snapshot")
