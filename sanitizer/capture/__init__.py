@@ -8,6 +8,7 @@ in this process and every process it starts. Modules, in the order they come int
   runtime       the per-process Capture: writer, scopes, steps, hook-failure accounting
   sites         call sites outside torch and hazsan
   memory        TorchDispatchMode + storage finalizers -> alloc / free
+  allocator_history  HAZSAN_ALLOC_SOURCE=history: the CUDA caching allocator's record -> segments, checks
   window        CPU model of symmetric windows (placement by sanitizer.place)
   collectives   torch.distributed wrappers -> coll / coll_done
   torch_hooks   installs the above when torch is imported; torch.cuda.use_mem_pool on window pools

@@ -9,6 +9,10 @@ STACK_MODES = ("none", "site", "full")
 # events and graphs (every rule but `unordered-access` on kernels); `full`: adds one `launch` per
 # op with the ranges it reads and writes.
 LEVELS = ("alloc", "full")
+# HAZSAN_ALLOC_SOURCE: where CUDA block facts come from. `dispatch`: the dispatch mode alone;
+# `history`: also the caching allocator's own record (allocator_history.py: real segments, and
+# each block's address and stream checked against the allocator's).
+ALLOC_SOURCES = ("dispatch", "history")
 OFF_VALUES = ("", "0", "false", "no", "off")
 
 
@@ -27,6 +31,8 @@ class Settings:
     window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
     max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
     level: str = "alloc"                   # HAZSAN_LEVEL: alloc | full
+    alloc_source: str = "dispatch"         # HAZSAN_ALLOC_SOURCE: dispatch | history
+    alloc_history_entries: int = 1 << 20   # HAZSAN_ALLOC_HISTORY_ENTRIES: allocator ring buffer per step
 
     @classmethod
     def from_env(cls, environ=os.environ) -> tuple["Settings", list[str]]:
@@ -55,8 +61,15 @@ class Settings:
         if level not in LEVELS:
             problems.append(f"HAZSAN_LEVEL={level!r} is not one of {'|'.join(LEVELS)}; using {d.level!r}")
             level = d.level
+        source = environ.get("HAZSAN_ALLOC_SOURCE", d.alloc_source).strip().lower() or d.alloc_source
+        if source not in ALLOC_SOURCES:
+            problems.append(f"HAZSAN_ALLOC_SOURCE={source!r} is not one of {'|'.join(ALLOC_SOURCES)}; "
+                            f"using {d.alloc_source!r}")
+            source = d.alloc_source
         return cls(
             level=level,
+            alloc_source=source,
+            alloc_history_entries=num("HAZSAN_ALLOC_HISTORY_ENTRIES", d.alloc_history_entries),
             directory=environ.get("HAZSAN_DIR") or d.directory,
             stacks=stacks,
             max_events=num("HAZSAN_MAX_EVENTS", d.max_events),

@@ -20,7 +20,9 @@ torch.distributed (the collective runs on the process group's NCCL stream):
                            before Work.wait(): expected unordered-access
 
 Then the placement model against the real caching allocator (sanitizer.place.gpu_check), and the
-capture overhead per decode-like step (a small MLP decode loop) bare vs alloc vs full.
+capture overhead per decode-like step (a small MLP decode loop) bare vs alloc vs full, and the two
+allocation sources (HAZSAN_ALLOC_SOURCE=dispatch / history) on the same small program: time per op
+side by side, and the allocator history's agreement with the dispatch mode.
 
 Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run.
 The NCCL scenarios rely on collectives recording NCCL waits as stream edges (issue 9's
@@ -154,6 +156,40 @@ DECODE_STEP = textwrap.dedent('''
     print(json.dumps({"median": times[len(times) // 2]}))
 ''')
 
+# The same small program under each allocation source (HAZSAN_ALLOC_SOURCE): allocating ops on the
+# compute stream, a side stream and a MemPool, a step boundary every 200 ops. It prints the time
+# per op (step boundaries included: the history is drained there) and the history's agreement.
+ALLOC_SOURCES_PROGRAM = textwrap.dedent('''
+    import os
+    if os.environ.get("HAZSAN"):    # as the .pth line does (works without an installed .pth)
+        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+    import json, time, torch
+    import sanitizer
+    from sanitizer.capture import allocator_history
+    torch.cuda.set_device(0)
+    side = torch.cuda.Stream()
+    pool = torch.cuda.MemPool()
+    x = torch.randn(256, 256, device="cuda")
+    per_op = []
+    for n in range(12):
+        sanitizer.step(n)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(50):
+            y = x * 2 + 1                      # two allocating ops
+            with torch.cuda.stream(side):
+                z = torch.empty(4096, device="cuda").fill_(1.0)
+            with torch.cuda.use_mem_pool(pool):
+                w = torch.empty(1 << 20, device="cuda")
+            del y, z, w
+        torch.cuda.synchronize()
+        per_op.append((time.perf_counter() - t0) / 200)
+    sanitizer.step(12)
+    per_op = sorted(per_op[2:])
+    print(json.dumps({"us_per_op": per_op[len(per_op) // 2] * 1e6,
+                      "history": allocator_history.stats()}))
+''')
+
 
 def _env(level: str | None, directory: str, store: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
@@ -245,6 +281,45 @@ def overhead(work: str) -> dict:
             "vs_bare": {k: round(v / med["bare"], 3) for k, v in med.items()}}
 
 
+def alloc_sources(work: str) -> dict:
+    """The same program bare, with HAZSAN_ALLOC_SOURCE=dispatch and =history: time per op side by
+    side, and the history's agreement with the dispatch mode (allocator allocs matched by address,
+    stream mismatches, allocations the dispatch mode never saw, segments, losses)."""
+    out = {}
+    for label in ("bare", "dispatch", "history"):
+        directory = os.path.join(work, f"alloc-source-{label}")
+        env = _env(None if label == "bare" else "alloc", directory, "")
+        if label != "bare":
+            env["HAZSAN_ALLOC_SOURCE"] = label
+        run = _run(ALLOC_SOURCES_PROGRAM, env, timeout=300)
+        if run.returncode != 0:
+            return {"ok": False, "why": f"{label}: " + run.stderr[-1500:]}
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        out[label] = r
+        if label != "bare":
+            evs = _events(directory)
+            r["segments"] = sum(1 for e in evs if e["ev"] == "segment")
+            r["hook_errors"] = [e for e in evs if e["ev"] == "hook_error"]
+            r["dropped"] = sum(e.get("count", 0) for e in evs if e["ev"] == "dropped")
+    h = out["history"].get("history") or {}
+    problems = []
+    for label in ("dispatch", "history"):
+        if out[label]["hook_errors"]:
+            problems.append(f"{label}: hook errors {out[label]['hook_errors']}")
+    if not h.get("drains"):
+        problems.append("the allocator history was never drained (not enabled?)")
+    if not out["history"]["segments"]:
+        problems.append("no segment from the allocator history")
+    if not h.get("matched") or h.get("stream_mismatch"):
+        problems.append(f"agreement: {h}")
+    bare = out["bare"]["us_per_op"]
+    return {"ok": not problems, "why": "; ".join(problems),
+            "us_per_op": {k: round(v["us_per_op"], 2) for k, v in out.items()},
+            "vs_bare": {k: round(v["us_per_op"] / bare, 3) for k, v in out.items()},
+            "history": h, "segments": {k: out[k]["segments"] for k in ("dispatch", "history")},
+            "dropped": {k: out[k]["dropped"] for k in ("dispatch", "history")}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
@@ -260,8 +335,10 @@ def main(argv=None) -> int:
     names = args.only.split(",") if args.only else list(SCENARIOS)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "scenarios": [scenario(n, work) for n in names],
-               "placement": placement(), "overhead": overhead(work), "traces": work}
-    ok = all(s["ok"] for s in results["scenarios"]) and results["placement"]["ok"] and results["overhead"]["ok"]
+               "placement": placement(), "overhead": overhead(work),
+               "alloc_sources": alloc_sources(work), "traces": work}
+    ok = all(s["ok"] for s in results["scenarios"]) and results["placement"]["ok"] and \
+        results["overhead"]["ok"] and results["alloc_sources"]["ok"]
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -278,6 +355,14 @@ def main(argv=None) -> int:
                   + ", ".join(f"{k} {v} ({ov['vs_bare'][k]}x)" for k, v in ov["ms_per_step"].items()))
         else:
             print(f"  FAIL overhead: {ov['why']}")
+        src = results["alloc_sources"]
+        if "us_per_op" in src:
+            print(f"  {'ok  ' if src['ok'] else 'FAIL'} allocation sources, us per op: "
+                  + ", ".join(f"{k} {v} ({src['vs_bare'][k]}x)" for k, v in src["us_per_op"].items())
+                  + f"; segments {src['segments']}, dropped {src['dropped']}")
+            print(f"       history vs dispatch: {src['history']}{'  -- ' + src['why'] if src['why'] else ''}")
+        else:
+            print(f"  FAIL allocation sources: {src['why']}")
     return 0 if ok else 1
 
 

@@ -53,6 +53,7 @@ class Capture:
         self.blocks = None        # memory.BlockTable, once torch is imported
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
         self.cuda = None          # cuda_hooks.CudaOrdering, once torch is imported
+        self.alloc_history = None # allocator_history.AllocatorHistory under HAZSAN_ALLOC_SOURCE=history
         self.host_work_unsynced = False   # a CPU `launch` was written since the last cpu sync
         self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
         self.hooks_failed: dict[str, int] = {}   # hook name -> failures (trace header)
@@ -117,6 +118,8 @@ class Capture:
 
     def mark_step(self, n: int, phase: str | None = None, tokens: int | None = None) -> None:
         """Start of decode step n: record it and flush what the previous step produced."""
+        if self.alloc_history is not None:
+            self.alloc_history.drain()     # the previous step's segments, before its end
         ev = {"ev": "step", "n": int(n), "t": time.time_ns()}
         if phase is not None:
             ev["phase"] = str(phase)
@@ -150,6 +153,8 @@ class Capture:
         try:
             # A process where nothing was hooked (it never imported torch: a launcher, a resource
             # tracker) is no rank and leaves no file; one with hooks leaves at least its header.
+            if self.alloc_history is not None:
+                self.alloc_history.close()
             self.writer.write_empty = bool(self.installed)
             self.writer.close()
         except Exception:

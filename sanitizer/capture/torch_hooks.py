@@ -17,8 +17,14 @@ def on_torch(capture) -> None:
         if mod is not None:
             capture.sites.add_internal(mod)
     from sanitizer.capture import memory
-    memory.install(capture)
+    table = memory.install(capture)
     capture.installed.append("dispatch-mode")
+    if capture.settings.alloc_source == "history":
+        try:
+            from sanitizer.capture import allocator_history
+            allocator_history.install(capture, table)
+        except Exception as exc:
+            capture.failed("install.alloc_history", exc)
     try:
         from sanitizer.capture import cuda_hooks
         cuda_hooks.install(capture)
