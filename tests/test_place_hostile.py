@@ -9,7 +9,7 @@ import sys
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hostile_inputs import trace_lines
@@ -98,6 +98,7 @@ def _run_in_process(argv, capsys):
 
 
 @given(seed=st.integers(0, 2**32 - 1))
+@example(seed=280721)  # a scaled size past 64 bits: once a TypeError out of orjson in sweep
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_fuzz_place_and_sweep_end_in_a_clean_exit(tmp_path_factory, capsys, seed):
     """Bounded fuzz: grammar traces with mutated fields through place, then sweep."""

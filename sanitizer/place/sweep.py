@@ -313,7 +313,12 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                         "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens,
                         "repeat": repeat}}) + b"\n")
                     for e in evs:
-                        fh.write(orjson.dumps(e) + b"\n")
+                        try:
+                            fh.write(orjson.dumps(e) + b"\n")
+                        except TypeError as exc:  # an int past 64 bits once scaled (hostile sizes, shapes)
+                            what = f"{e.get('ev')} {e.get('id')!r}" if "id" in e else str(e.get("ev"))
+                            raise SweepError(f"{f}: scale {scale:g}: the scaled {what} is out of range "
+                                             f"({exc})") from None
                 stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools)
                 segments += stats.segments
                 if res is None:
