@@ -12,8 +12,10 @@ The join gives what the serial run gives: the same findings and counts, the same
 warnings, errors and summary. Two differences, both where the serial run is bounded in memory:
 when a rule and call site has more than --max-per-group findings, which of them are listed may
 differ (the counts do not); and every collective is matched against every rank, however far the
-ranks drift apart (the serial matcher gives up on a rank that lags by more than a few thousand
-events and counts its collectives as unmatched).
+ranks drift apart (the serial matcher keeps at most 1,000,000 settled references; a rank later
+than that counts as unmatched). When the lowest rank first uses a communicator after the others
+have compared collectives on it, the serial run reports the finding against the lowest rank
+already there, --jobs against the lowest rank (docs/ordering-and-rules.md).
 """
 from __future__ import annotations
 
