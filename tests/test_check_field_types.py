@@ -84,3 +84,25 @@ def test_bad_launch_range(tmp_path, capsys, monkeypatch, engine, rng):
     assert code == 2
     assert "Traceback" not in err
     assert any(f"{paths[0]}:2:" in line and "writes" in line for line in err.splitlines()), err
+
+
+@pytest.mark.parametrize("kind", ["dropped", "hook_error"])
+def test_negative_capture_count_is_an_error_on_its_line(tmp_path, capsys, monkeypatch, kind):
+    # a negative count would cancel a real loss and make an incomplete trace look complete
+    [p] = write(tmp_path, [[{"ev": kind, "count": 5}, {"ev": kind, "count": -5}]])
+    code, err = run_check(capsys, monkeypatch, ENGINES[-1], [p])
+    assert code == 2
+    assert f"{p}:3: {kind}: field 'count' must be an integer >= 0" in err
+    assert "Traceback" not in err
+
+
+def test_capture_counts_summed_past_64_bits_still_render_as_json(tmp_path, capsys, monkeypatch):
+    big = (1 << 63) - 2
+    [p] = write(tmp_path, [[{"ev": "hook_error", "count": big}] * 3])
+    monkeypatch.setenv("HAZSAN_ENGINE", ENGINES[-1])
+    code = main(["check", "--format", "json", str(p)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    doc = json.loads(out.out)
+    assert doc["summary"]["hook_errors"] == 3 * big
+    assert doc["summary"]["complete"] is False

@@ -5,6 +5,8 @@ with both stacks (the block's and the colliding op's), then totals.
 """
 from __future__ import annotations
 
+import json
+
 import orjson
 
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
@@ -37,6 +39,15 @@ def incomplete(summary: dict) -> list[str]:
     return out
 
 
+def _dumps(doc) -> str:
+    """JSON text of a report. Sums read from a trace (drop counts over many lines, step numbers)
+    can pass 64 bits, which orjson refuses: then the standard library writes them."""
+    try:
+        return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(doc, indent=2, default=str)
+
+
 def render_json(analysis) -> str:
     lost = incomplete(analysis.summary)
     doc = {
@@ -44,7 +55,7 @@ def render_json(analysis) -> str:
         "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors],
                     "complete": not lost, "incomplete": lost},
     }
-    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+    return _dumps(doc)
 
 
 def _hex(v) -> str:
@@ -202,4 +213,4 @@ def render_sarif(analysis) -> str:
             }],
         }],
     }
-    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+    return _dumps(doc)

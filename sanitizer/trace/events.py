@@ -24,6 +24,9 @@ Key = Union[int, str]
 #: compiled engine.
 Addr = Annotated[int, msgspec.Meta(ge=0, lt=3 << 61)]
 Size = Annotated[int, msgspec.Meta(ge=0, lt=1 << 61)]
+#: Counts capture writes (dropped events, hook failures): never negative, so that a negative count
+#: can never cancel a real loss and make an incomplete trace look complete.
+Count = Annotated[int, msgspec.Meta(ge=0, lt=(1 << 63) - 1)]
 #: A `[addr, size]` pair of a launch's reads or writes.
 Range = tuple[Addr, Size]
 
@@ -165,14 +168,14 @@ class Step(Event, tag="step"):
 class Dropped(Event, tag="dropped"):
     """Written by capture: events the writer had to drop."""
 
-    count: int
+    count: Count
     reason: Optional[str] = None
 
 
 class HookError(Event, tag="hook_error"):
     """Written by capture: hook failures caught during the run."""
 
-    count: int = 1
+    count: Count = 1
     hook: Optional[str] = None
     error: Optional[str] = None
 
