@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import io
 
-from sanitizer.report.render import _finding_text
+from sanitizer.report.render import finding_text
 from sanitizer.report.timeline import read_timelines
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER
 
@@ -218,7 +218,7 @@ def render_html(analysis, paths, *, max_items: int = 5000, title: str = "hazsan 
         where = ", ".join(f"rank {f.rank} step {f.step} line {f.line}" for f in fs[:8]) + (" ..." if len(fs) > 8 else "")
         out.append(f'<details open><summary><b class="{sev}">{e(rule)}</b> at <code>{e(str(site or "(unknown site)"))}</code>: '
                    f"{len(fs)} listed</summary>")
-        out.append("<pre>" + e("\n".join(_finding_text(fs[0]))) + "</pre>")
+        out.append("<pre>" + e("\n".join(finding_text(fs[0]))) + "</pre>")
         if len(fs) > 1:
             out.append(f"<p>also: {e(where)}</p>")
         out.append("</details>")

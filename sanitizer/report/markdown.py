@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import re
 
-from sanitizer.report.render import _finding_text
+from sanitizer.report.render import finding_text
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
 
 _CELL = re.compile(r"([\\`*_{}\[\]<>()#+!|~])")
@@ -66,7 +66,7 @@ def render_markdown(analysis) -> str:
         out.append(f"<details><summary><b>{html.escape(rule)}</b> at <code>{html.escape(str(site or '(unknown site)'))}</code>: "
                    f"{len(fs)} listed ({html.escape(where)})</summary>")
         out.append("")
-        out.append(code_block(_finding_text(fs[0])))
+        out.append(code_block(finding_text(fs[0])))
         out.append("")
         out.append("</details>")
         out.append("")

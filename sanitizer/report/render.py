@@ -97,7 +97,7 @@ def _describe_op(o: dict | None) -> str:
     return f"{what} on stream {o.get('stream')!r}{rank}, enqueued at line {o.get('line')}"
 
 
-def _finding_text(f: Finding) -> list[str]:
+def finding_text(f: Finding) -> list[str]:
     where = f"rank {f.rank}, step {f.step}, {f.file}:{f.line}"
     out = [f"  {where}"]
     if f.rule == "transient-in-window":
@@ -148,7 +148,7 @@ def render_text(analysis) -> str:
         lines.append("=" * 78)
         lines.append(f"hazsan {sev.upper()}: {rule}  at {site or '(unknown site)'}  [{len(fs)} listed]")
         lines.append(f"  {RULES[rule][1]}")
-        lines.extend(_finding_text(fs[0]))
+        lines.extend(finding_text(fs[0]))
         if len(fs) > 1:
             more = ", ".join(f"rank {f.rank} step {f.step} line {f.line}" for f in fs[1:6])
             lines.append(f"  ... and {len(fs) - 1} more like this: {more}{' ...' if len(fs) > 6 else ''}")

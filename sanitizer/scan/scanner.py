@@ -382,7 +382,7 @@ def _pool(m, matcher: ScopeMatcher, site: ScopeSite, registered: set[str] = froz
         text = _one_line(arg) if arg is not None else None
         evidence = [text or ""]
         if isinstance(arg, ast.Name) and m.call_module is site.module and site.where.func is not None:
-            evidence += [_one_line(v) for v in matcher._assignments(site.where.func).get(arg.id, [])]
+            evidence += [_one_line(v) for v in matcher.assignments(site.where.func).get(arg.id, [])]
         low = " ".join(evidence).lower()
         symmetric = ("symm" in low or "nccl" in low
                      or (arg is not None and _last_name(arg) in registered))

@@ -107,7 +107,7 @@ class ScopeMatcher:
         if isinstance(expr, ast.NamedExpr):
             return self.match(expr.value, where, chain + 1)
         if isinstance(expr, ast.Name) and where.func is not None:
-            for value in self._assignments(where.func).get(expr.id, []):
+            for value in self.assignments(where.func).get(expr.id, []):
                 m = self.match(value, where, chain + 1)
                 if m is not None:
                     via = f"variable {expr.id} (line {value.lineno})"
@@ -145,7 +145,7 @@ class ScopeMatcher:
                 return ScopeMatch(m.scope, m.call, m.call_module, [via, *m.via], m.conditions)
         return None
 
-    def _assignments(self, func: Func) -> dict[str, list[ast.expr]]:
+    def assignments(self, func: Func) -> dict[str, list[ast.expr]]:
         table = self._assign_cache.get(id(func.node))
         if table is None:
             table = {}
