@@ -62,11 +62,19 @@ cdef class BufferIndex:
 
 cdef class InFlight:
     cdef public list ops, epochs
-    cdef public Py_ssize_t start
+    cdef public Py_ssize_t start, indexed
     cdef public BufferIndex index
+    cdef public dict classes
 
-    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t)
+    @cython.locals(classes=dict)
+    cpdef push(self, Op op)
+
+    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t, gone=list, classes=dict,
+                   op=Op, left=Py_ssize_t)
     cpdef list retire_upto(self, long long known)
+
+    @cython.locals(index=BufferIndex, ops=list, n=Py_ssize_t, i=Py_ssize_t, held=dict)
+    cpdef BufferIndex by_address(self)
 
 
 cdef class SuccessorWait:

@@ -11,7 +11,8 @@ over ranks, the summary) is sanitizer.rules.driver's.
   again and it is retired.
 * In-flight ops are kept per stream (`InFlight`): in epoch order, so that retiring what the host
   has seen done is a bisect and "all of S's ops are done for X" one comparison; and by address
-  (`BufferIndex`), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
+  (`BufferIndex`, filled only once a query needs it: most accesses find every op of S done for
+  them and never look), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
   leaves the table once none of its ops is in flight. An access costs O(streams with ops not
   done for X, each log n) plus the overlaps, never O(in-flight ops) nor O(trace length)
   (docs/ordering-and-rules.md, "When is an op done").
@@ -233,29 +234,74 @@ class RangeIndex:
 
 
 class InFlight:
-    """Ops of one stream in epoch order; ops[start:] are not yet done for the host. Their
-    buffers are also indexed by address (`index`)."""
+    """Ops of one stream in epoch order; ops[start:] are not yet done for the host.
 
-    __slots__ = ("ops", "epochs", "start", "index")
+    Their buffers are indexed by address (`index`) only once a query needs them: most accesses
+    find all of a stream's ops done for them (one comparison) and never look, so most ops retire
+    without ever being indexed. ops[:indexed] have been handed to the index. `classes` counts the
+    in-flight buffers per length class, in the order the index would hold its classes had every
+    op been indexed at once (queries list overlaps class by class, so findings keep that order).
+    """
+
+    __slots__ = ("ops", "epochs", "start", "index", "indexed", "classes")
 
     def __init__(self):
         self.ops: list = []
         self.epochs: list = []
         self.start = 0
         self.index = BufferIndex()
+        self.indexed = 0
+        self.classes: dict = {}
+
+    def push(self, op) -> None:
+        self.ops.append(op)
+        self.epochs.append(op.epoch)
+        classes = self.classes
+        for lo, hi, _ in op.bufs:
+            c = (hi - lo).bit_length()
+            classes[c] = classes.get(c, 0) + 1
 
     def retire_upto(self, known: int) -> list[Op]:
+        """Drop the ops with epoch <= known; returns them."""
         epochs, start, n = self.epochs, self.start, len(self.epochs)
         if start == n or epochs[start] > known:
             return []
         stop = bisect_right(epochs, known, start)
         gone = self.ops[start:stop]
         self.start = stop
+        classes = self.classes
+        for op in gone:
+            if op.index_keys is not None:
+                self.index.remove(op)
+            for lo, hi, _ in op.bufs:
+                c = (hi - lo).bit_length()
+                left = classes[c] - 1
+                if left:
+                    classes[c] = left
+                else:
+                    del classes[c]
         if stop > 1024 and stop * 2 > n:  # compact now and then
             del self.ops[:stop]
             del self.epochs[:stop]
             self.start = 0
+            self.indexed = self.indexed - stop if self.indexed > stop else 0
         return gone
+
+    def by_address(self) -> "BufferIndex":
+        """The index, holding every op in flight."""
+        index = self.index
+        ops = self.ops
+        n = len(ops)
+        i = self.indexed if self.indexed > self.start else self.start
+        if i < n:
+            while i < n:
+                index.add(ops[i])
+                i += 1
+            self.indexed = n
+            held = index.classes
+            if list(held) != list(self.classes):
+                index.classes = {c: held[c] for c in self.classes}
+        return index
 
 
 class BufferIndex:
@@ -499,7 +545,7 @@ class RankAnalyzer:
                 known = h
             if fl.epochs[-1] <= known or (protected and s in protected):
                 continue  # all of s's in-flight ops are done for `stream` (the usual case)
-            for key in fl.index.overlapping(lo, hi):
+            for key in fl.by_address().overlapping(lo, hi):
                 bacc = key[3]
                 if not (bacc | access) & WRITE:
                     continue
@@ -743,9 +789,7 @@ class RankAnalyzer:
             fl = self.inflight.get(stream)
             if fl is None:
                 fl = self.inflight[stream] = InFlight()
-            fl.ops.append(op)
-            fl.epochs.append(op.epoch)
-            fl.index.add(op)
+            fl.push(op)
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
@@ -803,7 +847,6 @@ class RankAnalyzer:
             known = vh.get(s, 0)
             if known:
                 for op in fl.retire_upto(known):
-                    fl.index.remove(op)
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
                 if fl.start == len(fl.epochs):
