@@ -62,6 +62,7 @@ cdef class BufferIndex:
 
 cdef class InFlight:
     cdef public list ops, epochs
+    cdef public long long last
     cdef public Py_ssize_t start, indexed
     cdef public BufferIndex index
     cdef public dict classes
@@ -109,10 +110,12 @@ cdef class RankAnalyzer:
     cpdef on_record_stream(self, object ev, Py_ssize_t line)
     cpdef on_free_done(self, object ev, Py_ssize_t line)
 
-    @cython.locals(hits=dict, vh=dict, vx=dict, key=tuple, op=Op, fl=InFlight,
-                   known=cython.longlong, h=cython.longlong,
+    @cython.locals(unfinished=list, vh=dict, vx=dict, fl=InFlight, known=cython.longlong, h=cython.longlong)
+    cpdef list _unfinished(self, object stream, object protected=*)
+
+    @cython.locals(hits=dict, key=tuple, op=Op, fl=InFlight, known=cython.longlong,
                    blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
-    cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, object protected=*)
+    cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, list unfinished, object protected=*)
 
     @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block)
     cpdef on_alloc(self, object ev, Py_ssize_t line)
@@ -123,7 +126,7 @@ cdef class RankAnalyzer:
     @cython.locals(bufs=list, op=Op)
     cpdef on_launch(self, object ev, Py_ssize_t line)
 
-    @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int)
+    @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int, unfinished=list)
     cpdef _enqueue(self, Op op)
 
     @cython.locals(vh=dict, inflight=dict, fl=InFlight, known=cython.longlong)

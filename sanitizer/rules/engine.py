@@ -243,11 +243,12 @@ class InFlight:
     op been indexed at once (queries list overlaps class by class, so findings keep that order).
     """
 
-    __slots__ = ("ops", "epochs", "start", "index", "indexed", "classes")
+    __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes")
 
     def __init__(self):
         self.ops: list = []
         self.epochs: list = []
+        self.last = 0  # epochs[-1]
         self.start = 0
         self.index = BufferIndex()
         self.indexed = 0
@@ -256,6 +257,7 @@ class InFlight:
     def push(self, op) -> None:
         self.ops.append(op)
         self.epochs.append(op.epoch)
+        self.last = op.epoch
         classes = self.classes
         for lo, hi, _ in op.bufs:
             c = (hi - lo).bit_length()
@@ -531,32 +533,44 @@ class RankAnalyzer:
 
     # ------------------------------------------------------------------ queries
 
-    def _not_done(self, stream, lo, hi, access, protected=None):
-        """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
-        for `stream` (docs/ordering-and-rules.md, "When is an op done"). Returns {op: [overlap_lo, overlap_hi]}."""
-        hits = None
-        clocks = self.clocks
-        vh = clocks.host
-        vx = clocks.streams.get(stream) or vh
+    def _unfinished(self, stream, protected=None):
+        """[(InFlight, how far `stream` knows its stream)] of the streams with an op in flight that
+        is not done for `stream` (none of `protected`); None when there is none (the usual case)."""
+        unfinished = None
+        vh = self.clocks.host
+        vx = self.clocks.streams.get(stream) or vh
         for s, fl in self.inflight.items():
             known = vx.get(s, 0)
             h = vh.get(s, 0)
             if h > known:
                 known = h
-            if fl.epochs[-1] <= known or (protected and s in protected):
-                continue  # all of s's in-flight ops are done for `stream` (the usual case)
-            for key in fl.by_address().overlapping(lo, hi):
-                bacc = key[3]
-                if not (bacc | access) & WRITE:
-                    continue
-                op = key[4]
-                if op.epoch <= known:
-                    continue
-                if hits is None:
-                    hits = {}
-                blo = key[0]
-                bhi = key[2]
-                _widen(hits, op, max(lo, blo), min(hi, bhi))
+            if fl.last <= known or (protected and s in protected):
+                continue  # all of s's in-flight ops are done for `stream`
+            if unfinished is None:
+                unfinished = []
+            unfinished.append((fl, known))
+        return unfinished
+
+    def _not_done(self, stream, lo, hi, access, unfinished, protected=None):
+        """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
+        for `stream` (docs/ordering-and-rules.md, "When is an op done"). Returns {op: [overlap_lo, overlap_hi]}.
+        `unfinished`: what `_unfinished(stream, protected)` says now."""
+        hits = None
+        clocks = self.clocks
+        if unfinished is not None:
+            for fl, known in unfinished:
+                for key in fl.by_address().overlapping(lo, hi):
+                    bacc = key[3]
+                    if not (bacc | access) & WRITE:
+                        continue
+                    op = key[4]
+                    if op.epoch <= known:
+                        continue
+                    if hits is None:
+                        hits = {}
+                    blo = key[0]
+                    bhi = key[2]
+                    _widen(hits, op, max(lo, blo), min(hi, bhi))
         if self.successor_waits:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
@@ -610,7 +624,8 @@ class RankAnalyzer:
             for op, ov in graph_ops.items():
                 self._report("graph-buffer-released", line, block, op, ov,
                              detail="a different block was allocated over a live graph's buffer")
-        hits = self._not_done(stream, addr, end, WRITE)
+        unfinished = self._unfinished(stream)
+        hits = self._not_done(stream, addr, end, WRITE, unfinished) if unfinished is not None or self.successor_waits else None
         if hits:
             for op, ov in hits.items():
                 if graph_ops and op.captured in graph_ops:
@@ -631,7 +646,9 @@ class RankAnalyzer:
                 self._report("graph-buffer-released", line, block, op, ov,
                              detail="a block holding a live graph's buffer was freed")
         protected = block.record_streams
-        hits = self._not_done(block.stream, addr, end, WRITE, protected)
+        unfinished = self._unfinished(block.stream, protected)
+        hits = self._not_done(block.stream, addr, end, WRITE, unfinished, protected) \
+            if unfinished is not None or self.successor_waits else None
         if hits:
             for op, ov in hits.items():
                 if graph_ops and op.captured in graph_ops:
@@ -774,14 +791,16 @@ class RankAnalyzer:
         op.epoch = clocks.enqueue(stream)
         # unordered-access: this op's accesses against everything not done for its stream.
         conflicts = None
-        for lo, hi, acc in (*op.bufs, *op.window_bufs):
-            hits = self._not_done(stream, lo, hi, acc)
-            if hits:
-                if conflicts is None:
-                    conflicts = hits
-                else:
-                    for other, (olo, ohi) in hits.items():
-                        _widen(conflicts, other, olo, ohi)
+        unfinished = self._unfinished(stream)
+        if unfinished is not None or self.successor_waits:
+            for lo, hi, acc in (*op.bufs, *op.window_bufs) if op.window_bufs else op.bufs:
+                hits = self._not_done(stream, lo, hi, acc, unfinished)
+                if hits:
+                    if conflicts is None:
+                        conflicts = hits
+                    else:
+                        for other, (olo, ohi) in hits.items():
+                            _widen(conflicts, other, olo, ohi)
         if conflicts:
             for other, ov in conflicts.items():
                 self._report("unordered-access", self.line, None, other, ov, access_op=op)
