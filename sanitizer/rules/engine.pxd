@@ -7,7 +7,7 @@ from sanitizer.order.clocks cimport StreamClocks
 
 cdef class Block:
     cdef public object id, stream, pool, site, stack, op, record_streams, window, step
-    cdef public long long addr, end
+    cdef public long long addr, end, serial
     cdef public Py_ssize_t line
     cdef public bint coll_touched
 
@@ -100,6 +100,7 @@ cdef class RankAnalyzer:
     cdef public set steps_seen, comms
     cdef public Py_ssize_t max_comms
     cdef public Py_ssize_t line, events, unrecorded_waits
+    cdef public long long allocs, ranges_upto
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
     @cython.locals(line=Py_ssize_t, kind=type)
@@ -119,6 +120,9 @@ cdef class RankAnalyzer:
 
     @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block)
     cpdef on_alloc(self, object ev, Py_ssize_t line)
+
+    @cython.locals(upto=cython.longlong, new=list, block=Block, ranges=RangeIndex)
+    cpdef RangeIndex _live_ranges(self)
 
     @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
     cpdef on_free(self, object ev, Py_ssize_t line)

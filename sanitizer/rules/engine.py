@@ -68,7 +68,7 @@ class Block:
     """A live allocation."""
 
     __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "site", "stack", "op",
-                 "record_streams", "window", "coll_touched")
+                 "record_streams", "window", "coll_touched", "serial")
 
     def __init__(self, bid, addr, size, stream, pool, line, step, ev):
         self.id = bid
@@ -85,6 +85,7 @@ class Block:
         self.record_streams = None
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
+        self.serial = 0  # allocs of the rank up to this one, once live
 
 
 class Op:
@@ -458,7 +459,11 @@ class RankAnalyzer:
         self.inflight = {}  # stream -> InFlight
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
         self.live = {}  # block id -> Block
-        self.live_ranges = RangeIndex()  # every live block, for collective-buffer marking
+        # every live block by address, for collective-buffer marking: the blocks of the first
+        # `ranges_upto` allocs (serials) are in it, the later ones enter at the next query
+        self.live_ranges = RangeIndex()
+        self.allocs = 0
+        self.ranges_upto = 0
         self.windows = []
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
@@ -593,6 +598,22 @@ class RankAnalyzer:
                             done_seq = op.seq
         return hits
 
+    def _live_ranges(self) -> RangeIndex:
+        """Every live block by address. A block enters the index at the first query after its
+        alloc: most are freed before any query looks."""
+        if self.allocs > self.ranges_upto:
+            upto = self.ranges_upto
+            new = []
+            for block in reversed(self.live.values()):  # in alloc order: the new ones last
+                if block.serial <= upto:
+                    break
+                new.append(block)
+            ranges = self.live_ranges
+            for block in reversed(new):
+                ranges.add(block.addr, block.end, block)
+            self.ranges_upto = self.allocs
+        return self.live_ranges
+
     def _graph_hits(self, lo, hi):
         """Captured ops of live graphs whose buffers overlap [lo, hi)."""
         hits = None
@@ -632,7 +653,8 @@ class RankAnalyzer:
                     continue
                 self._report("reuse-in-flight", line, block, op, ov)
         self.live[bid] = block
-        self.live_ranges.add(addr, end, block)
+        self.allocs += 1
+        block.serial = self.allocs
 
     def on_free(self, ev, line):
         bid = ev.id
@@ -659,7 +681,8 @@ class RankAnalyzer:
             # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
             # nothing to learn, but the free_done that follows is still expected.
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
-        self.live_ranges.remove(addr, end, block)
+        if block.serial <= self.ranges_upto:
+            self.live_ranges.remove(addr, end, block)
         if block.window is not None:
             if not block.coll_touched:
                 self._transient(block, line)
@@ -782,7 +805,7 @@ class RankAnalyzer:
         """A block is a collective buffer once any collective touches part of it (even before a
         window is registered over it)."""
         for lo, hi, _ in bufs:
-            for _, _, blk in self.live_ranges.overlapping(lo, hi):
+            for _, _, blk in self._live_ranges().overlapping(lo, hi):
                 blk.coll_touched = True
 
     def _enqueue(self, op: Op) -> None:
@@ -980,7 +1003,7 @@ class RankAnalyzer:
 
     def _block_at(self, lo, hi):
         """The live block holding [lo, hi), for display: of several, the one allocated first."""
-        block = self.live_ranges.first_added(lo, hi)
+        block = self._live_ranges().first_added(lo, hi)
         return BlockRecord.of(block) if block is not None else None
 
     def _transient(self, block: Block, line) -> None:
