@@ -62,16 +62,16 @@ cdef class BufferIndex:
 
 cdef class InFlight:
     cdef public list ops, epochs
-    cdef public long long last
+    cdef public long long last, pushed
     cdef public Py_ssize_t start, indexed
     cdef public BufferIndex index
     cdef public dict classes
 
-    @cython.locals(classes=dict)
+    @cython.locals(classes=dict, pushed=cython.longlong)
     cpdef push(self, Op op)
 
     @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t, gone=list, classes=dict,
-                   op=Op, left=Py_ssize_t)
+                   op=Op, retired=cython.longlong, last=cython.longlong)
     cpdef list retire_upto(self, long long known)
 
     @cython.locals(index=BufferIndex, ops=list, n=Py_ssize_t, i=Py_ssize_t, held=dict)

@@ -239,12 +239,13 @@ class InFlight:
 
     Their buffers are indexed by address (`index`) only once a query needs them: most accesses
     find all of a stream's ops done for them (one comparison) and never look, so most ops retire
-    without ever being indexed. ops[:indexed] have been handed to the index. `classes` counts the
-    in-flight buffers per length class, in the order the index would hold its classes had every
-    op been indexed at once (queries list overlaps class by class, so findings keep that order).
+    without ever being indexed. ops[:indexed] have been handed to the index. `classes` holds the
+    length classes of the in-flight buffers (each with the number, counted from 1, of the last
+    op pushed that has one) in the order the index would hold them had every op been indexed at
+    once: queries list overlaps class by class, so findings keep that order.
     """
 
-    __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes")
+    __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes", "pushed")
 
     def __init__(self):
         self.ops: list = []
@@ -254,15 +255,17 @@ class InFlight:
         self.index = BufferIndex()
         self.indexed = 0
         self.classes: dict = {}
+        self.pushed = 0
 
     def push(self, op) -> None:
         self.ops.append(op)
         self.epochs.append(op.epoch)
         self.last = op.epoch
+        self.pushed += 1
+        pushed = self.pushed
         classes = self.classes
         for lo, hi, _ in op.bufs:
-            c = (hi - lo).bit_length()
-            classes[c] = classes.get(c, 0) + 1
+            classes[(hi - lo).bit_length()] = pushed
 
     def retire_upto(self, known: int) -> list[Op]:
         """Drop the ops with epoch <= known; returns them."""
@@ -272,17 +275,15 @@ class InFlight:
         stop = bisect_right(epochs, known, start)
         gone = self.ops[start:stop]
         self.start = stop
+        if self.indexed > start:
+            for op in gone:
+                if op.index_keys is not None:
+                    self.index.remove(op)
+        # a class is left once the last op that had one is gone
+        retired = self.pushed - (n - stop)
         classes = self.classes
-        for op in gone:
-            if op.index_keys is not None:
-                self.index.remove(op)
-            for lo, hi, _ in op.bufs:
-                c = (hi - lo).bit_length()
-                left = classes[c] - 1
-                if left:
-                    classes[c] = left
-                else:
-                    del classes[c]
+        for c in [c for c, last in classes.items() if last <= retired]:
+            del classes[c]
         if stop > 1024 and stop * 2 > n:  # compact now and then
             del self.ops[:stop]
             del self.epochs[:stop]
