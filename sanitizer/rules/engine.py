@@ -201,7 +201,12 @@ class RangeIndex:
         """(lo, hi, item) of every item overlapping [lo, hi)."""
         found = []
         for c, entries in self.classes.items():
-            start = (lo - self.longest[c],)
+            if entries[0][0] >= hi:
+                continue  # all of the class starts at or past hi
+            start = lo - self.longest[c]
+            if entries[-1][0] <= start:
+                continue  # all of the class ends at or before lo
+            start = (start,)
             if type(entries) is list:
                 i = bisect_right(entries, start)
                 n = len(entries)
@@ -547,11 +552,13 @@ class RankAnalyzer:
         vx = self.clocks.streams.get(stream) or vh
         for s, fl in self.inflight.items():
             known = vx.get(s, 0)
+            if fl.last <= known:
+                continue  # all of s's in-flight ops are done for `stream` (the usual case)
             h = vh.get(s, 0)
             if h > known:
                 known = h
             if fl.last <= known or (protected and s in protected):
-                continue  # all of s's in-flight ops are done for `stream`
+                continue
             if unfinished is None:
                 unfinished = []
             unfinished.append((fl, known))
