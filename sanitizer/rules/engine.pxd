@@ -118,7 +118,7 @@ cdef class RankAnalyzer:
                    blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
     cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, list unfinished, object protected=*)
 
-    @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block)
+    @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block, w=Window)
     cpdef on_alloc(self, object ev, Py_ssize_t line)
 
     @cython.locals(upto=cython.longlong, new=list, block=Block, ranges=RangeIndex)
