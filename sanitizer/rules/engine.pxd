@@ -61,18 +61,20 @@ cdef class BufferIndex:
 
 
 cdef class InFlight:
-    cdef public list ops, epochs
-    cdef public long long last, pushed
+    cdef public list ops, epochs, cuts
+    cdef public long long last, pushed, base, tracked
     cdef public Py_ssize_t start, indexed
     cdef public BufferIndex index
     cdef public dict classes
 
-    @cython.locals(classes=dict, pushed=cython.longlong)
     cpdef push(self, Op op)
 
-    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t, gone=list, classes=dict,
-                   op=Op, retired=cython.longlong, last=cython.longlong)
+    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t, gone=list, op=Op)
     cpdef list retire_upto(self, long long known)
+
+    @cython.locals(classes=dict, ops=list, base=cython.longlong, i=cython.longlong, pushed=cython.longlong,
+                   retired=cython.longlong, last=cython.longlong, op=Op)
+    cpdef _track(self)
 
     @cython.locals(index=BufferIndex, ops=list, n=Py_ssize_t, i=Py_ssize_t, held=dict)
     cpdef BufferIndex by_address(self)

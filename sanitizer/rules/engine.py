@@ -247,10 +247,13 @@ class InFlight:
     without ever being indexed. ops[:indexed] have been handed to the index. `classes` holds the
     length classes of the in-flight buffers (each with the number, counted from 1, of the last
     op pushed that has one) in the order the index would hold them had every op been indexed at
-    once: queries list overlaps class by class, so findings keep that order.
+    once: queries list overlaps class by class, so findings keep that order. It too is brought up
+    to date only when needed (a query, a compaction): the first `tracked` ops are counted in it,
+    and `cuts` are the retirements since, as (ops pushed by then, ops retired by then).
     """
 
-    __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes", "pushed")
+    __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes", "pushed", "base",
+                 "tracked", "cuts")
 
     def __init__(self):
         self.ops: list = []
@@ -261,16 +264,15 @@ class InFlight:
         self.indexed = 0
         self.classes: dict = {}
         self.pushed = 0
+        self.base = 0  # ops compacted away: ops[i] is op number base + i + 1
+        self.tracked = 0
+        self.cuts: list = []
 
     def push(self, op) -> None:
         self.ops.append(op)
         self.epochs.append(op.epoch)
         self.last = op.epoch
         self.pushed += 1
-        pushed = self.pushed
-        classes = self.classes
-        for lo, hi, _ in op.bufs:
-            classes[(hi - lo).bit_length()] = pushed
 
     def retire_upto(self, known: int) -> list[Op]:
         """Drop the ops with epoch <= known; returns them."""
@@ -284,17 +286,39 @@ class InFlight:
             for op in gone:
                 if op.index_keys is not None:
                     self.index.remove(op)
-        # a class is left once the last op that had one is gone
-        retired = self.pushed - (n - stop)
-        classes = self.classes
-        for c in [c for c, last in classes.items() if last <= retired]:
-            del classes[c]
+        self.cuts.append((self.pushed, self.base + stop))
         if stop > 1024 and stop * 2 > n:  # compact now and then
+            self._track()  # the ops about to go are counted first
             del self.ops[:stop]
             del self.epochs[:stop]
+            self.base += stop
             self.start = 0
             self.indexed = self.indexed - stop if self.indexed > stop else 0
         return gone
+
+    def _track(self) -> None:
+        """Bring `classes` up to date: replay, in order, the pushes and retirements since the
+        last time (a class is left once the last op that had one is retired)."""
+        classes = self.classes
+        ops = self.ops
+        base = self.base
+        i = self.tracked
+        for pushed, retired in self.cuts:
+            while i < pushed:
+                op = ops[i - base]
+                i += 1
+                for lo, hi, _ in op.bufs:
+                    classes[(hi - lo).bit_length()] = i
+            for c in [c for c, last in classes.items() if last <= retired]:
+                del classes[c]
+        self.cuts = []
+        pushed = self.pushed
+        while i < pushed:
+            op = ops[i - base]
+            i += 1
+            for lo, hi, _ in op.bufs:
+                classes[(hi - lo).bit_length()] = i
+        self.tracked = i
 
     def by_address(self) -> "BufferIndex":
         """The index, holding every op in flight."""
@@ -307,6 +331,7 @@ class InFlight:
                 index.add(ops[i])
                 i += 1
             self.indexed = n
+            self._track()
             held = index.classes
             if list(held) != list(self.classes):
                 index.classes = {c: held[c] for c in self.classes}
