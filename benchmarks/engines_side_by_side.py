@@ -7,9 +7,11 @@ figure on a shared machine) and its peak RSS. The runs alternate so that load ch
 Also: the decode floor (reading the lines and msgspec decoding them into typed events, no engine),
 and whether both engines gave identical findings and summaries.
 
-`--old DIR[:ENGINE,...]` adds runs of another hazsan checkout (for instance the last commit with the
-C engine, `git archive 97d8d8c | tar -x -C DIR` plus its built extension) with HAZSAN_ENGINE set to
-each ENGINE (default native,python): the figures of issue 12 were taken that way.
+`--old DIR[:ENGINE,...]` adds runs of another hazsan checkout with HAZSAN_ENGINE set to each ENGINE
+(default native,python): `--old /path/to/main:compiled,interpreted` for a checkout of today's
+engine (its extension built in place), or the last commit with the C engine (`git archive 97d8d8c |
+tar -x -C DIR` plus its built extension), as the figures of issue 12 were taken. Whether each of
+its runs gave the same findings and summary as this checkout's compiled engine is printed too.
 
     .venv/bin/python benchmarks/engines_side_by_side.py                       # 1,000,000 events
     .venv/bin/python benchmarks/engines_side_by_side.py --old /tmp/old-hazsan --repeats 3
@@ -47,8 +49,13 @@ if spec["engine"] == "decode":
     out["events"] = n
 else:
     if spec.get("tree"):
-        from sanitizer.rules.engine import analyze
-        a = analyze(spec["paths"])
+        try:
+            from sanitizer.rules.driver import analyze
+        except ImportError:  # a checkout from before the driver (the C engine's)
+            from sanitizer.rules.engine import analyze
+            a = analyze(spec["paths"])
+        else:
+            a = analyze(spec["paths"], engine=spec["engine"])
     else:
         from sanitizer.rules.driver import analyze
         a = analyze(spec["paths"], engine=spec["engine"])
@@ -104,6 +111,10 @@ def main(argv=None) -> int:
         if engine == "decode":
             name = "decode only (msgspec, no engine)"
         print(f"{name:<34} {r['cpu']:>7.2f} {r['events'] / r['cpu']:>12,.0f} {r['rss_mb']:>12.1f}  {r.get('digest', '')}")
+    for (engine, tree), r in best.items():
+        if tree is not None:
+            print(f"{engine} @ {tree} vs compiled: {r['cpu'] / best[('compiled', None)]['cpu']:.2f}x the CPU time, findings and summary "
+                  f"{'identical' if r.get('digest') == best[('compiled', None)].get('digest') else 'DIFFERENT'}")
     same = best[("compiled", None)].get("digest") == best[("interpreted", None)].get("digest")
     print(f"compiled vs interpreted: {best[('interpreted', None)]['cpu'] / best[('compiled', None)]['cpu']:.2f}x, "
           f"findings and summary {'identical' if same else 'DIFFERENT'}")

@@ -7,7 +7,7 @@ from sanitizer.order.clocks cimport StreamClocks
 
 cdef class Block:
     cdef public object id, stream, pool, site, stack, op, record_streams, window, step
-    cdef public long long addr, end
+    cdef public long long addr, end, serial
     cdef public Py_ssize_t line
     cdef public bint coll_touched
 
@@ -61,12 +61,23 @@ cdef class BufferIndex:
 
 
 cdef class InFlight:
-    cdef public list ops, epochs
-    cdef public Py_ssize_t start
+    cdef public list ops, epochs, cuts
+    cdef public long long last, pushed, base, tracked
+    cdef public Py_ssize_t start, indexed
     cdef public BufferIndex index
+    cdef public dict classes
 
-    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t)
+    cpdef push(self, Op op)
+
+    @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t, gone=list, op=Op)
     cpdef list retire_upto(self, long long known)
+
+    @cython.locals(classes=dict, ops=list, base=cython.longlong, i=cython.longlong, pushed=cython.longlong,
+                   retired=cython.longlong, last=cython.longlong, op=Op)
+    cpdef _track(self)
+
+    @cython.locals(index=BufferIndex, ops=list, n=Py_ssize_t, i=Py_ssize_t, held=dict)
+    cpdef BufferIndex by_address(self)
 
 
 cdef class SuccessorWait:
@@ -91,6 +102,7 @@ cdef class RankAnalyzer:
     cdef public set steps_seen, comms
     cdef public Py_ssize_t max_comms
     cdef public Py_ssize_t line, events, unrecorded_waits
+    cdef public long long allocs, ranges_upto
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
     @cython.locals(line=Py_ssize_t, kind=type)
@@ -101,13 +113,18 @@ cdef class RankAnalyzer:
     cpdef on_record_stream(self, object ev, Py_ssize_t line)
     cpdef on_free_done(self, object ev, Py_ssize_t line)
 
-    @cython.locals(hits=dict, vh=dict, vx=dict, key=tuple, op=Op, fl=InFlight,
-                   known=cython.longlong, h=cython.longlong,
-                   blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
-    cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, object protected=*)
+    @cython.locals(unfinished=list, vh=dict, vx=dict, fl=InFlight, known=cython.longlong, h=cython.longlong)
+    cpdef list _unfinished(self, object stream, object protected=*)
 
-    @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block)
+    @cython.locals(hits=dict, key=tuple, op=Op, fl=InFlight, known=cython.longlong,
+                   blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
+    cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, list unfinished, object protected=*)
+
+    @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block, w=Window)
     cpdef on_alloc(self, object ev, Py_ssize_t line)
+
+    @cython.locals(upto=cython.longlong, new=list, block=Block, ranges=RangeIndex)
+    cpdef RangeIndex _live_ranges(self)
 
     @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
     cpdef on_free(self, object ev, Py_ssize_t line)
@@ -115,7 +132,7 @@ cdef class RankAnalyzer:
     @cython.locals(bufs=list, op=Op)
     cpdef on_launch(self, object ev, Py_ssize_t line)
 
-    @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int)
+    @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int, unfinished=list)
     cpdef _enqueue(self, Op op)
 
     @cython.locals(vh=dict, inflight=dict, fl=InFlight, known=cython.longlong)

@@ -11,7 +11,8 @@ over ranks, the summary) is sanitizer.rules.driver's.
   again and it is retired.
 * In-flight ops are kept per stream (`InFlight`): in epoch order, so that retiring what the host
   has seen done is a bisect and "all of S's ops are done for X" one comparison; and by address
-  (`BufferIndex`), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
+  (`BufferIndex`, filled only once a query needs it: most accesses find every op of S done for
+  them and never look), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
   leaves the table once none of its ops is in flight. An access costs O(streams with ops not
   done for X, each log n) plus the overlaps, never O(in-flight ops) nor O(trace length)
   (docs/ordering-and-rules.md, "When is an op done").
@@ -67,7 +68,7 @@ class Block:
     """A live allocation."""
 
     __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "site", "stack", "op",
-                 "record_streams", "window", "coll_touched")
+                 "record_streams", "window", "coll_touched", "serial")
 
     def __init__(self, bid, addr, size, stream, pool, line, step, ev):
         self.id = bid
@@ -84,6 +85,7 @@ class Block:
         self.record_streams = None
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
+        self.serial = 0  # allocs of the rank up to this one, once live
 
 
 class Op:
@@ -199,7 +201,12 @@ class RangeIndex:
         """(lo, hi, item) of every item overlapping [lo, hi)."""
         found = []
         for c, entries in self.classes.items():
-            start = (lo - self.longest[c],)
+            if entries[0][0] >= hi:
+                continue  # all of the class starts at or past hi
+            start = lo - self.longest[c]
+            if entries[-1][0] <= start:
+                continue  # all of the class ends at or before lo
+            start = (start,)
             if type(entries) is list:
                 i = bisect_right(entries, start)
                 n = len(entries)
@@ -233,29 +240,102 @@ class RangeIndex:
 
 
 class InFlight:
-    """Ops of one stream in epoch order; ops[start:] are not yet done for the host. Their
-    buffers are also indexed by address (`index`)."""
+    """Ops of one stream in epoch order; ops[start:] are not yet done for the host.
 
-    __slots__ = ("ops", "epochs", "start", "index")
+    Their buffers are indexed by address (`index`) only once a query needs them: most accesses
+    find all of a stream's ops done for them (one comparison) and never look, so most ops retire
+    without ever being indexed. ops[:indexed] have been handed to the index. `classes` holds the
+    length classes of the in-flight buffers (each with the number, counted from 1, of the last
+    op pushed that has one) in the order the index would hold them had every op been indexed at
+    once: queries list overlaps class by class, so findings keep that order. It too is brought up
+    to date only when needed (a query, a compaction): the first `tracked` ops are counted in it,
+    and `cuts` are the retirements since, as (ops pushed by then, ops retired by then).
+    """
+
+    __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes", "pushed", "base",
+                 "tracked", "cuts")
 
     def __init__(self):
         self.ops: list = []
         self.epochs: list = []
+        self.last = 0  # epochs[-1]
         self.start = 0
         self.index = BufferIndex()
+        self.indexed = 0
+        self.classes: dict = {}
+        self.pushed = 0
+        self.base = 0  # ops compacted away: ops[i] is op number base + i + 1
+        self.tracked = 0
+        self.cuts: list = []
+
+    def push(self, op) -> None:
+        self.ops.append(op)
+        self.epochs.append(op.epoch)
+        self.last = op.epoch
+        self.pushed += 1
 
     def retire_upto(self, known: int) -> list[Op]:
+        """Drop the ops with epoch <= known; returns them."""
         epochs, start, n = self.epochs, self.start, len(self.epochs)
         if start == n or epochs[start] > known:
             return []
         stop = bisect_right(epochs, known, start)
         gone = self.ops[start:stop]
         self.start = stop
+        if self.indexed > start:
+            for op in gone:
+                if op.index_keys is not None:
+                    self.index.remove(op)
+        self.cuts.append((self.pushed, self.base + stop))
         if stop > 1024 and stop * 2 > n:  # compact now and then
+            self._track()  # the ops about to go are counted first
             del self.ops[:stop]
             del self.epochs[:stop]
+            self.base += stop
             self.start = 0
+            self.indexed = self.indexed - stop if self.indexed > stop else 0
         return gone
+
+    def _track(self) -> None:
+        """Bring `classes` up to date: replay, in order, the pushes and retirements since the
+        last time (a class is left once the last op that had one is retired)."""
+        classes = self.classes
+        ops = self.ops
+        base = self.base
+        i = self.tracked
+        for pushed, retired in self.cuts:
+            while i < pushed:
+                op = ops[i - base]
+                i += 1
+                for lo, hi, _ in op.bufs:
+                    classes[(hi - lo).bit_length()] = i
+            for c in [c for c, last in classes.items() if last <= retired]:
+                del classes[c]
+        self.cuts = []
+        pushed = self.pushed
+        while i < pushed:
+            op = ops[i - base]
+            i += 1
+            for lo, hi, _ in op.bufs:
+                classes[(hi - lo).bit_length()] = i
+        self.tracked = i
+
+    def by_address(self) -> "BufferIndex":
+        """The index, holding every op in flight."""
+        index = self.index
+        ops = self.ops
+        n = len(ops)
+        i = self.indexed if self.indexed > self.start else self.start
+        if i < n:
+            while i < n:
+                index.add(ops[i])
+                i += 1
+            self.indexed = n
+            self._track()
+            held = index.classes
+            if list(held) != list(self.classes):
+                index.classes = {c: held[c] for c in self.classes}
+        return index
 
 
 class BufferIndex:
@@ -410,7 +490,11 @@ class RankAnalyzer:
         self.inflight = {}  # stream -> InFlight
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
         self.live = {}  # block id -> Block
-        self.live_ranges = RangeIndex()  # every live block, for collective-buffer marking
+        # every live block by address, for collective-buffer marking: the blocks of the first
+        # `ranges_upto` allocs (serials) are in it, the later ones enter at the next query
+        self.live_ranges = RangeIndex()
+        self.allocs = 0
+        self.ranges_upto = 0
         self.windows = []
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
@@ -485,32 +569,46 @@ class RankAnalyzer:
 
     # ------------------------------------------------------------------ queries
 
-    def _not_done(self, stream, lo, hi, access, protected=None):
-        """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
-        for `stream` (docs/ordering-and-rules.md, "When is an op done"). Returns {op: [overlap_lo, overlap_hi]}."""
-        hits = None
-        clocks = self.clocks
-        vh = clocks.host
-        vx = clocks.streams.get(stream) or vh
+    def _unfinished(self, stream, protected=None):
+        """[(InFlight, how far `stream` knows its stream)] of the streams with an op in flight that
+        is not done for `stream` (none of `protected`); None when there is none (the usual case)."""
+        unfinished = None
+        vh = self.clocks.host
+        vx = self.clocks.streams.get(stream) or vh
         for s, fl in self.inflight.items():
             known = vx.get(s, 0)
+            if fl.last <= known:
+                continue  # all of s's in-flight ops are done for `stream` (the usual case)
             h = vh.get(s, 0)
             if h > known:
                 known = h
-            if fl.epochs[-1] <= known or (protected and s in protected):
-                continue  # all of s's in-flight ops are done for `stream` (the usual case)
-            for key in fl.index.overlapping(lo, hi):
-                bacc = key[3]
-                if not (bacc | access) & WRITE:
-                    continue
-                op = key[4]
-                if op.epoch <= known:
-                    continue
-                if hits is None:
-                    hits = {}
-                blo = key[0]
-                bhi = key[2]
-                _widen(hits, op, max(lo, blo), min(hi, bhi))
+            if fl.last <= known or (protected and s in protected):
+                continue
+            if unfinished is None:
+                unfinished = []
+            unfinished.append((fl, known))
+        return unfinished
+
+    def _not_done(self, stream, lo, hi, access, unfinished, protected=None):
+        """Ops with a buffer overlapping [lo, hi) that conflicts with `access` and is not done
+        for `stream` (docs/ordering-and-rules.md, "When is an op done"). Returns {op: [overlap_lo, overlap_hi]}.
+        `unfinished`: what `_unfinished(stream, protected)` says now."""
+        hits = None
+        clocks = self.clocks
+        if unfinished is not None:
+            for fl, known in unfinished:
+                for key in fl.by_address().overlapping(lo, hi):
+                    bacc = key[3]
+                    if not (bacc | access) & WRITE:
+                        continue
+                    op = key[4]
+                    if op.epoch <= known:
+                        continue
+                    if hits is None:
+                        hits = {}
+                    blo = key[0]
+                    bhi = key[2]
+                    _widen(hits, op, max(lo, blo), min(hi, bhi))
         if self.successor_waits:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
@@ -532,6 +630,22 @@ class RankAnalyzer:
                         if done_seq is None or op.seq > done_seq:
                             done_seq = op.seq
         return hits
+
+    def _live_ranges(self) -> RangeIndex:
+        """Every live block by address. A block enters the index at the first query after its
+        alloc: most are freed before any query looks."""
+        if self.allocs > self.ranges_upto:
+            upto = self.ranges_upto
+            new = []
+            for block in reversed(self.live.values()):  # in alloc order: the new ones last
+                if block.serial <= upto:
+                    break
+                new.append(block)
+            ranges = self.live_ranges
+            for block in reversed(new):
+                ranges.add(block.addr, block.end, block)
+            self.ranges_upto = self.allocs
+        return self.live_ranges
 
     def _graph_hits(self, lo, hi):
         """Captured ops of live graphs whose buffers overlap [lo, hi)."""
@@ -564,14 +678,16 @@ class RankAnalyzer:
             for op, ov in graph_ops.items():
                 self._report("graph-buffer-released", line, block, op, ov,
                              detail="a different block was allocated over a live graph's buffer")
-        hits = self._not_done(stream, addr, end, WRITE)
+        unfinished = self._unfinished(stream)
+        hits = self._not_done(stream, addr, end, WRITE, unfinished) if unfinished is not None or self.successor_waits else None
         if hits:
             for op, ov in hits.items():
                 if graph_ops and op.captured in graph_ops:
                     continue
                 self._report("reuse-in-flight", line, block, op, ov)
         self.live[bid] = block
-        self.live_ranges.add(addr, end, block)
+        self.allocs += 1
+        block.serial = self.allocs
 
     def on_free(self, ev, line):
         bid = ev.id
@@ -585,7 +701,9 @@ class RankAnalyzer:
                 self._report("graph-buffer-released", line, block, op, ov,
                              detail="a block holding a live graph's buffer was freed")
         protected = block.record_streams
-        hits = self._not_done(block.stream, addr, end, WRITE, protected)
+        unfinished = self._unfinished(block.stream, protected)
+        hits = self._not_done(block.stream, addr, end, WRITE, unfinished, protected) \
+            if unfinished is not None or self.successor_waits else None
         if hits:
             for op, ov in hits.items():
                 if graph_ops and op.captured in graph_ops:
@@ -596,7 +714,8 @@ class RankAnalyzer:
             # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
             # nothing to learn, but the free_done that follows is still expected.
             self.pending_free[bid] = [self.clocks.snapshot(s) for s in protected]
-        self.live_ranges.remove(addr, end, block)
+        if block.serial <= self.ranges_upto:
+            self.live_ranges.remove(addr, end, block)
         if block.window is not None:
             if not block.coll_touched:
                 self._transient(block, line)
@@ -719,7 +838,7 @@ class RankAnalyzer:
         """A block is a collective buffer once any collective touches part of it (even before a
         window is registered over it)."""
         for lo, hi, _ in bufs:
-            for _, _, blk in self.live_ranges.overlapping(lo, hi):
+            for _, _, blk in self._live_ranges().overlapping(lo, hi):
                 blk.coll_touched = True
 
     def _enqueue(self, op: Op) -> None:
@@ -728,14 +847,16 @@ class RankAnalyzer:
         op.epoch = clocks.enqueue(stream)
         # unordered-access: this op's accesses against everything not done for its stream.
         conflicts = None
-        for lo, hi, acc in (*op.bufs, *op.window_bufs):
-            hits = self._not_done(stream, lo, hi, acc)
-            if hits:
-                if conflicts is None:
-                    conflicts = hits
-                else:
-                    for other, (olo, ohi) in hits.items():
-                        _widen(conflicts, other, olo, ohi)
+        unfinished = self._unfinished(stream)
+        if unfinished is not None or self.successor_waits:
+            for lo, hi, acc in (*op.bufs, *op.window_bufs) if op.window_bufs else op.bufs:
+                hits = self._not_done(stream, lo, hi, acc, unfinished)
+                if hits:
+                    if conflicts is None:
+                        conflicts = hits
+                    else:
+                        for other, (olo, ohi) in hits.items():
+                            _widen(conflicts, other, olo, ohi)
         if conflicts:
             for other, ov in conflicts.items():
                 self._report("unordered-access", self.line, None, other, ov, access_op=op)
@@ -743,9 +864,7 @@ class RankAnalyzer:
             fl = self.inflight.get(stream)
             if fl is None:
                 fl = self.inflight[stream] = InFlight()
-            fl.ops.append(op)
-            fl.epochs.append(op.epoch)
-            fl.index.add(op)
+            fl.push(op)
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
@@ -803,7 +922,6 @@ class RankAnalyzer:
             known = vh.get(s, 0)
             if known:
                 for op in fl.retire_upto(known):
-                    fl.index.remove(op)
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
                 if fl.start == len(fl.epochs):
@@ -918,7 +1036,7 @@ class RankAnalyzer:
 
     def _block_at(self, lo, hi):
         """The live block holding [lo, hi), for display: of several, the one allocated first."""
-        block = self.live_ranges.first_added(lo, hi)
+        block = self._live_ranges().first_added(lo, hi)
         return BlockRecord.of(block) if block is not None else None
 
     def _transient(self, block: Block, line) -> None:
