@@ -79,7 +79,22 @@ cdef class InFlight:
 
 
 cdef class SuccessorWait:
-    cdef public list colls
+    cdef public list colls, epochs, entries
+    cdef public Py_ssize_t start, base
+    cdef public RangeIndex index
+    cdef public bint ordered
+
+    cpdef push(self, Op op)
+    cpdef _unorder(self)
+
+    @cython.locals(colls=list, start=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t, k=Py_ssize_t,
+                   first=Py_ssize_t, op=Op, item=tuple, found=list)
+    cpdef object not_done(self, StreamClocks clocks, object stream, long long lo, long long hi, int access,
+                          object protected, object hits)
+
+    @cython.locals(colls=list, start=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t, k=Py_ssize_t,
+                   stop=Py_ssize_t, op=Op, entries=list)
+    cpdef retire(self, dict host)
 
 
 cdef class SeenIds:
