@@ -8,6 +8,8 @@
 - `successor N`: `inflight` under `--peer-completion successor`, the buffers in a window of the
   collectives' communicator, and a sync of the launch stream every 10 launches (each retires):
   the per-access cost must stay O(log n + overlaps) there too (SuccessorWait's index).
+- `windows N`: N windows registered (then N blocks allocated, one in each, a collective on each,
+  the blocks freed, the windows freed): the window lookups must not cost O(windows) each.
 - `streams N`: N distinct streams; on each, an allocation, a launch writing it, an event recorded
   there and waited on by stream 0, then a sync of that stream. Clock memory must grow with the
   streams that actually synchronise, not with N x N. Target: N = 10^5 under 300 MB peak RSS.
@@ -79,6 +81,23 @@ def write_successor(path: Path, n: int) -> None:
                 fh.write(dumps({"ev": "sync", "stream": 1}) + b"\n")
 
 
+def write_windows(path: Path, n: int) -> None:
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "window", "addr": BASE + i * SIZE, "size": SIZE, "comm": "tp"}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "alloc", "id": i, "addr": BASE + i * SIZE, "size": SIZE // 2, "stream": 1,
+                            "pool": "symm"}) + b"\n")
+            fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": "tp", "seq": i + 1, "op": "all_reduce",
+                            "stream": 1, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE // 2, "access": "rw"}]}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "free", "id": i}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "window_free", "addr": BASE + i * SIZE, "comm": "tp"}) + b"\n")
+
+
 def write_streams(path: Path, n: int) -> None:
     dumps = orjson.dumps
     with open(path, "wb") as fh:
@@ -93,7 +112,8 @@ def write_streams(path: Path, n: int) -> None:
             fh.write(dumps({"ev": "sync", "stream": i}) + b"\n")
 
 
-CASES = {"inflight": write_inflight, "successor": write_successor, "streams": write_streams}
+CASES = {"inflight": write_inflight, "successor": write_successor, "windows": write_windows,
+         "streams": write_streams}
 PEER = {"successor": "successor"}
 
 

@@ -23,6 +23,16 @@ cdef class Window:
     cdef public object comm, ordinal
 
 
+cdef class WindowTable:
+    cdef public RangeIndex index
+    cdef public dict by_key
+    cdef public Py_ssize_t count
+
+    cpdef add(self, Window w)
+    cpdef bint remove(self, object addr, object comm)
+    cpdef object first_at(self, object lo, object hi)
+
+
 cdef class Graph:
     cdef public object id, stream, ops, line, reserved
     cdef public bint live
@@ -110,7 +120,8 @@ cdef class RankAnalyzer:
     cdef public bint successor
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
     cdef public RangeIndex live_ranges
-    cdef public list windows, capturing, live_graphs
+    cdef public WindowTable windows
+    cdef public list capturing, live_graphs
     cdef public SeenIds cids
     cdef public set steps_seen, comms
     cdef public Py_ssize_t max_comms

@@ -128,6 +128,50 @@ class Window:
         self.addr, self.end, self.comm, self.ordinal = addr, addr + size, comm, ordinal
 
 
+class WindowTable:
+    """The live windows: the first registered of those overlapping a range, by an address index,
+    and the one a `window_free` names, by (addr, comm); neither costs O(windows)."""
+
+    __slots__ = ("index", "by_key", "count")
+
+    def __init__(self):
+        self.index = RangeIndex()
+        self.by_key: dict = {}  # (addr, comm) -> its live windows, first registered first
+        self.count = 0
+
+    def add(self, w) -> None:
+        self.index.add(w.addr, w.end, w)
+        key = (w.addr, w.comm)
+        same = self.by_key.get(key)
+        if same is None:
+            self.by_key[key] = [w]
+        else:
+            same.append(w)
+        self.count += 1
+
+    def remove(self, addr, comm) -> bool:
+        """Drop the first registered live window at `addr` of `comm`; False when there is none."""
+        key = (addr, comm)
+        same = self.by_key.get(key)
+        if same is None:
+            return False
+        w = same.pop(0)
+        if not same:
+            del self.by_key[key]
+        self.index.remove(w.addr, w.end, w)
+        self.count -= 1
+        return True
+
+    def first_at(self, lo, hi):
+        """Of the live windows overlapping [lo, hi), the first registered (None if none)."""
+        if self.count == 0:
+            return None
+        return self.index.first_added(lo, hi)
+
+    def __len__(self):
+        return self.count
+
+
 class Graph:
     __slots__ = ("id", "stream", "ops", "live", "line", "reserved")
 
@@ -608,7 +652,7 @@ class RankAnalyzer:
         self.live_ranges = RangeIndex()
         self.allocs = 0
         self.ranges_upto = 0
-        self.windows = []
+        self.windows = WindowTable()
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
         self.colls_in_flight = {}  # cid -> Op
@@ -767,10 +811,8 @@ class RankAnalyzer:
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
         block = Block(bid, addr, size, stream, pool, line, self.step, ev)
-        for w in self.windows:
-            if w.addr < block.end and addr < w.end:
-                block.window = w
-                break
+        if self.windows.count:
+            block.window = self.windows.first_at(addr, block.end)
         end = block.end
         graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
         if graph_ops:
@@ -851,21 +893,18 @@ class RankAnalyzer:
         ordinal = self.window_ordinals.get(comm, 0)
         self.window_ordinals[comm] = ordinal + 1
         w = Window(addr, size, comm, ordinal)
-        self.windows.append(w)
+        self.windows.add(w)
         # SGLang registers a segment as a window when the scope exits, after the allocations
         # inside it: blocks already live there count as window blocks too.
-        for block in self.live.values():
-            if block.window is None and block.addr < w.end and w.addr < block.end:
+        for _, _, block in self._live_ranges().overlapping(w.addr, w.end):
+            if block.window is None:
                 block.window = w
 
     def on_window_free(self, ev, line):
         addr = ev.addr
         comm = ev.comm
-        for i, w in enumerate(self.windows):
-            if w.addr == addr and w.comm == comm:
-                del self.windows[i]
-                return
-        raise Malformed(f"window_free of unknown window addr={addr} comm={comm!r}")
+        if not self.windows.remove(addr, comm):
+            raise Malformed(f"window_free of unknown window addr={addr} comm={comm!r}")
 
     def on_segment(self, ev, line):
         pass  # placement context for `hazsan place`; no rule needs it
@@ -908,12 +947,12 @@ class RankAnalyzer:
         self._mark_coll_touched(bufs)
         # Window buffers: for asymmetric-offset and successor mode.
         in_window = []
-        if self.windows:
+        if self.windows.count:
+            windows = self.windows
             for b in bufs:
-                for w in self.windows:
-                    if w.addr < b[1] and b[0] < w.end:
-                        in_window.append((b, w))
-                        break
+                w = windows.first_at(b[0], b[1])
+                if w is not None:
+                    in_window.append((b, w))
         own = [(b, w) for b, w in in_window if w.comm == comm]
         self.matcher.submit(self, comm, seq, op,
                             tuple((w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own))
