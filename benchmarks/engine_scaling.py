@@ -5,6 +5,11 @@
   its own buffer, then N launches on another stream, each writing one of those buffers: every
   launch is an unordered-access finding. The per-access cost must be O(log n + overlaps), not
   O(ops in flight). Target: N = 10^5 in under 2 s on one core.
+- `successor N`: `inflight` under `--peer-completion successor`, the buffers in a window of the
+  collectives' communicator, and a sync of the launch stream every 10 launches (each retires):
+  the per-access cost must stay O(log n + overlaps) there too (SuccessorWait's index).
+- `windows N`: N windows registered (then N blocks allocated, one in each, a collective on each,
+  the blocks freed, the windows freed): the window lookups must not cost O(windows) each.
 - `streams N`: N distinct streams; on each, an allocation, a launch writing it, an event recorded
   there and waited on by stream 0, then a sync of that stream. Clock memory must grow with the
   streams that actually synchronise, not with N x N. Target: N = 10^5 under 300 MB peak RSS.
@@ -37,7 +42,7 @@ from sanitizer.rules.driver import analyze
 # the engine itself is measured here, not `hazsan check`'s limits (100,000 streams by default)
 driver.ENGINE_LIMITS = {"max_streams": 10**9, "max_events": 10**9, "max_comms": 10**9}
 cpu = time.process_time()
-a = analyze([spec["path"]], engine=spec["engine"])
+a = analyze([spec["path"]], engine=spec["engine"], peer_completion=spec.get("peer", "local"))
 out = {"cpu": time.process_time() - cpu, "events": a.summary["events"],
        "findings": a.summary["findings"], "engine": a.summary["engine"], "errors": len(a.errors),
        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -61,6 +66,38 @@ def write_inflight(path: Path, n: int) -> None:
                             "writes": [[BASE + i * SIZE, SIZE]]}) + b"\n")
 
 
+def write_successor(path: Path, n: int) -> None:
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        fh.write(dumps({"ev": "window", "addr": BASE, "size": n * SIZE, "comm": "tp"}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": "tp", "seq": i + 1, "op": "all_reduce",
+                            "stream": 2, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE, "access": "rw"}]}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "launch", "stream": 1, "op": "k",
+                            "writes": [[BASE + i * SIZE, SIZE]]}) + b"\n")
+            if i % 10 == 9:
+                fh.write(dumps({"ev": "sync", "stream": 1}) + b"\n")
+
+
+def write_windows(path: Path, n: int) -> None:
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "window", "addr": BASE + i * SIZE, "size": SIZE, "comm": "tp"}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "alloc", "id": i, "addr": BASE + i * SIZE, "size": SIZE // 2, "stream": 1,
+                            "pool": "symm"}) + b"\n")
+            fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": "tp", "seq": i + 1, "op": "all_reduce",
+                            "stream": 1, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE // 2, "access": "rw"}]}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "free", "id": i}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "window_free", "addr": BASE + i * SIZE, "comm": "tp"}) + b"\n")
+
+
 def write_streams(path: Path, n: int) -> None:
     dumps = orjson.dumps
     with open(path, "wb") as fh:
@@ -75,11 +112,13 @@ def write_streams(path: Path, n: int) -> None:
             fh.write(dumps({"ev": "sync", "stream": i}) + b"\n")
 
 
-CASES = {"inflight": write_inflight, "streams": write_streams}
+CASES = {"inflight": write_inflight, "successor": write_successor, "windows": write_windows,
+         "streams": write_streams}
+PEER = {"successor": "successor"}
 
 
-def run(path: Path, engine: str, core: int, tree: Path = ROOT) -> dict:
-    cmd = [sys.executable, "-c", _CHILD, json.dumps({"path": str(path), "engine": engine})]
+def run(path: Path, engine: str, core: int, tree: Path = ROOT, peer: str = "local") -> dict:
+    cmd = [sys.executable, "-c", _CHILD, json.dumps({"path": str(path), "engine": engine, "peer": peer})]
     if core >= 0 and hasattr(os, "sched_setaffinity"):
         cmd = ["taskset", "-c", str(core), *cmd]
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -115,7 +154,7 @@ def main(argv=None) -> int:
                     path = args.dir / f"{case}-{n}.jsonl"
                     if not path.exists():
                         CASES[case](path, n)
-                    r = run(path, engine, args.core, tree)
+                    r = run(path, engine, args.core, tree, PEER.get(case, "local"))
                     if "error" in r:
                         print(f"{case:9} {label + engine:11} {n:>9,} failed: {r['error']}")
                         continue

@@ -23,6 +23,16 @@ cdef class Window:
     cdef public object comm, ordinal
 
 
+cdef class WindowTable:
+    cdef public RangeIndex index
+    cdef public dict by_key
+    cdef public Py_ssize_t count
+
+    cpdef add(self, Window w)
+    cpdef bint remove(self, object addr, object comm)
+    cpdef object first_at(self, object lo, object hi)
+
+
 cdef class Graph:
     cdef public object id, stream, ops, line, reserved
     cdef public bint live
@@ -81,7 +91,22 @@ cdef class InFlight:
 
 
 cdef class SuccessorWait:
-    cdef public list colls
+    cdef public list colls, epochs, entries
+    cdef public Py_ssize_t start, base
+    cdef public RangeIndex index
+    cdef public bint ordered
+
+    cpdef push(self, Op op)
+    cpdef _unorder(self)
+
+    @cython.locals(colls=list, start=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t, k=Py_ssize_t,
+                   first=Py_ssize_t, op=Op, item=tuple, found=list)
+    cpdef object not_done(self, StreamClocks clocks, object stream, long long lo, long long hi, int access,
+                          object protected, object hits)
+
+    @cython.locals(colls=list, start=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t, k=Py_ssize_t,
+                   stop=Py_ssize_t, op=Op, entries=list)
+    cpdef retire(self, dict host)
 
 
 cdef class SeenIds:
@@ -97,7 +122,8 @@ cdef class RankAnalyzer:
     cdef public bint successor
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
     cdef public RangeIndex live_ranges
-    cdef public list windows, capturing, live_graphs
+    cdef public WindowTable windows
+    cdef public list capturing, live_graphs
     cdef public SeenIds cids
     cdef public set steps_seen, comms
     cdef public Py_ssize_t max_comms

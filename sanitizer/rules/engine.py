@@ -128,6 +128,50 @@ class Window:
         self.addr, self.end, self.comm, self.ordinal = addr, addr + size, comm, ordinal
 
 
+class WindowTable:
+    """The live windows: the first registered of those overlapping a range, by an address index,
+    and the one a `window_free` names, by (addr, comm); neither costs O(windows)."""
+
+    __slots__ = ("index", "by_key", "count")
+
+    def __init__(self):
+        self.index = RangeIndex()
+        self.by_key: dict = {}  # (addr, comm) -> its live windows, first registered first
+        self.count = 0
+
+    def add(self, w) -> None:
+        self.index.add(w.addr, w.end, w)
+        key = (w.addr, w.comm)
+        same = self.by_key.get(key)
+        if same is None:
+            self.by_key[key] = [w]
+        else:
+            same.append(w)
+        self.count += 1
+
+    def remove(self, addr, comm) -> bool:
+        """Drop the first registered live window at `addr` of `comm`; False when there is none."""
+        key = (addr, comm)
+        same = self.by_key.get(key)
+        if same is None:
+            return False
+        w = same.pop(0)
+        if not same:
+            del self.by_key[key]
+        self.index.remove(w.addr, w.end, w)
+        self.count -= 1
+        return True
+
+    def first_at(self, lo, hi):
+        """Of the live windows overlapping [lo, hi), the first registered (None if none)."""
+        if self.count == 0:
+            return None
+        return self.index.first_added(lo, hi)
+
+    def __len__(self):
+        return self.count
+
+
 class Graph:
     __slots__ = ("id", "stream", "ops", "live", "line", "reserved")
 
@@ -425,13 +469,151 @@ class BufferIndex:
 
 
 class SuccessorWait:
-    """Successor mode: every collective on one communicator, in program order, until its
-    successor is done for the host."""
+    """Successor mode: the collectives of one communicator, in program order, until each is done
+    for the host (locally complete, and a later one locally complete too).
 
-    __slots__ = ("colls",)
+    The usual communicator runs all its collectives on one stream with rising seq (`ordered`).
+    Then the ones locally complete for a stream X are a prefix of the waiting list (one stream:
+    epoch order), a later one has a higher seq, and those not done for X are a suffix: for a write,
+    from the last locally complete one on (it has no successor yet); for a read, from the first one
+    not locally complete. Their window buffers are found through an address index, so an access
+    costs O(log n + overlaps); retiring drops a prefix. A communicator whose waiting collectives
+    use a second stream, or a seq that does not rise, is scanned in full per access instead (the
+    same answers, by the definition itself).
+    """
+
+    __slots__ = ("colls", "epochs", "entries", "start", "base", "index", "ordered")
 
     def __init__(self):
-        self.colls: list[Op] = []
+        self.colls: list[Op] = []  # colls[start:] wait, in program order
+        self.epochs: list = []  # their epochs (ordered: rising)
+        self.entries: list = []  # per coll: its [(lo, hi, item)] in `index` (ordered only)
+        self.start = 0
+        self.base = 0  # colls dropped from the front of the lists: position = base + list index
+        self.index = RangeIndex()  # window buffers; item (position, access, op)
+        self.ordered = True
+
+    def push(self, op) -> None:
+        colls = self.colls
+        n = len(colls)
+        if self.start == n:
+            self.ordered = True  # nothing waits: a fresh start
+        elif self.ordered:
+            last = colls[n - 1]
+            if op.stream != last.stream or op.seq <= last.seq:
+                self._unorder()
+        entries = []
+        if self.ordered:
+            position = self.base + n
+            for lo, hi, acc in op.window_bufs:
+                item = (position, acc, op)
+                self.index.add(lo, hi, item)
+                entries.append((lo, hi, item))
+        colls.append(op)
+        self.epochs.append(op.epoch)
+        self.entries.append(entries)
+
+    def _unorder(self) -> None:
+        self.ordered = False
+        self.index = RangeIndex()
+        self.entries = [[] for _ in self.entries]
+
+    def not_done(self, clocks, stream, lo, hi, access, protected, hits):
+        """Add to `hits` ({op: [lo, hi]}) the waiting collectives with a window buffer overlapping
+        [lo, hi) that conflicts with `access` and is not done for `stream`; returns `hits`."""
+        colls = self.colls
+        start = self.start
+        n = len(colls)
+        if start == n:
+            return hits
+        write = access & WRITE
+        if not self.ordered:
+            done_seq = None  # highest seq among later collectives locally complete for `stream`
+            for i in range(n - 1, start - 1, -1):
+                op = colls[i]
+                local = clocks.knows(stream, op.stream) >= op.epoch
+                # done for a write: locally complete AND a later collective done ("successor")
+                not_done = not (local and done_seq is not None and done_seq > op.seq) if write else not local
+                if op.window_bufs and not_done and not (protected and op.stream in protected):
+                    for blo, bhi, bacc in op.window_bufs:
+                        if blo < hi and lo < bhi and (bacc | access) & WRITE:
+                            if hits is None:
+                                hits = {}
+                            _widen(hits, op, max(lo, blo), min(hi, bhi))
+                if local:
+                    if done_seq is None or op.seq > done_seq:
+                        done_seq = op.seq
+            return hits
+        s = colls[start].stream
+        if protected and s in protected:
+            return hits
+        k = bisect_right(self.epochs, clocks.knows(stream, s), start)  # colls[start:k] local
+        first = k - 1 if write and k > start else k
+        if first >= n:
+            return hits
+        first += self.base
+        found = None
+        for blo, bhi, item in self.index.overlapping(lo, hi):
+            if item[0] >= first and (item[1] | access) & WRITE:
+                if found is None:
+                    found = []
+                found.append((item[0], blo, bhi, item[2]))
+        if found is not None:
+            if hits is None:
+                hits = {}
+            if len(found) > 1:
+                found.sort(key=_position, reverse=True)  # the scan's order: findings come out the same
+            for _, blo, bhi, op in found:
+                _widen(hits, op, max(lo, blo), min(hi, bhi))
+        return hits
+
+    def retire(self, host: dict) -> None:
+        """Drop the collectives done for the host (`host`: its clock). The others stay, in order:
+        they may still serve as successors."""
+        colls = self.colls
+        start = self.start
+        n = len(colls)
+        if start == n:
+            return
+        if not self.ordered:
+            done_seq = None
+            gone = None
+            for i in range(n - 1, start - 1, -1):
+                op = colls[i]
+                local = host.get(op.stream, 0) >= op.epoch
+                if local and done_seq is not None and done_seq > op.seq:
+                    if gone is None:
+                        gone = set()
+                    gone.add(i)
+                if local and (done_seq is None or op.seq > done_seq):
+                    done_seq = op.seq
+            if gone:
+                keep = [i for i in range(start, n) if i not in gone]
+                self.colls = [colls[i] for i in keep]
+                self.epochs = [self.epochs[i] for i in keep]
+                self.entries = [[] for _ in keep]
+                self.base += n  # positions are unused while unordered; keep them fresh
+                self.start = 0
+            return
+        k = bisect_right(self.epochs, host.get(colls[start].stream, 0), start)
+        stop = k - 1  # colls[start:stop] have a later collective locally complete for the host
+        if stop <= start:
+            return
+        index = self.index
+        entries = self.entries
+        for i in range(start, stop):
+            for lo, hi, item in entries[i]:
+                index.remove(lo, hi, item)
+        self.start = stop
+        if stop > 1024 and stop * 2 > n:  # compact now and then
+            del colls[:stop]
+            del self.epochs[:stop]
+            del entries[:stop]
+            self.base += stop
+            self.start = 0
+
+    def __len__(self):
+        return len(self.colls) - self.start
 
 
 class SeenIds:
@@ -495,7 +677,7 @@ class RankAnalyzer:
         self.live_ranges = RangeIndex()
         self.allocs = 0
         self.ranges_upto = 0
-        self.windows = []
+        self.windows = WindowTable()
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
         self.colls_in_flight = {}  # cid -> Op
@@ -613,22 +795,8 @@ class RankAnalyzer:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
             # local kernel itself wrote it.
-            write = access & WRITE
-            for comm, sc in self.successor_waits.items():
-                done_seq = None  # highest seq among later collectives done for `stream`
-                for op in reversed(sc.colls):
-                    local = clocks.knows(stream, op.stream) >= op.epoch
-                    # done for a write: locally complete AND a later collective done ("successor")
-                    not_done = not (local and done_seq is not None and done_seq > op.seq) if write else not local
-                    if op.window_bufs and not_done and not (protected and op.stream in protected):
-                        for blo, bhi, bacc in op.window_bufs:
-                            if blo < hi and lo < bhi and (bacc | access) & WRITE:
-                                if hits is None:
-                                    hits = {}
-                                _widen(hits, op, max(lo, blo), min(hi, bhi))
-                    if local:
-                        if done_seq is None or op.seq > done_seq:
-                            done_seq = op.seq
+            for sc in self.successor_waits.values():
+                hits = sc.not_done(clocks, stream, lo, hi, access, protected, hits)
         return hits
 
     def _live_ranges(self) -> RangeIndex:
@@ -668,10 +836,8 @@ class RankAnalyzer:
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
         block = Block(bid, addr, size, stream, pool, line, self.step, ev)
-        for w in self.windows:
-            if w.addr < block.end and addr < w.end:
-                block.window = w
-                break
+        if self.windows.count:
+            block.window = self.windows.first_at(addr, block.end)
         end = block.end
         graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
         if graph_ops:
@@ -752,21 +918,18 @@ class RankAnalyzer:
         ordinal = self.window_ordinals.get(comm, 0)
         self.window_ordinals[comm] = ordinal + 1
         w = Window(addr, size, comm, ordinal)
-        self.windows.append(w)
+        self.windows.add(w)
         # SGLang registers a segment as a window when the scope exits, after the allocations
         # inside it: blocks already live there count as window blocks too.
-        for block in self.live.values():
-            if block.window is None and block.addr < w.end and w.addr < block.end:
+        for _, _, block in self._live_ranges().overlapping(w.addr, w.end):
+            if block.window is None:
                 block.window = w
 
     def on_window_free(self, ev, line):
         addr = ev.addr
         comm = ev.comm
-        for i, w in enumerate(self.windows):
-            if w.addr == addr and w.comm == comm:
-                del self.windows[i]
-                return
-        raise Malformed(f"window_free of unknown window addr={addr} comm={comm!r}")
+        if not self.windows.remove(addr, comm):
+            raise Malformed(f"window_free of unknown window addr={addr} comm={comm!r}")
 
     def on_segment(self, ev, line):
         pass  # placement context for `hazsan place`; no rule needs it
@@ -809,12 +972,12 @@ class RankAnalyzer:
         self._mark_coll_touched(bufs)
         # Window buffers: for asymmetric-offset and successor mode.
         in_window = []
-        if self.windows:
+        if self.windows.count:
+            windows = self.windows
             for b in bufs:
-                for w in self.windows:
-                    if w.addr < b[1] and b[0] < w.end:
-                        in_window.append((b, w))
-                        break
+                w = windows.first_at(b[0], b[1])
+                if w is not None:
+                    in_window.append((b, w))
         own = [(b, w) for b, w in in_window if w.comm == comm]
         self.matcher.submit(self, comm, seq, op,
                             tuple((w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own))
@@ -869,7 +1032,7 @@ class RankAnalyzer:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
                 sc = self.successor_waits[op.comm] = SuccessorWait()
-            sc.colls.append(op)
+            sc.push(op)
 
     def on_coll_done(self, ev, line):
         cid = ev.cid
@@ -934,18 +1097,9 @@ class RankAnalyzer:
                 del inflight[s]
         if self.successor_waits:
             # A collective leaves once it is done for the host itself: locally complete and a
-            # later one done. The others stay, in order (they may still serve as successors).
+            # later one done.
             for sc in self.successor_waits.values():
-                done_seq = None
-                gone = set()
-                for op in reversed(sc.colls):
-                    local = vh.get(op.stream, 0) >= op.epoch
-                    if local and done_seq is not None and done_seq > op.seq:
-                        gone.add(op)
-                    if local and (done_seq is None or op.seq > done_seq):
-                        done_seq = op.seq
-                if gone:
-                    sc.colls = [op for op in sc.colls if op not in gone]
+                sc.retire(vh)
 
     # ------------------------------------------------------------------ graphs
 
@@ -1058,6 +1212,10 @@ class RankAnalyzer:
         for f in self.transients.values():
             self.sink.add(f)
         self.transients.clear()
+
+
+def _position(entry):
+    return entry[0]
 
 
 def _widen(hits: dict, op, lo, hi) -> None:
