@@ -27,10 +27,13 @@ cdef class WindowTable:
     cdef public RangeIndex index
     cdef public dict by_key
     cdef public Py_ssize_t count
+    cdef public list small
 
     cpdef add(self, Window w)
     cpdef bint remove(self, object addr, object comm)
-    cpdef object first_at(self, object lo, object hi)
+
+    @cython.locals(small=list, w=Window)
+    cpdef object first_at(self, long long lo, long long hi)
 
 
 cdef class Graph:

@@ -129,15 +129,20 @@ class Window:
 
 
 class WindowTable:
-    """The live windows: the first registered of those overlapping a range, by an address index,
-    and the one a `window_free` names, by (addr, comm); neither costs O(windows)."""
+    """The live windows: the first registered of those overlapping a range, and the one a
+    `window_free` names, by (addr, comm); neither costs O(windows). A rank usually has a few
+    windows: while there are at most SMALL, a list in registration order answers (cheaper than
+    the index); past that the address index does, until no window is left."""
 
-    __slots__ = ("index", "by_key", "count")
+    __slots__ = ("index", "by_key", "count", "small")
+
+    SMALL = 8
 
     def __init__(self):
         self.index = RangeIndex()
         self.by_key: dict = {}  # (addr, comm) -> its live windows, first registered first
         self.count = 0
+        self.small: list | None = []  # the live windows in registration order, while few
 
     def add(self, w) -> None:
         self.index.add(w.addr, w.end, w)
@@ -148,6 +153,11 @@ class WindowTable:
         else:
             same.append(w)
         self.count += 1
+        if self.small is not None:
+            if self.count > self.SMALL:
+                self.small = None
+            else:
+                self.small.append(w)
 
     def remove(self, addr, comm) -> bool:
         """Drop the first registered live window at `addr` of `comm`; False when there is none."""
@@ -160,11 +170,19 @@ class WindowTable:
             del self.by_key[key]
         self.index.remove(w.addr, w.end, w)
         self.count -= 1
+        if self.small is not None:
+            self.small.remove(w)
+        elif self.count == 0:
+            self.small = []
         return True
 
     def first_at(self, lo, hi):
         """Of the live windows overlapping [lo, hi), the first registered (None if none)."""
-        if self.count == 0:
+        small = self.small
+        if small is not None:
+            for w in small:
+                if w.addr < hi and lo < w.end:
+                    return w
             return None
         return self.index.first_added(lo, hi)
 
