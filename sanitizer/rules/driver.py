@@ -193,7 +193,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     except (ValueError, RuntimeError) as exc:
         return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, None), [TraceError(ENV, None, str(exc))], [])
     errors: list[TraceError] = []
-    # auto, and the compiled engine is missing: say so once (it is several times slower)
+    # auto, and the compiled engine is missing: say so once (it runs at about half the speed)
     warnings: list[str] = [f"running the interpreted engine: {fallback}"] if fallback else []
     skipped = 0
     try:
