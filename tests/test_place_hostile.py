@@ -3,6 +3,7 @@ addresses at or past 2^64 once rewritten, windows of negative size. Each ends in
 line naming file and line, never a traceback."""
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -107,3 +108,17 @@ def test_fuzz_place_and_sweep_end_in_a_clean_exit(tmp_path_factory, capsys, seed
     trace.write_bytes(trace_lines(random.Random(seed), events=40, mutation_rate=0.2))
     _run_in_process(["place", str(trace), "--out", str(d / "out"), "--quiet"], capsys)
     _run_in_process(["sweep", str(trace), "--scale", "1,2", "--repeat", "1"], capsys)
+
+
+def test_sweep_with_64_bit_step_and_token_count_is_a_clean_error(tmp_path, capsys):
+    """Step number and token count at 2**64 - 1 (valid JSON integers): the sweep's header cannot
+    be written with them; a one-line error naming the file, exit 2, not a TypeError."""
+    big = 2**64 - 1
+    trace = tmp_path / "rank0.jsonl"
+    lines = [{"hazsan": 1, "rank": 0, "world_size": 1},
+             {"ev": "step", "n": big, "tokens": big},
+             {"ev": "alloc", "id": 1, "addr": 4096, "size": 64, "stream": 1, "pool": None},
+             {"ev": "free", "id": 1}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code = _run_in_process(["sweep", str(trace), "--scale", "1,2"], capsys)
+    assert code == 2

@@ -308,15 +308,15 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                 evs = sc.build()
                 name = f.name[:-3] if f.name.endswith(".gz") else f.name
                 with open(raw_dir / name, "wb") as fh:
-                    fh.write(orjson.dumps({**{k: v for k, v in header.items() if k != "end_record"}, "sweep": {
+                    head = {**{k: v for k, v in header.items() if k != "end_record"}, "sweep": {
                         "scale": scale, "source": str(f), "step": marker.get("n"),
-                        "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens,
-                        "repeat": repeat}}) + b"\n")
-                    for e in evs:
+                        "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens, "repeat": repeat}}
+                    for e in (head, *evs):
                         try:
                             fh.write(orjson.dumps(e) + b"\n")
-                        except TypeError as exc:  # an int past 64 bits once scaled (hostile sizes, shapes)
-                            what = f"{e.get('ev')} {e.get('id')!r}" if "id" in e else str(e.get("ev"))
+                        except TypeError as exc:  # an int past 64 bits (hostile sizes, shapes, token counts)
+                            what = (f"{e.get('ev')} {e.get('id')!r}" if "id" in e else str(e.get("ev"))) \
+                                if e is not head else "header (step, token count)"
                             raise SweepError(f"{f}: scale {scale:g}: the scaled {what} is out of range "
                                              f"({exc})") from None
                 stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools)
