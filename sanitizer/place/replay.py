@@ -38,6 +38,8 @@ from typing import Iterable, Iterator
 
 import orjson
 
+from sanitizer.rules.engine import RangeIndex
+
 from .allocator import DEFAULT_POOL, Block, CachingAllocator, PlacementError
 from .config import AllocatorConfig
 from .segments import DEFAULT_PLUGGABLE_BASE, Arena, DeviceDriver, OutOfMemory, SegmentSource
@@ -170,7 +172,7 @@ class RankPlacer:
         self.pool_comm: dict = {}              # pool -> comm (from scopes)
         self.pool_no_split: set = set(no_split_pools)
         self.arenas: dict = {}                 # comm -> [Arena]
-        self.windows: dict = {}                # (input addr, comm) -> model addr
+        self.windows = _WindowMap()            # (input addr, comm) -> (model addr, size)
         self._window_cursor = WINDOW_BASE
         self._pluggable_cursor = DEFAULT_PLUGGABLE_BASE
         self.pending_segments: dict = {}       # input segment addr -> (size, pool, line), no alloc yet
@@ -250,9 +252,10 @@ class RankPlacer:
         e = self.inputs.find(addr)
         if e is not None:
             return e[2] + (addr - e[0])
-        for (waddr, comm), (model, size) in self.windows.items():
-            if waddr <= addr < waddr + size:
-                return self._placed(model + (addr - waddr), line, f"address {addr:#x}")
+        held = self.windows.holding(addr)
+        if held is not None:
+            waddr, model = held
+            return self._placed(model + (addr - waddr), line, f"address {addr:#x}")
         self.stats.foreign_buffers += 1
         return self._placed(FOREIGN_BASE + addr, line, f"address {addr:#x} (outside every block)")
 
@@ -535,6 +538,41 @@ class RankPlacer:
         out = dict(ev)
         out["addr"] = model[0] if model is not None else self.map_addr(addr, line)
         yield out
+
+
+class _WindowMap:
+    """Input windows: (input addr, comm) -> (model addr, size), registered ones never dropped, and
+    which of them holds an address: the first registered, as a scan in registration order says,
+    through an address index (O(log n + windows holding it), not O(windows) per address)."""
+
+    def __init__(self):
+        self.by_key: dict = {}  # key -> (registration order, value, index item)
+        self.index = RangeIndex()
+        self.order = 0
+
+    def __setitem__(self, key, value) -> None:
+        old = self.by_key.get(key)
+        if old is None:
+            order = self.order
+            self.order += 1
+        else:  # registered again: its place in the order stays, its range may change
+            order = old[0]
+            self.index.remove(key[0], key[0] + old[1][1], old[2])
+        item = (order, key[0], value[0])
+        self.index.add(key[0], key[0] + value[1], item)
+        self.by_key[key] = (order, value, item)
+
+    def get(self, key):
+        entry = self.by_key.get(key)
+        return None if entry is None else entry[1]
+
+    def holding(self, addr: int):
+        """(input addr, model addr) of the first registered window holding `addr`, or None."""
+        best = None
+        for _, _, item in self.index.overlapping(addr, addr + 1):
+            if best is None or item[0] < best[0]:
+                best = item
+        return None if best is None else (best[1], best[2])
 
 
 def _short(value, limit: int = 60) -> str:
