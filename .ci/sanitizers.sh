@@ -47,7 +47,9 @@ flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fr
 (cd "$scratch" && CC="$CC" CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" HAZSAN_REQUIRE_COMPILED=1 \
     "$OLDPWD/$VPY" setup.py -q build_ext --inplace >"$scratch/build.log" 2>&1) \
     || { tail -20 "$scratch/build.log"; echo "sanitizers: FAILED: the instrumented build failed" >&2; exit 1; }
-nm -D "$scratch"/sanitizer/rules/engine.*.so | grep -q __asan_ \
+# (not `nm | grep -q`: grep stops at the first match, nm dies of SIGPIPE, and pipefail fails the step)
+symbols=$(nm -D "$scratch"/sanitizer/rules/engine.*.so)
+grep -q __asan_ <<<"$symbols" \
     || { echo "sanitizers: FAILED: the engine was built without ASan instrumentation" >&2; exit 1; }
 
 echo "sanitizers: engine built with $flags; running ${#TESTS[@]} test files against it"
