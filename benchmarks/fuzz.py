@@ -32,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from hostile_inputs import log_lines, trace_lines  # noqa: E402
 
-from sanitizer.cli import main as hazsan  # noqa: E402
+from sanitizer.cli import RAISE_ENV, main as hazsan  # noqa: E402
+
+# an internal error must escape (and show in a subprocess's stderr), not end as a quiet exit 2
+os.environ[RAISE_ENV] = "1"
 
 COMMANDS = ("check", "place", "sweep", "logscan")
 

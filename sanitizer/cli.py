@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
 import sanitizer.commands as _commands
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+#: Set (the test suite and benchmarks/fuzz.py set it): an internal error propagates with its traceback.
+RAISE_ENV = "HAZSAN_RAISE"
 
 
 def _command_modules():
@@ -46,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CLEAN
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug in hazsan: still one line, never a traceback
+        if os.environ.get(RAISE_ENV):
+            raise
+        print(f"hazsan {args.command}: internal error: {type(exc).__name__}: {exc} (a bug in hazsan; "
+              f"{RAISE_ENV}=1 shows the traceback)", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

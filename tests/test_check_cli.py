@@ -233,3 +233,24 @@ def test_python_dash_m_sanitizer_works(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(p), "--format", "json"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and json.loads(r.stdout)["summary"]["by_rule"]["reuse-in-flight"] == 1
+
+
+def test_internal_error_is_one_line_exit_2_unless_raise_is_set(monkeypatch, capsys, tmp_path):
+    """A bug in a command (here: the check command's run made to raise) ends as one line and exit
+    2 for a user; with HAZSAN_RAISE set (the suite sets it) the exception propagates."""
+    import sanitizer.commands.check as check_cmd
+    from sanitizer.cli import main as cli_main
+
+    def broken(args):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(check_cmd, "run", broken)
+    trace = tmp_path / "rank0.jsonl"
+    trace.write_text('{"hazsan": 1, "rank": 0, "world_size": 1}\n')
+    with pytest.raises(ZeroDivisionError):
+        cli_main(["check", str(trace)])
+    monkeypatch.delenv("HAZSAN_RAISE")
+    assert cli_main(["check", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("hazsan check: internal error: ZeroDivisionError: boom")
