@@ -131,3 +131,26 @@ def test_references_kept_until_every_rank_reported_them(engine):
     assert m.retained == 0 and not m.pending  # both reported within a round: never kept
     m.finish()
     assert m.unmatched == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_killed_rank_is_not_waited_for(tmp_path, engine):
+    """Rank 2's file ends after 5 collectives (a killed rank). The others' 20,000 are compared
+    among themselves round by round (a mismatch late in the run is found), counted unmatched, and
+    not held until the end: the pending table stays small."""
+    paths = write_ranks(tmp_path, {}, mismatch_seq=15_000, colls=20_000, world=3)
+    lines = paths[2].read_bytes().splitlines(keepends=True)
+    paths[2].write_bytes(b"".join(lines[:2 + 5]))  # header, window, 5 collectives
+    eng = load_engine(engine)[0]
+    peak = [0]
+
+    class Watched(eng.CollectiveMatcher):
+        def end_round(self):
+            super().end_round()
+            peak[0] = max(peak[0], len(self.pending), self.retained)
+
+    a = analyze([str(p) for p in paths], engine=engine, matcher=Watched)
+    assert a.summary["by_rule"] == {"asymmetric-offset": 1}
+    assert (a.findings[0].rank, a.findings[0].line) == (1, 2 + 15_000)
+    assert "19995 collective(s) were not seen on every rank of their communicator" in a.warnings
+    assert peak[0] < 10_000, peak[0]  # a round's worth, not the 19,995 collectives rank 2 never brought

@@ -1232,6 +1232,14 @@ class RankAnalyzer:
         self.transients.clear()
 
 
+def _reported_or_ended(entry: dict, members: set, finished: set) -> bool:
+    """Every member of the communicator reported this collective or was read to its end."""
+    for r in members:
+        if r not in entry and r not in finished:
+            return False
+    return True
+
+
 def _position(entry):
     return entry[0]
 
@@ -1260,7 +1268,8 @@ class CollectiveMatcher:
     settled references of a communicator are therefore kept until no rank can still bring it for
     the first time, that is until every rank of the run (`ranks`) uses it or has been read to
     its end (`rank_finished`); with all ranks in the communicator, the usual case, that is at
-    once. At most `max_retained` references are kept so: past that the oldest go, and a rank
+    once. A member whose file ended (a killed rank) is not waited for: a collective it never
+    reported is compared among the others at the end of the round and counted as unmatched. At most `max_retained` references are kept so: past that the oldest go, and a rank
     later than that is counted as unmatched (a warning), never silently passed.
     """
 
@@ -1330,7 +1339,10 @@ class CollectiveMatcher:
                     for seq in [q for q, v in by_seq.items() if v[2] >= n]:
                         del by_seq[seq]
                         self.retained -= 1
-        for key in [k for k, e in self.pending.items() if len(e) >= len(self.members[k[0]])]:
+        finished = self.finished
+        members = self.members
+        for key in [k for k, e in self.pending.items()
+                    if len(e) >= len(members[k[0]]) or (finished and _reported_or_ended(e, members[k[0]], finished))]:
             self._settle(key, self.pending.pop(key))
         while self.retained > self.max_retained:
             settled = self.settled
@@ -1352,8 +1364,12 @@ class CollectiveMatcher:
         ref_value = entry[ranks[0]]
         for r in ranks[1:]:
             self._compare(key, ranks[0], ref_value, r, entry[r])
-        if key[0] in self.closed and len(ranks) >= len(self.members[key[0]]):
-            return  # no rank can still report it
+        if key[0] in self.closed:
+            # no rank can still report it; members missing from it were read to their end (a
+            # killed rank): unmatched now, not kept until the end of the run
+            if len(ranks) < len(self.members[key[0]]):
+                self.unmatched += 1
+            return
         by_seq = self.settled.get(key[0])
         if by_seq is None:
             by_seq = self.settled[key[0]] = {}
