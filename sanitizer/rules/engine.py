@@ -55,6 +55,10 @@ READ, WRITE = 1, 2
 MAX_COMMS = 100_000
 LOCAL, SUCCESSOR = "local", "successor"
 ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
+#: Collective buffers logged before they are marked on the blocks they touch, and how far back a
+#: free inside a window reads that log before marking it all instead (RankAnalyzer._coll_touched).
+TOUCH_LOG = 4096
+TOUCH_SCAN = 64
 
 
 class Malformed(Exception):
@@ -695,6 +699,8 @@ class RankAnalyzer:
         self.live_ranges = RangeIndex()
         self.allocs = 0
         self.ranges_upto = 0
+        # collective buffers not yet marked on the blocks they touch: (lo, hi, allocs by then)
+        self.touches = []
         self.windows = WindowTable()
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
@@ -901,7 +907,7 @@ class RankAnalyzer:
         if block.serial <= self.ranges_upto:
             self.live_ranges.remove(addr, end, block)
         if block.window is not None:
-            if not block.coll_touched:
+            if not self._coll_touched(block):
                 self._transient(block, line)
 
     def on_free_done(self, ev, line):
@@ -1017,10 +1023,52 @@ class RankAnalyzer:
 
     def _mark_coll_touched(self, bufs) -> None:
         """A block is a collective buffer once any collective touches part of it (even before a
-        window is registered over it)."""
+        window is registered over it). Only a free inside a window asks (transient-in-window),
+        and most blocks are freed before any window matters: the buffers are logged, with the
+        allocs made by then (the blocks live now have serials up to that), and marked on the
+        blocks through the address index only when the log grows long."""
+        t = self.allocs
+        touches = self.touches
         for lo, hi, _ in bufs:
-            for _, _, blk in self._live_ranges().overlapping(lo, hi):
-                blk.coll_touched = True
+            touches.append((lo, hi, t))
+        if len(touches) > TOUCH_LOG:
+            self._apply_touches(None)
+
+    def _apply_touches(self, extra) -> None:
+        """Mark the logged collective buffers on the live blocks they touched (and on `extra`,
+        a block being freed, no longer live)."""
+        ranges = self._live_ranges()
+        for lo, hi, t in self.touches:
+            for _, _, blk in ranges.overlapping(lo, hi):
+                if blk.serial <= t:  # live when the collective ran (allocated before it, not freed since)
+                    blk.coll_touched = True
+            if extra is not None and extra.serial <= t and lo < extra.end and extra.addr < hi:
+                extra.coll_touched = True
+        self.touches = []
+
+    def _coll_touched(self, block) -> bool:
+        """Whether a collective touched part of `block` (being freed) during its life. The log
+        is read backwards down to the block's alloc; a long read marks the whole log instead,
+        so each logged buffer costs O(1) reads and one index query at most."""
+        if block.coll_touched:
+            return True
+        touches = self.touches
+        serial = block.serial
+        addr = block.addr
+        end = block.end
+        n = len(touches)
+        i = n
+        while i > 0:
+            i -= 1
+            entry = touches[i]
+            if entry[2] < serial:
+                return False  # logged before the block was allocated
+            if entry[0] < end and addr < entry[1]:
+                return True
+            if n - i >= TOUCH_SCAN:
+                self._apply_touches(block)
+                return block.coll_touched
+        return False
 
     def _enqueue(self, op: Op) -> None:
         stream = op.stream
