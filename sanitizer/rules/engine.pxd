@@ -6,14 +6,14 @@ from sanitizer.order.clocks cimport StreamClocks
 
 
 cdef class Block:
-    cdef public object id, stream, pool, site, stack, op, record_streams, window, step
+    cdef public object id, stream, pool, ev, record_streams, window, step
     cdef public long long addr, end, serial
     cdef public Py_ssize_t line
     cdef public bint coll_touched
 
 
 cdef class Op:
-    cdef public object kind, stream, bufs, step, name, cid, comm, seq, site, stack, clock, captured, window_bufs, index_keys
+    cdef public object kind, stream, bufs, step, ev, cid, comm, seq, clock, captured, window_bufs, index_keys
     cdef public long long epoch
     cdef public Py_ssize_t line
 

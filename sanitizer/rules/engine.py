@@ -71,7 +71,7 @@ class Malformed(Exception):
 class Block:
     """A live allocation."""
 
-    __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "site", "stack", "op",
+    __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "ev",
                  "record_streams", "window", "coll_touched", "serial")
 
     def __init__(self, bid, addr, size, stream, pool, line, step, ev):
@@ -82,21 +82,33 @@ class Block:
         self.pool = pool
         self.line = line
         self.step = step
-        self.site = ev.site
-        self.stack = ev.stack
-        self.op = ev.op
+        # the alloc event: its site, stack and op are read only for a finding (most blocks
+        # never have one; reading them off every event cost more than keeping the event)
+        self.ev = ev
         # None: no record_stream; else the streams other than its own (possibly none)
         self.record_streams = None
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
         self.serial = 0  # allocs of the rank up to this one, once live
 
+    @property
+    def site(self):
+        return self.ev.site
+
+    @property
+    def stack(self):
+        return self.ev.stack
+
+    @property
+    def op(self):
+        return self.ev.op
+
 
 class Op:
     """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
 
-    __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "name", "cid", "comm", "seq",
-                 "site", "stack", "clock", "captured", "window_bufs", "index_keys")
+    __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "ev", "cid", "comm", "seq",
+                 "clock", "captured", "window_bufs", "index_keys")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -105,9 +117,7 @@ class Op:
         self.bufs = bufs
         self.line = line
         self.step = step
-        self.name = ev.op
-        self.site = ev.site
-        self.stack = ev.stack
+        self.ev = ev  # the launch or coll event: its op, site and stack are read only for a finding
         self.cid = self.comm = self.seq = None
         self.clock = None  # collectives: what their stream knew at enqueue (for coll_done)
         self.captured = None  # replays: the captured op they re-run
@@ -117,12 +127,24 @@ class Op:
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
         op.kind, op.stream, op.bufs, op.line, op.step = self.kind, stream, self.bufs, line, step
-        op.name, op.site, op.stack = self.name, self.site, self.stack
+        op.ev = self.ev
         op.cid, op.comm, op.seq = self.cid, self.comm, self.seq
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
         op.index_keys = None
         return op
+
+    @property
+    def name(self):
+        return self.ev.op
+
+    @property
+    def site(self):
+        return self.ev.site
+
+    @property
+    def stack(self):
+        return self.ev.stack
 
 
 class Window:
@@ -984,7 +1006,6 @@ class RankAnalyzer:
         cid = ev.cid
         comm = ev.comm
         seq = ev.seq
-        name = ev.op
         stream = ev.stream
         if comm not in self.comms:
             self._new_comm(comm)
@@ -992,7 +1013,7 @@ class RankAnalyzer:
             raise Malformed(f"duplicate cid {cid!r}")
         bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
         op = Op("coll", stream, bufs, line, self.step, ev)
-        op.name, op.cid, op.comm, op.seq = name, cid, comm, seq
+        op.cid, op.comm, op.seq = cid, comm, seq
         self._mark_coll_touched(bufs)
         # Window buffers: for asymmetric-offset and successor mode.
         in_window = []
@@ -1004,7 +1025,7 @@ class RankAnalyzer:
                     in_window.append((b, w))
         own = [(b, w) for b, w in in_window if w.comm == comm]
         self.matcher.submit(self, comm, seq, op,
-                            tuple((w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own))
+                            tuple([(w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own]) if own else ())
         if self.successor and own:
             op.window_bufs = [b for b, _ in own]
             op.bufs = [b for b in bufs if all(b is not ob for ob, _ in own)]
