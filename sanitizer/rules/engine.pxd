@@ -120,7 +120,7 @@ cdef class SeenIds:
 
 
 cdef class RankAnalyzer:
-    cdef public object file, rank, sink, matcher, step, transients
+    cdef public object file, rank, sink, matcher, step, transients, settled
     cdef public StreamClocks clocks
     cdef public bint successor
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers

@@ -714,6 +714,9 @@ class RankAnalyzer:
         self.comms = set()  # communicators this rank used (windows, collectives)
         self.max_comms = max_comms
         self.inflight = {}  # stream -> InFlight
+        # a stream for which no op in flight was unfinished, and no other stream has pushed an op
+        # since: the answer stands (clocks only grow, retiring only removes), see _unfinished
+        self.settled = None
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
         self.live = {}  # block id -> Block
         # every live block by address, for collective-buffer marking: the blocks of the first
@@ -800,6 +803,8 @@ class RankAnalyzer:
     def _unfinished(self, stream, protected=None):
         """[(InFlight, how far `stream` knows its stream)] of the streams with an op in flight that
         is not done for `stream` (none of `protected`); None when there is none (the usual case)."""
+        if not protected and self.settled is not None and self.settled == stream:
+            return None  # nothing in flight was unfinished for it, and only it has pushed since
         unfinished = None
         vh = self.clocks.host
         vx = self.clocks.streams.get(stream) or vh
@@ -815,6 +820,8 @@ class RankAnalyzer:
             if unfinished is None:
                 unfinished = []
             unfinished.append((fl, known))
+        if unfinished is None and not protected:
+            self.settled = stream
         return unfinished
 
     def _not_done(self, stream, lo, hi, access, unfinished, protected=None):
@@ -1115,6 +1122,8 @@ class RankAnalyzer:
             if fl is None:
                 fl = self.inflight[stream] = InFlight()
             fl.push(op)
+            if self.settled is not None and self.settled != stream:
+                self.settled = None  # an op of another stream may be unfinished for it
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
