@@ -588,3 +588,63 @@ def test_reference_alternative_reading_of_strict_reads():
     # A read not even locally ordered stays unordered, and writes keep the successor rule.
     assert ids(REPORTED_CASES["strict-read-unordered"], lenient_reads) == {("unordered-access", 0, 4, 3)}
     assert ids(Scenario([STRICT_WINDOW], "successor"), lenient_reads) == {("reuse-in-flight", 0, 5, 3)}
+
+
+# ---------------------------------------------------------------- the collective-touch log
+
+class _TouchLog:
+    """The engine's collective-touch log (RankAnalyzer._coll_touched) shortened, in the build
+    `backend` runs, so that small traces take its every path: marking through the index when
+    the log is full, and when a free inside a window reads past TOUCH_SCAN entries."""
+
+    def __init__(self, backend, log, scan):
+        from sanitizer.rules.driver import load_engine
+
+        self.module = load_engine(backend)[0]
+        self.values = {"TOUCH_LOG": log, "TOUCH_SCAN": scan}
+
+    def __enter__(self):
+        self.saved = {name: getattr(self.module, name) for name in self.values}
+        for name, value in self.values.items():
+            setattr(self.module, name, value)
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(self.module, name, value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("log,scan", [(1, 1), (3, 2)])
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios())
+@example(Scenario([TRANSIENTS], "local"))
+@example(Scenario([TRANSIENT_TOUCHED_OUTSIDE_WINDOW], "local"))
+@example(Scenario([TRANSIENT_TOUCHED_BY_REPLAY], "local"))
+@example(Scenario([TRANSIENT_TOUCHED_BEFORE_WINDOW], "local"))
+def test_short_touch_log_matches_reference(backend, log, scan, scenario):
+    with _TouchLog(backend, log, scan):
+        check_against_reference(scenario, backend=backend)
+
+
+def _long_lived_window_blocks(touch_first: bool, colls: int) -> list:
+    """Window blocks 0 (touched by the first collective when `touch_first`) and 1 (never), alive
+    while `colls` collectives on other buffers run, then freed: the log holds more than the
+    engine reads back, or marks, at a time."""
+    events = [_WIN0, _alloc(0, 256, 16, site="a.py:1:f"), _alloc(1, 288, 16, site="b.py:2:g")]
+    for cid in range(colls):
+        addr = 256 if touch_first and cid == 0 else 0
+        events.append(_coll(cid, cid, "s0", [(addr, 16, "rw")]))
+        events.append({"ev": "coll_done", "cid": cid})
+    return events + [{"ev": "free", "id": 0}, {"ev": "free", "id": 1}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("touch_first", [True, False])
+@pytest.mark.parametrize("colls", [3, 100, 5000])
+def test_long_lived_window_block_touched_long_ago(backend, touch_first, colls):
+    scenario = Scenario([_long_lived_window_blocks(touch_first, colls)], "local")
+    check_against_reference(scenario, backend=backend)
+    sites = {f.site for f in analyze_scenario(scenario, backend).findings if f.rule == "transient-in-window"}
+    assert sites == ({"b.py:2:g"} if touch_first else {"a.py:1:f", "b.py:2:g"})

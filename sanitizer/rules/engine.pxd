@@ -6,14 +6,14 @@ from sanitizer.order.clocks cimport StreamClocks
 
 
 cdef class Block:
-    cdef public object id, stream, pool, site, stack, op, record_streams, window, step
+    cdef public object id, stream, pool, ev, record_streams, window, step
     cdef public long long addr, end, serial
     cdef public Py_ssize_t line
     cdef public bint coll_touched
 
 
 cdef class Op:
-    cdef public object kind, stream, bufs, step, name, cid, comm, seq, site, stack, clock, captured, window_bufs, index_keys
+    cdef public object kind, stream, bufs, step, ev, cid, comm, seq, clock, captured, window_bufs, index_keys
     cdef public long long epoch
     cdef public Py_ssize_t line
 
@@ -120,13 +120,13 @@ cdef class SeenIds:
 
 
 cdef class RankAnalyzer:
-    cdef public object file, rank, sink, matcher, step, transients
+    cdef public object file, rank, sink, matcher, step, transients, settled
     cdef public StreamClocks clocks
     cdef public bint successor
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
     cdef public RangeIndex live_ranges
     cdef public WindowTable windows
-    cdef public list capturing, live_graphs
+    cdef public list capturing, live_graphs, touches
     cdef public SeenIds cids
     cdef public set steps_seen, comms
     cdef public Py_ssize_t max_comms
@@ -157,6 +157,16 @@ cdef class RankAnalyzer:
 
     @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
     cpdef on_free(self, object ev, Py_ssize_t line)
+
+    @cython.locals(t=cython.longlong, touches=list)
+    cpdef _mark_coll_touched(self, object bufs)
+
+    @cython.locals(ranges=RangeIndex, t=cython.longlong, blk=Block)
+    cpdef _apply_touches(self, object extra)
+
+    @cython.locals(touches=list, serial=cython.longlong, addr=cython.longlong, end=cython.longlong,
+                   n=Py_ssize_t, i=Py_ssize_t, entry=tuple)
+    cpdef bint _coll_touched(self, Block block)
 
     @cython.locals(bufs=list, op=Op)
     cpdef on_launch(self, object ev, Py_ssize_t line)

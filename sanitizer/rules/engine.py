@@ -55,6 +55,10 @@ READ, WRITE = 1, 2
 MAX_COMMS = 100_000
 LOCAL, SUCCESSOR = "local", "successor"
 ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
+#: Collective buffers logged before they are marked on the blocks they touch, and how far back a
+#: free inside a window reads that log before marking it all instead (RankAnalyzer._coll_touched).
+TOUCH_LOG = 4096
+TOUCH_SCAN = 64
 
 
 class Malformed(Exception):
@@ -67,7 +71,7 @@ class Malformed(Exception):
 class Block:
     """A live allocation."""
 
-    __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "site", "stack", "op",
+    __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "ev",
                  "record_streams", "window", "coll_touched", "serial")
 
     def __init__(self, bid, addr, size, stream, pool, line, step, ev):
@@ -78,21 +82,33 @@ class Block:
         self.pool = pool
         self.line = line
         self.step = step
-        self.site = ev.site
-        self.stack = ev.stack
-        self.op = ev.op
+        # the alloc event: its site, stack and op are read only for a finding (most blocks
+        # never have one; reading them off every event cost more than keeping the event)
+        self.ev = ev
         # None: no record_stream; else the streams other than its own (possibly none)
         self.record_streams = None
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
         self.serial = 0  # allocs of the rank up to this one, once live
 
+    @property
+    def site(self):
+        return self.ev.site
+
+    @property
+    def stack(self):
+        return self.ev.stack
+
+    @property
+    def op(self):
+        return self.ev.op
+
 
 class Op:
     """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
 
-    __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "name", "cid", "comm", "seq",
-                 "site", "stack", "clock", "captured", "window_bufs", "index_keys")
+    __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "ev", "cid", "comm", "seq",
+                 "clock", "captured", "window_bufs", "index_keys")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -101,9 +117,7 @@ class Op:
         self.bufs = bufs
         self.line = line
         self.step = step
-        self.name = ev.op
-        self.site = ev.site
-        self.stack = ev.stack
+        self.ev = ev  # the launch or coll event: its op, site and stack are read only for a finding
         self.cid = self.comm = self.seq = None
         self.clock = None  # collectives: what their stream knew at enqueue (for coll_done)
         self.captured = None  # replays: the captured op they re-run
@@ -113,12 +127,24 @@ class Op:
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
         op.kind, op.stream, op.bufs, op.line, op.step = self.kind, stream, self.bufs, line, step
-        op.name, op.site, op.stack = self.name, self.site, self.stack
+        op.ev = self.ev
         op.cid, op.comm, op.seq = self.cid, self.comm, self.seq
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
         op.index_keys = None
         return op
+
+    @property
+    def name(self):
+        return self.ev.op
+
+    @property
+    def site(self):
+        return self.ev.site
+
+    @property
+    def stack(self):
+        return self.ev.stack
 
 
 class Window:
@@ -688,6 +714,9 @@ class RankAnalyzer:
         self.comms = set()  # communicators this rank used (windows, collectives)
         self.max_comms = max_comms
         self.inflight = {}  # stream -> InFlight
+        # a stream for which no op in flight was unfinished, and no other stream has pushed an op
+        # since: the answer stands (clocks only grow, retiring only removes), see _unfinished
+        self.settled = None
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
         self.live = {}  # block id -> Block
         # every live block by address, for collective-buffer marking: the blocks of the first
@@ -695,6 +724,8 @@ class RankAnalyzer:
         self.live_ranges = RangeIndex()
         self.allocs = 0
         self.ranges_upto = 0
+        # collective buffers not yet marked on the blocks they touch: (lo, hi, allocs by then)
+        self.touches = []
         self.windows = WindowTable()
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
@@ -772,6 +803,8 @@ class RankAnalyzer:
     def _unfinished(self, stream, protected=None):
         """[(InFlight, how far `stream` knows its stream)] of the streams with an op in flight that
         is not done for `stream` (none of `protected`); None when there is none (the usual case)."""
+        if not protected and self.settled is not None and self.settled == stream:
+            return None  # nothing in flight was unfinished for it, and only it has pushed since
         unfinished = None
         vh = self.clocks.host
         vx = self.clocks.streams.get(stream) or vh
@@ -787,6 +820,8 @@ class RankAnalyzer:
             if unfinished is None:
                 unfinished = []
             unfinished.append((fl, known))
+        if unfinished is None and not protected:
+            self.settled = stream
         return unfinished
 
     def _not_done(self, stream, lo, hi, access, unfinished, protected=None):
@@ -901,7 +936,7 @@ class RankAnalyzer:
         if block.serial <= self.ranges_upto:
             self.live_ranges.remove(addr, end, block)
         if block.window is not None:
-            if not block.coll_touched:
+            if not self._coll_touched(block):
                 self._transient(block, line)
 
     def on_free_done(self, ev, line):
@@ -978,7 +1013,6 @@ class RankAnalyzer:
         cid = ev.cid
         comm = ev.comm
         seq = ev.seq
-        name = ev.op
         stream = ev.stream
         if comm not in self.comms:
             self._new_comm(comm)
@@ -986,7 +1020,7 @@ class RankAnalyzer:
             raise Malformed(f"duplicate cid {cid!r}")
         bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
         op = Op("coll", stream, bufs, line, self.step, ev)
-        op.name, op.cid, op.comm, op.seq = name, cid, comm, seq
+        op.cid, op.comm, op.seq = cid, comm, seq
         self._mark_coll_touched(bufs)
         # Window buffers: for asymmetric-offset and successor mode.
         in_window = []
@@ -998,7 +1032,7 @@ class RankAnalyzer:
                     in_window.append((b, w))
         own = [(b, w) for b, w in in_window if w.comm == comm]
         self.matcher.submit(self, comm, seq, op,
-                            tuple((w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own))
+                            tuple([(w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own]) if own else ())
         if self.successor and own:
             op.window_bufs = [b for b, _ in own]
             op.bufs = [b for b in bufs if all(b is not ob for ob, _ in own)]
@@ -1017,10 +1051,52 @@ class RankAnalyzer:
 
     def _mark_coll_touched(self, bufs) -> None:
         """A block is a collective buffer once any collective touches part of it (even before a
-        window is registered over it)."""
+        window is registered over it). Only a free inside a window asks (transient-in-window),
+        and most blocks are freed before any window matters: the buffers are logged, with the
+        allocs made by then (the blocks live now have serials up to that), and marked on the
+        blocks through the address index only when the log grows long."""
+        t = self.allocs
+        touches = self.touches
         for lo, hi, _ in bufs:
-            for _, _, blk in self._live_ranges().overlapping(lo, hi):
-                blk.coll_touched = True
+            touches.append((lo, hi, t))
+        if len(touches) > TOUCH_LOG:
+            self._apply_touches(None)
+
+    def _apply_touches(self, extra) -> None:
+        """Mark the logged collective buffers on the live blocks they touched (and on `extra`,
+        a block being freed, no longer live)."""
+        ranges = self._live_ranges()
+        for lo, hi, t in self.touches:
+            for _, _, blk in ranges.overlapping(lo, hi):
+                if blk.serial <= t:  # live when the collective ran (allocated before it, not freed since)
+                    blk.coll_touched = True
+            if extra is not None and extra.serial <= t and lo < extra.end and extra.addr < hi:
+                extra.coll_touched = True
+        self.touches = []
+
+    def _coll_touched(self, block) -> bool:
+        """Whether a collective touched part of `block` (being freed) during its life. The log
+        is read backwards down to the block's alloc; a long read marks the whole log instead,
+        so each logged buffer costs O(1) reads and one index query at most."""
+        if block.coll_touched:
+            return True
+        touches = self.touches
+        serial = block.serial
+        addr = block.addr
+        end = block.end
+        n = len(touches)
+        i = n
+        while i > 0:
+            i -= 1
+            entry = touches[i]
+            if entry[2] < serial:
+                return False  # logged before the block was allocated
+            if entry[0] < end and addr < entry[1]:
+                return True
+            if n - i >= TOUCH_SCAN:
+                self._apply_touches(block)
+                return block.coll_touched
+        return False
 
     def _enqueue(self, op: Op) -> None:
         stream = op.stream
@@ -1046,6 +1122,8 @@ class RankAnalyzer:
             if fl is None:
                 fl = self.inflight[stream] = InFlight()
             fl.push(op)
+            if self.settled is not None and self.settled != stream:
+                self.settled = None  # an op of another stream may be unfinished for it
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:

@@ -253,7 +253,7 @@ class EventDecoder:
         """
         decode = self._decoder.decode
         try:
-            return [decode(raw) for raw in raws]
+            return list(map(decode, raws))  # the loop in C: no bytecode per line
         except (msgspec.ValidationError, msgspec.DecodeError):
             pass
         out = []

@@ -173,6 +173,10 @@ class _BoundedRaw(io.RawIOBase):
     error's line number is counted again from the start of a regular file; a pipe or a device
     cannot be read twice, so for those every chunk's newlines are counted as it passes."""
 
+    #: A plain attribute that close() sets: the BufferedReader above asks it on every line, and
+    #: IOBase's own `closed` property costs more than the rest of reading that line.
+    closed = False
+
     def __init__(self, path: Path, source, limits: ReadLimits, compressed_source=None):
         self.path, self.source, self.limits = path, source, limits
         # read1: what one decompression step gives (GzipFile.read would keep reading and lose
@@ -263,6 +267,7 @@ class _BoundedRaw(io.RawIOBase):
                 self.compressed_source.close()
         finally:
             super().close()
+            self.closed = True
 
 
 def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> TraceFile:
