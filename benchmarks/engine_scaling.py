@@ -54,31 +54,27 @@ BASE = 1 << 40
 SIZE = 4096
 
 
-def write_inflight(path: Path, n: int) -> None:
+def write_inflight(path: Path, n: int, window: bool = False, sync_every: int = 0) -> None:
+    """N unfinished collectives, then N launches each writing one of their buffers; `window`:
+    the buffers in a window of the collectives' communicator; `sync_every`: a sync of the launch
+    stream after every that many launches."""
     dumps = orjson.dumps
     with open(path, "wb") as fh:
         fh.write(dumps(HEADER) + b"\n")
+        if window:
+            fh.write(dumps({"ev": "window", "addr": BASE, "size": n * SIZE, "comm": "tp"}) + b"\n")
         for i in range(n):
             fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": "tp", "seq": i + 1, "op": "all_reduce",
                             "stream": 2, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE, "access": "rw"}]}) + b"\n")
         for i in range(n):
             fh.write(dumps({"ev": "launch", "stream": 1, "op": "k",
                             "writes": [[BASE + i * SIZE, SIZE]]}) + b"\n")
+            if sync_every and i % sync_every == sync_every - 1:
+                fh.write(dumps({"ev": "sync", "stream": 1}) + b"\n")
 
 
 def write_successor(path: Path, n: int) -> None:
-    dumps = orjson.dumps
-    with open(path, "wb") as fh:
-        fh.write(dumps(HEADER) + b"\n")
-        fh.write(dumps({"ev": "window", "addr": BASE, "size": n * SIZE, "comm": "tp"}) + b"\n")
-        for i in range(n):
-            fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": "tp", "seq": i + 1, "op": "all_reduce",
-                            "stream": 2, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE, "access": "rw"}]}) + b"\n")
-        for i in range(n):
-            fh.write(dumps({"ev": "launch", "stream": 1, "op": "k",
-                            "writes": [[BASE + i * SIZE, SIZE]]}) + b"\n")
-            if i % 10 == 9:
-                fh.write(dumps({"ev": "sync", "stream": 1}) + b"\n")
+    write_inflight(path, n, window=True, sync_every=10)
 
 
 def write_windows(path: Path, n: int) -> None:
