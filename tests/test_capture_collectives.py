@@ -113,15 +113,15 @@ def test_seq_equal_across_ranks_per_communicator(four):
     world = {r: {k: v for k, v in m.items() if k[0] == "0"} for r, m in per_rank.items()}
     assert world[0] == world[1] == world[2] == world[3]
     assert [world[0][("0", s)] for s in range(len(world[0]))][:7] == [
-        "all_reduce", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-        "all_to_all_single", "all_reduce"]
-    assert world[0][("0", len(world[0]) - 1)] == "barrier"
+        "c10d.allreduce_", "c10d.allreduce_", "c10d._allgather_base_", "c10d._reduce_scatter_base_",
+        "c10d.broadcast_", "c10d.alltoall_base_", "c10d.allreduce_"]
+    assert world[0][("0", len(world[0]) - 1)] == "c10d.barrier"
     # the subgroup: only ranks 0 and 1, with its own name and numbering
     sub = {r: [k for k in m if k[0] not in ("0",) and ":p2p:" not in k[0]] for r, m in per_rank.items()}
     assert sub[0] == sub[1] and len(sub[0]) == 1 and sub[0][0][1] == 0 and not sub[2] and not sub[3]
     # point to point: the pair's own comm, seq 0 at both ends
     assert ("0:p2p:0-1", 0) in per_rank[0] and ("0:p2p:0-1", 0) in per_rank[1]
-    assert per_rank[0][("0:p2p:0-1", 0)] == "send" and per_rank[1][("0:p2p:0-1", 0)] == "recv"
+    assert per_rank[0][("0:p2p:0-1", 0)] == "c10d.send" and per_rank[1][("0:p2p:0-1", 0)] == "c10d.recv_"
     assert ("0:p2p:2-3", 0) in per_rank[2]
 
 
@@ -135,7 +135,7 @@ def test_buffers_addresses_access_and_stream(four):
         assert c[2]["bufs"] == [{"addr": ptr["part"], "size": 32, "access": "r"},
                                 {"addr": ptr["big"], "size": 128, "access": "w"}]
         bc = c[4]
-        assert bc["op"] == "broadcast" and bc["bufs"][0]["addr"] == ptr["b"]
+        assert bc["op"] == "c10d.broadcast_" and bc["bufs"][0]["addr"] == ptr["b"]
         assert bc["bufs"][0]["access"] == ("r" if r == 1 else "w")
         assert c[0]["site"].startswith("prog.py:") and c[0]["site"].endswith(":worker")
 
@@ -159,7 +159,7 @@ def test_completion_observed_when_the_host_sees_it(four):
         assert issue_step[first] == done_step[first] == 1       # blocking: done at once
         assert (issue_step[second], done_step[second]) == (2, 3)  # async: done at wait(), not before
         assert (issue_step[third], done_step[third]) == (4, 4)  # is_completed() polled True
-        fut = [c for c in cid if issue_step[c] == 5 and cid[c]["op"] == "all_reduce"]
+        fut = [c for c in cid if issue_step[c] == 5 and cid[c]["op"] == "c10d.allreduce_"]
         assert len(fut) == 1 and done_step[fut[0]] == 6         # Future.wait()
 
 

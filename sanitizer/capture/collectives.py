@@ -1,33 +1,56 @@
-"""torch.distributed collectives: `coll` when enqueued, `coll_done` when the host observes completion.
+"""Collectives, seen where every caller's collectives meet: the dispatcher.
 
-Wrapped (in both torch.distributed and torch.distributed.distributed_c10d, so internal callers such
-as all_gather_object are seen too): the functions in SPECS below. A blocking call records `coll`,
-runs, then records `coll_done`. With async_op=True the returned Work is remembered; `coll_done` is
-recorded when the host observes completion: Work.wait(), Work.is_completed() returning True, or
-wait()/value() (or done() returning True) on the Future from Work.get_future(). A Work dropped
-without any of these never gets a `coll_done` (its buffers stay in flight for the analysis).
+Every torch.distributed collective, whoever issues it, reaches the dispatcher as an op: the
+Python functions (`dist.all_reduce`, `isend`, `batch_isend_irecv`, the object collectives) call
+ProcessGroup methods, which dispatch `c10d::allreduce_` and friends; DDP's C++ reducer, FSDP2,
+`torch.distributed.pipelining` and checkpointing do the same from C++ or Python; DTensor,
+transformers' tensor parallelism and compiled graphs use the functional collectives
+(`_c10d_functional::*`, completed by `wait_tensor`); serving engines register their own
+collective ops (the CUSTOM table). The dispatch mode (memory.py) hands each of those ops to
+`DispatchedCollectives.run`, which runs it and records one `coll`. Nothing in torch.distributed's
+Python namespace is replaced, so every public function keeps its identity (`dist.P2POp` compares
+`op` against `dist.isend`), and Dynamo traces the stock functions.
 
-Fields: comm = the process group's group_name (equal on all ranks); seq = per-comm counter of the
-collectives this process issued on it (equal across ranks, as every rank must issue the same
-collectives in the same order); stream = "<backend>:<group_name>", the process group's own worker
-(gloo runs every op of a group on its worker threads; ProcessGroupGloo's barrier waits for prior
-work, so treating the group as one in-order stream matches its ordering). Point-to-point ops use
-comm "<group>:p2p:<lo>-<hi>" (the pair of global ranks), so their seq is equal on both ends.
-Nested calls (a wrapped function calling another) record the outermost one only.
+Exactly once: inside a dispatched op's own kernel the mode is off (the dispatcher pops it for the
+handler), so the c10d op a functional collective issues underneath is not seen again; a Python
+hook that records a collective itself (ops.py, the NCCL wrapper) holds `capture.collective_depth`
+and the dispatcher side stands back.
+
+What a `coll` carries
+  comm    the process group's `group_name` (equal on every rank); point-to-point:
+          `<group>:p2p:<lo>-<hi>` over the pair of global ranks, so both ends count alike
+  seq     this process's count of collectives on that comm, from 0 (every rank issues the same
+          collectives on a group in the same order, so it is equal across ranks)
+  stream  `<backend>:<group_name>`: the group's own worker, in order
+  bufs    the ranges it reads and writes, from the op's arguments (SPECS)
+  op      the dispatcher's name, `c10d.allreduce_`, `_c10d_functional.all_gather_into_tensor`, ...
+
+Completion, `coll_done`, is when the host observes it:
+  * a Work the Python program holds: `Work.wait()`, `Work.is_completed()` true, `wait()`/`value()`
+    (or `done()` true) on its Future. Python is handed the very Work object the op returned (the
+    dispatcher's ScriptObject is unboxed here, and pybind returns the existing wrapper of a C++
+    object), so the Work is known by identity. A Work dropped unobserved never completes: its
+    buffers stay in flight for the analysis.
+  * a Work only C++ holds (DDP's reducer, `_broadcast_coalesced`: the caller is not
+    torch.distributed's Python API): C++ waits on it where Python cannot look, then uses the
+    buffers. Its Future is polled before every op and collective while any is pending; the first
+    poll that finds it done writes `coll_done`, so the reducer's copies after its wait are ordered.
+  * a functional collective: `wait_tensor` on its output (or on the in-place input).
+  Ops dispatched inside `Work.wait()` (gloo's reduce_scatter copies its result out there) are the
+  collective's own work: no `launch` is recorded for them.
 
 NCCL process groups: the host observing that wait() returned does not mean the collective is done.
-ProcessGroupNCCL's Work.wait() (and a blocking call, which waits internally) makes the *current*
-CUDA stream wait for the collective's stream and returns at once. That is recorded as what it is,
-a stream-ordering edge: `record` of a synthetic event "coll<cid>" on the collective's stream, then
-`wait` of the current stream on it. At enqueue, the NCCL stream likewise waits for the caller's
-current stream (`record`/`wait` of "coll<cid>:in"), as ProcessGroupNCCL does before every op. Only Work.is_completed() returning True (it queries the
-collective's CUDA event) is a host observation, `coll_done`. Gloo and the other CPU backends block
+ProcessGroupNCCL's Work.wait() makes the *current* CUDA stream wait for the collective's stream and
+returns at once. That is recorded as what it is, a stream-ordering edge: `record` of a synthetic
+event "coll<cid>" on the collective's stream, then `wait` of the current stream on it. At enqueue,
+the NCCL stream likewise waits for the caller's current stream (`record`/`wait` of "coll<cid>:in"),
+as ProcessGroupNCCL does before every op. Only a host query that finds it complete
+(`Work.is_completed()`, a Future's `done()`) is `coll_done`. Gloo and the other CPU backends block
 the host in wait(), so their wait() is `coll_done`.
 """
 from __future__ import annotations
 
-import inspect
-import itertools
+import sys
 import threading
 import time
 import weakref
@@ -36,149 +59,352 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-
-def _one(name, access):
-    return lambda a, me: [(a.get(name), access)]
-
-
-def _lst(name, access):
-    return lambda a, me: [(t, access) for t in (a.get(name) or ())]
-
-
-def _cat(*parts):
-    return lambda a, me: [x for p in parts for x in p(a, me)]
-
-
-def _rooted(tensor, root, root_access, other_access):
-    def spec(a, me):
-        src = a.get(root)
-        if src is None:
-            src = a.get("group_" + root)
-        return [(a.get(tensor), root_access if src == me else other_access)]
-    return spec
-
-
-# name -> (buffers(bound_arguments, my_global_rank), point_to_point_peer_argument or None)
-SPECS = {
-    "all_reduce": (_one("tensor", "rw"), None),
-    "reduce": (_one("tensor", "rw"), None),
-    "broadcast": (_rooted("tensor", "src", "r", "w"), None),
-    "all_gather": (_cat(_one("tensor", "r"), _lst("tensor_list", "w")), None),
-    "all_gather_into_tensor": (_cat(_one("input_tensor", "r"), _one("output_tensor", "w")), None),
-    "all_gather_single": (_cat(_one("input_tensor", "r"), _one("output_tensor", "w")), None),
-    "reduce_scatter": (_cat(_lst("input_list", "r"), _one("output", "w")), None),
-    "reduce_scatter_single": (_cat(_one("input", "r"), _one("output", "w")), None),
-    "reduce_scatter_tensor": (_cat(_one("input", "r"), _one("output", "w")), None),
-    "all_to_all": (_cat(_lst("input_tensor_list", "r"), _lst("output_tensor_list", "w")), None),
-    "all_to_all_single": (_cat(_one("input", "r"), _one("output", "w")), None),
-    "gather": (_cat(_one("tensor", "r"), _lst("gather_list", "w")), None),
-    "scatter": (_cat(_lst("scatter_list", "r"), _one("tensor", "w")), None),
-    "barrier": (lambda a, me: [], None),
-    "send": (_one("tensor", "r"), "dst"),
-    "recv": (_one("tensor", "w"), "src"),
-    "isend": (_one("tensor", "r"), "dst"),
-    "irecv": (_one("tensor", "w"), "src"),
-}
-ASYNC_ALWAYS = {"isend", "irecv"}
+_C10D = torch._C._distributed_c10d
+_PLAIN = (torch.Tensor,)
 SETTLE_SECONDS = 0.0002
 
 
-class Collectives:
+# ---------------------------------------------------------------------------- the op table
+# Each entry: argument name -> access ("r", "w", "rw", or ROOTED: read on the root, written
+# elsewhere); "peer": the argument naming the other end (point-to-point, a group rank);
+# "root": the argument naming the root (a group rank); "group": where the group is.
+ROOTED = "rooted"
+
+C10D = {
+    "allreduce_": {"tensors": "rw"},
+    "allreduce_coalesced_": {"tensors": "rw"},
+    "reduce_": {"tensors": "rw", "root": "root_rank"},
+    "broadcast_": {"tensors": ROOTED, "root": "root_rank"},
+    "allgather_": {"input_tensors": "r", "output_tensors": "w"},
+    "_allgather_base_": {"input_tensor": "r", "output_tensor": "w"},
+    "allgather_coalesced_": {"input_list": "r", "output_lists": "w"},
+    "allgather_into_tensor_coalesced_": {"inputs": "r", "outputs": "w"},
+    "reduce_scatter_": {"input_tensors": "r", "output_tensors": "w"},
+    "_reduce_scatter_base_": {"input_tensor": "r", "output_tensor": "w"},
+    "reduce_scatter_tensor_coalesced_": {"inputs": "r", "outputs": "w"},
+    "alltoall_": {"input_tensors": "r", "output_tensors": "w"},
+    "alltoall_base_": {"input": "r", "output": "w"},
+    "gather_": {"input_tensors": "r", "output_tensors": "w", "root": "root_rank"},
+    "scatter_": {"input_tensors": "r", "output_tensors": "w", "root": "root_rank"},
+    "barrier": {},
+    "monitored_barrier_": {},
+    "send": {"tensors": "r", "peer": "dst"},
+    "recv_": {"tensors": "w", "peer": "src"},
+    "recv_any_source_": {"tensors": "w", "peer": None},
+}
+
+# Functional collectives: the group is named by `group_name`; the result is waited for with
+# wait_tensor. "result": how the op's result is accessed (a fresh tensor the collective writes:
+# for all_reduce and broadcast the input is copied into it first, then reduced in place).
+FUNCTIONAL = {
+    "all_reduce": {"result": "rw"},
+    "all_reduce_": {"input": "rw"},
+    "all_reduce_coalesced": {"result": "rw"},
+    "all_reduce_coalesced_": {"inputs": "rw"},
+    "broadcast": {"result": "rw"},
+    "broadcast_": {"input": "rw"},
+    "all_gather_into_tensor": {"input": "r", "result": "w"},
+    "all_gather_into_tensor_out": {"input": "r", "out": "w"},
+    "all_gather_into_tensor_coalesced": {"inputs": "r", "result": "w"},
+    "reduce_scatter_tensor": {"input": "r", "result": "w"},
+    "reduce_scatter_tensor_out": {"input": "r", "out": "w"},
+    "reduce_scatter_tensor_coalesced": {"inputs": "r", "result": "w"},
+    "all_to_all_single": {"input": "r", "result": "w"},
+    "isend": {"tensor": "r", "peer": "dst"},
+    "irecv": {"tensor": "w", "peer": "src"},
+    "batch_p2p_ops": {"tensors": "rw"},
+}
+
+# Collective ops that serving engines register themselves (they bypass torch.distributed): op
+# "namespace::name" -> its entry. Accesses come from the op's schema (an argument annotated as
+# written, `Tensor!`, is read and written: these ops reduce in place; any other tensor argument is
+# read; a returned tensor is written) unless the entry names them. "comm": the argument that
+# names the communicator identically on every rank, else the comm is the op's own name; "kind"
+# prefixes it. Completion: these kernels are synchronous for the host (CPU shared memory) or
+# ordered on the current stream (GPU custom all-reduce): no Work.
+CUSTOM = {
+    # vLLM's CPU shared-memory communicator (csrc/cpu/shm.cpp), on AVX-512 builds
+    "_C::shm_allreduce": {"kind": "vllm_shm", "comm": "handle"},
+    "_C::shm_all_gather": {"kind": "vllm_shm", "comm": "handle"},
+    "_C::shm_gather": {"kind": "vllm_shm", "comm": "handle"},
+    "_C::shm_send_tensor_list": {"kind": "vllm_shm", "comm": "handle", "peer": "dst"},
+    "_C::shm_recv_tensor_list": {"kind": "vllm_shm", "comm": "handle", "peer": "src"},
+    # vLLM's and SGLang's custom all-reduce kernels (IPC buffers; `fa` is a per-process pointer,
+    # so the comm is the op's name)
+    "_C_custom_ar::all_reduce": {"kind": "custom_ar"},
+    "sgl_kernel::all_reduce": {"kind": "custom_ar"},
+    "_C_custom_ar::qr_all_reduce": {"kind": "quick_ar"},
+}
+
+
+class DispatchedCollectives:
     def __init__(self, capture):
         self.capture = capture
         self.emit = capture.emit
         self.seq: dict[str, int] = {}
-        self.next_cid = getattr(capture, "next_cid", None) or itertools.count(1).__next__
-        self.groups: dict = {}                  # ProcessGroup -> (name, stream)
-        self.device_streamed: dict[int, str] = {}   # cid -> the NCCL stream of a collective not yet waited for
+        self._seq_lock = threading.Lock()
+        self.groups: dict = {}              # ProcessGroup (pybind) or group name -> (name, stream, pg)
+        self.device_streamed: dict[int, str] = {}   # cid -> NCCL stream of a collective not yet waited for
         self.pending: dict[int, tuple] = {}     # id(Work or Future) -> (weakref, cid)
-        self.local = threading.local()
+        table = capture.blocks
+        # cid -> Future of a Work only C++ holds (polled); per-thread state: shared with the mode
+        self.unowned: dict[int, object] = table.unowned if table is not None else {}
+        self.slot = table.slot if table is not None else _new_slot()
+        self.functional: dict[int, tuple] = {}  # storage key of a functional result -> (cid, block id)
+        self.issued_cids: set[int] = set()      # recorded, not yet done
+        self.handlers: dict = {}                # OpOverload -> bound recorder, or False
+        self.custom = dict(CUSTOM)
+
+    # ------------------------------------------------------------------ which ops are collectives
+    def handler(self, func):
+        """The recorder for op `func`, or False (cached per OpOverload: one dict hit per op)."""
+        h = self.handlers.get(func)
+        if h is None:
+            h = False
+            try:
+                ns = func.namespace
+                base = func._schema.name.partition("::")[2]
+                if ns == "c10d" and base in C10D:
+                    h = self._c10d
+                elif ns in ("_c10d_functional", "_c10d_functional_autograd") and base in FUNCTIONAL:
+                    h = self._functional
+                elif ns == "_c10d_functional" and base == "wait_tensor":
+                    h = self._wait_tensor
+                elif func._schema.name in self.custom:
+                    h = self._custom
+            except Exception as exc:
+                self.capture.failed("coll.classify", exc)
+            self.handlers[func] = h
+        return h
+
+    def poll(self) -> None:
+        """C++-held Works: write coll_done for those whose Future is now done."""
+        try:
+            for cid, fut in list(self.unowned.items()):
+                if fut.done():
+                    if self.unowned.pop(cid, None) is not None:
+                        self.done(cid, waited=True)
+        except Exception as exc:
+            self.capture.failed("coll.poll", exc)
 
     # ------------------------------------------------------------------ naming
-    def group_of(self, group):
-        pg = group if group is not None else c10d._get_default_group()
-        info = self.groups.get(pg)
-        if info is None:
-            name = getattr(pg, "group_name", None) or str(id(pg))
-            try:
-                backend = str(dist.get_backend(pg))
-            except Exception:
-                backend = "pg"
-            info = self.groups[pg] = (name, f"{backend}:{name}")
+    def group(self, pg):
+        """(comm name, stream, pybind ProcessGroup) of a ProcessGroup, its ScriptObject, or a
+        group name (functional collectives)."""
+        info = self.groups.get(pg) if not isinstance(pg, torch.ScriptObject) else None
+        if info is not None:
+            return info
+        key = pg
+        if isinstance(pg, torch.ScriptObject):
+            pg = _C10D.ProcessGroup.unbox(pg)
+            info = self.groups.get(pg)
+            if info is not None:
+                return info
+            key = pg
+        elif isinstance(pg, str):
+            pg = _C10D._resolve_process_group(pg)
+        name = getattr(pg, "group_name", None) or str(id(pg))
+        try:
+            backend = str(dist.get_backend(pg))
+        except Exception:
+            backend = "pg"
+        info = self.groups[key] = (name, f"{backend}:{name}", pg)
         return info
 
-    # ------------------------------------------------------------------ the wrapper
-    def wrap(self, name: str, fn):
-        spec, peer_arg = SPECS[name]
-        sig = inspect.signature(fn)
-        always_async = name in ASYNC_ALWAYS
-        local = self.local
+    def _next_seq(self, comm: str) -> int:
+        with self._seq_lock:
+            seq = self.seq.get(comm, 0)
+            self.seq[comm] = seq + 1
+        return seq
 
-        def wrapper(*args, **kwargs):
-            if getattr(local, "depth", 0):
-                return fn(*args, **kwargs)
-            cid = None
-            try:
-                cid, async_op = self._record(name, spec, peer_arg, sig, args, kwargs, always_async)
-            except Exception as exc:
-                self.capture.failed(f"coll.{name}", exc)
-            local.depth = 1
-            try:
-                result = fn(*args, **kwargs)
-            finally:
-                local.depth = 0
-            if cid is not None:
-                try:
-                    if async_op and result is not None:
-                        self._remember(result, cid)
-                    elif not async_op:
-                        self.done(cid, waited=True)
-                except Exception as exc:
-                    self.capture.failed(f"coll.{name}", exc)
-            return result
-
-        wrapper.__wrapped__ = fn
-        wrapper.__name__ = fn.__name__
-        wrapper.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
-        wrapper.__doc__ = fn.__doc__
-        wrapper._hazsan = True
-        return wrapper
-
-    def _record(self, name, spec, peer_arg, sig, args, kwargs, always_async):
-        a = sig.bind(*args, **kwargs).arguments
-        me = dist.get_rank()
-        comm, stream = self.group_of(a.get("group"))
-        if peer_arg is not None:
-            peer = a.get(peer_arg)
-            if peer is None:
-                peer = a.get("group_" + peer_arg)
-            lo, hi = sorted((me, peer if peer is not None else -1))
-            comm = f"{comm}:p2p:{lo}-{hi}"
-        seq = self.seq.get(comm, 0)
-        self.seq[comm] = seq + 1
-        bufs = []
+    def _bufs(self, entry, named, result=None):
         table = self.capture.blocks
-        for t, access in spec(a, me):
-            if t is None or table is None:
+        out = []
+        if table is None:
+            return out
+        for key, access in entry.items():
+            if key in ("peer", "root", "kind", "comm"):
                 continue
-            r = table.buffer(t)
-            if r is not None:
-                bufs.append({"addr": r[0], "size": r[1], "access": access})
-        cid = self.next_cid()
+            value = result if key == "result" else named.get(key)
+            if access == ROOTED:
+                access = "r" if named.get("__is_root__") else "w"
+            for t in _tensors(value):
+                r = table.buffer(t)
+                if r is not None:
+                    out.append({"addr": r[0], "size": r[1], "access": access})
+        return out
+
+    def _record(self, op, comm, stream, bufs) -> int:
+        cap = self.capture
+        cid = cap.next_cid()
+        self.issued_cids.add(cid)
+        seq = self._next_seq(comm)
         if stream.startswith("nccl:"):
             # ProcessGroupNCCL's stream first waits for the caller's current stream (its inputs
             # were written there): without this edge every NCCL collective whose input a kernel
             # wrote would read as unordered.
             event, t = f"coll{cid}:in", time.time_ns()
-            self.emit({"ev": "record", "event": event, "stream": _current_stream(self.capture), "t": t})
+            self.emit({"ev": "record", "event": event, "stream": _current_stream(cap), "t": t})
             self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
-        self.capture.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": name,
-                            "stream": stream, "bufs": bufs})
-        if stream.startswith("nccl:"):
             self.device_streamed[cid] = stream
-        return cid, always_async or bool(a.get("async_op", False))
+        cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
+                   "stream": stream, "bufs": bufs})
+        return cid
+
+    # ------------------------------------------------------------------ c10d::*
+    def _c10d(self, func, args, kwargs):
+        named = _bind(func, args, kwargs)
+        entry = C10D[func._schema.name.partition("::")[2]]
+        cid = None
+        try:
+            self.poll()
+            comm, stream, pg = self.group(named.get("process_group"))
+            if "root" in entry:
+                named["__is_root__"] = named.get(entry["root"]) == pg.rank()
+            if "peer" in entry:
+                comm = _p2p_comm(comm, pg, named.get(entry["peer"]) if entry["peer"] else None)
+            bufs = self._bufs(entry, named)
+            cid = self._record(f"c10d.{func._schema.name[6:]}", comm, stream, bufs)
+        except Exception as exc:
+            self.capture.failed(f"coll.{func}", exc)
+        out = func(*args, **kwargs)
+        if cid is not None:
+            try:
+                work = _work_in(out)
+                slot = self.slot
+                if work is None:                 # blocking op (monitored_barrier): done on return
+                    self.done(cid, waited=True)
+                elif slot.in_method:
+                    # called through a ProcessGroup method: Python gets the Work from it, and
+                    # the method's wrapper files it under this cid (no reference kept here)
+                    slot.cids.append(cid)
+                else:
+                    # C++ keeps this Work and waits where Python cannot see: poll its Future
+                    fut = _ORIGINAL["Work.get_future"](_C10D.Work.unbox(work))
+                    if fut is not None:
+                        self.unowned[cid] = fut
+            except Exception as exc:
+                self.capture.failed(f"coll.{func}", exc)
+        return out
+
+    # ------------------------------------------------------------------ _c10d_functional::*
+    def _functional(self, func, args, kwargs):
+        named = _bind(func, args, kwargs)
+        base = func._schema.name.partition("::")[2]
+        entry = FUNCTIONAL[base]
+        out = func(*args, **kwargs)
+        try:
+            self.poll()
+            comm, stream, pg = self.group(named.get("group_name"))
+            if "peer" in entry:
+                comm = _p2p_comm(comm, pg, named.get(entry["peer"]))
+            table = self.capture.blocks
+            if table is not None:       # the fresh result, before the coll that names it
+                table.on_op(func, args, out)
+            bufs = self._bufs(entry, named, out)
+            cid = self._record(f"{func.namespace}.{base}", comm, stream, bufs)
+            # wait_tensor names the result (for in-place forms, the input it returns)
+            live = table.live if table is not None else {}
+            for t in _tensors(out):
+                key = t.untyped_storage()._cdata
+                b = live.get(key)
+                self.functional[key] = (cid, b.id if b is not None else None)
+        except Exception as exc:
+            self.capture.failed(f"coll.{func}", exc)
+        return out
+
+    def _wait_tensor(self, func, args, kwargs):
+        self.slot.quiet += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.slot.quiet -= 1
+        try:
+            t = args[0] if args else kwargs.get("tensor")
+            if type(t) in _PLAIN_SET:
+                key = t.untyped_storage()._cdata
+                entry = self.functional.pop(key, None)
+                table = self.capture.blocks
+                b = table.live.get(key) if table is not None else None
+                # the storage still the one the collective wrote (not a later one at that address)
+                if entry is not None and (entry[1] is None or (b is not None and b.id == entry[1])):
+                    cid = entry[0]
+                    # every other tensor of the same (coalesced) collective is complete too
+                    for k in [k for k, e in self.functional.items() if e[0] == cid]:
+                        del self.functional[k]
+                    self.done(cid, waited=True)
+        except Exception as exc:
+            self.capture.failed("coll.wait_tensor", exc)
+        return out
+
+    # ------------------------------------------------------------------ registered custom ops
+    def _custom(self, func, args, kwargs):
+        py_hook = getattr(self.capture, "op_collectives", None)
+        if py_hook is not None and getattr(py_hook.local, "depth", 0):
+            return func(*args, **kwargs)     # a Python-level hook (ops.py) records this call itself
+        out = func(*args, **kwargs)
+        try:
+            self.poll()
+            entry = self.custom[func._schema.name]
+            named = _bind(func, args, kwargs)
+            kind = entry.get("kind", func.namespace)
+            ident = named.get(entry["comm"]) if entry.get("comm") else None
+            comm = f"{kind}:{ident}" if ident is not None else f"{kind}:{func._schema.name}"
+            table = self.capture.blocks
+            if table is not None:
+                table.on_op(func, args, out)
+            bufs = []
+            for arg in func._schema.arguments:
+                if "Tensor" not in str(arg.type):
+                    continue
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                access = entry.get(arg.name, "rw" if written else "r")
+                bufs.extend(self._ranges(named.get(arg.name), access))
+            bufs.extend(self._ranges(out, entry.get("result", "w")))
+            host = all(b.get("_cpu") for b in bufs) if bufs else True
+            for b in bufs:
+                b.pop("_cpu", None)
+            stream = "cpu" if host else _current_stream(self.capture)
+            cid = self._record(f"{func.namespace}.{func._schema.name.partition('::')[2]}", comm,
+                               stream, bufs)
+            self.done(cid, waited=True)    # returned: done for the host (CPU) / ordered on the stream
+        except Exception as exc:
+            self.capture.failed(f"coll.{func}", exc)
+        return out
+
+    def _ranges(self, value, access):
+        table = self.capture.blocks
+        out = []
+        for t in _tensors(value):
+            r = table.buffer(t) if table is not None else None
+            if r is not None:
+                out.append({"addr": r[0], "size": r[1], "access": access, "_cpu": t.is_cpu})
+        return out
 
     # ------------------------------------------------------------------ completion
+    def issued_by_method(self, name, work, cids) -> None:
+        """A ProcessGroup method returned `work` for the collectives `cids` it dispatched;
+        `_end_coalescing`'s Work completes every collective issued since `_start_coalescing`."""
+        try:
+            slot = self.slot
+            if name == "_start_coalescing":
+                slot.coalesced = []
+                return
+            if name == "_end_coalescing":
+                cids = cids + (slot.coalesced or [])
+                slot.coalesced = None
+            elif slot.coalesced is not None:
+                slot.coalesced.extend(cids)
+            if not cids:
+                return
+            if work is None:                        # nothing to wait on: done on return
+                for cid in cids:
+                    self.done(cid, waited=True)
+            else:
+                self._remember(work, cids)
+        except Exception as exc:
+            self.capture.failed(f"coll.{name}", exc)
+
     def _remember(self, handle, cid) -> None:
         key = id(handle)
         pending = self.pending
@@ -188,7 +414,7 @@ class Collectives:
             if entry is not None and entry[0] is _ref:
                 del pending[key]
 
-        pending[key] = (weakref.ref(handle, forget), cid)
+        pending[key] = (weakref.ref(handle, forget), list(cid) if isinstance(cid, list) else [cid])
 
     def _take(self, handle):
         entry = self.pending.get(id(handle))
@@ -200,14 +426,18 @@ class Collectives:
     def observed(self, handle, waited: bool = True) -> None:
         """The host saw `handle` (a Work or its Future) complete (waited=True: through wait())."""
         try:
-            cid = self._take(handle)
-            if cid is not None:
-                self.done(cid, waited)
+            cids = self._take(handle)
+            if cids is not None:
+                for cid in cids:
+                    if cid in self.issued_cids:
+                        self.done(cid, waited)
                 # The process group's worker thread drops its own reference to the Work (and so to
                 # the buffers) just after marking it complete. Yield once so that it does so now:
                 # otherwise a buffer the program releases right after wait() dies later, on the
                 # worker, and the modelled window placement of the next block depends on timing.
                 time.sleep(SETTLE_SECONDS)
+            if self.unowned:
+                self.poll()
         except Exception as exc:
             self.capture.failed("coll.done", exc)
 
@@ -220,6 +450,7 @@ class Collectives:
             self.capture.failed("coll.future", exc)
 
     def done(self, cid, waited: bool = False) -> None:
+        self.issued_cids.discard(cid)
         nccl_stream = self.device_streamed.pop(cid, None)
         if nccl_stream is not None and waited:
             # NCCL: wait() orders the current stream after the collective; the host goes on
@@ -230,47 +461,158 @@ class Collectives:
         else:
             self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
         # the same collective may be observed through its Work and its Future: once is enough
-        for key, (ref, c) in list(self.pending.items()):
-            if c == cid:
+        # (issued_cids); pending entries whose collectives are all done go
+        for key, (ref, cids) in list(self.pending.items()):
+            if cid in cids and not any(c in self.issued_cids for c in cids):
                 self.pending.pop(key, None)
+
+
+# ---------------------------------------------------------------------------- helpers
+_PLAIN_SET = frozenset(c for c in (torch.Tensor, torch.nn.Parameter,
+                                   getattr(torch.nn.parameter, "Buffer", None)) if c is not None)
+
+
+def _tensors(value):
+    """The plain tensors in an argument: a tensor, a list of them, or a list of lists."""
+    if value is None:
+        return ()
+    if type(value) in _PLAIN_SET:
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_tensors(v))
+        return out
+    return ()
+
+
+def _bind(func, args, kwargs) -> dict:
+    named = {}
+    for arg, value in zip(func._schema.arguments, args):
+        named[arg.name] = value
+    if kwargs:
+        named.update(kwargs)
+    return named
+
+
+def _work_in(out):
+    if isinstance(out, torch.ScriptObject):
+        return out
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.ScriptObject):
+                return o
+    return None
+
+
+def _new_slot():
+    from sanitizer.capture.memory import DispatchSlot
+    return DispatchSlot()
+
+
+def _p2p_comm(comm: str, pg, peer) -> str:
+    if peer is None:
+        return f"{comm}:p2p:any"
+    me = dist.get_rank()
+    try:
+        peer = c10d.get_global_rank(pg, int(peer)) if pg is not c10d._get_default_group() else int(peer)
+    except Exception:
+        peer = int(peer)
+    lo, hi = sorted((me, peer))
+    return f"{comm}:p2p:{lo}-{hi}"
 
 
 def _current_stream(capture) -> str:
     try:
-        if torch.cuda.is_available():
-            return capture.streams.current()
+        from sanitizer.capture.cuda_hooks import _current_device
+        if torch.cuda.is_initialized():
+            return capture.streams.current(_current_device())
     except Exception as exc:
         capture.failed("coll.stream", exc)
     return "cuda:0"
 
 
-def install(capture) -> Collectives:
-    colls = Collectives(capture)
+# ---------------------------------------------------------------------------- installation
+_ORIGINAL: dict = {}
+
+
+def install(capture) -> DispatchedCollectives:
+    colls = DispatchedCollectives(capture)
     capture.collectives = colls
-    for name in SPECS:
-        for module in (c10d, dist):
-            fn = getattr(module, name, None)
-            if fn is None or getattr(fn, "_hazsan", False):
-                continue
-            try:
-                setattr(module, name, colls.wrap(name, fn))
-            except Exception as exc:
-                capture.failed(f"install.coll.{name}", exc)
+    table = capture.blocks
+    if table is not None:
+        table.collectives = colls
+        table.special.clear()        # ops seen before: classify again, now knowing collectives
     _patch_work(capture, colls)
-    _patch_init(capture)
+    _patch_process_group(capture, colls)
+    _patch_default_group(capture)
     return colls
 
 
+# ProcessGroup methods that dispatch collectives and hand their Work to Python (the methods
+# torch.distributed's Python API calls; a program may call them too).
+PG_METHODS = ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+              "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single",
+              "all_gather_single_coalesced", "reduce_scatter", "_reduce_scatter_base",
+              "reduce_scatter_single", "reduce_scatter_single_coalesced",
+              "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "all_to_all_single",
+              "gather", "scatter", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+              "_start_coalescing", "_end_coalescing")
+
+
+def _patch_process_group(capture, colls) -> None:
+    """Methods of the ProcessGroup class (not torch.distributed's functions): the Work a
+    collective returns reaches Python here, and is filed under the cids the dispatch recorded,
+    without this module ever holding a reference to it."""
+    PG = getattr(_C10D, "ProcessGroup", None)
+    if PG is None:
+        return
+    slot = colls.slot
+    for name in PG_METHODS:
+        original = PG.__dict__.get(name)
+        if original is None or getattr(original, "_hazsan", False):
+            continue
+
+        def method(self, *args, __original=original, __name=name, **kwargs):
+            outer_cids, outer = slot.cids, slot.in_method
+            slot.cids, slot.in_method = [], True
+            try:
+                work = __original(self, *args, **kwargs)
+            finally:
+                cids = slot.cids
+                slot.cids, slot.in_method = outer_cids, outer
+            colls.issued_by_method(__name, work, cids)
+            return work
+
+        method._hazsan = True
+        method.__name__ = name
+        method.__qualname__ = f"ProcessGroup.{name}"
+        method.__doc__ = getattr(original, "__doc__", None)
+        method.__wrapped__ = original
+        try:
+            setattr(PG, name, method)
+        except Exception as exc:
+            capture.failed(f"install.ProcessGroup.{name}", exc)
+
+
 def _patch_work(capture, colls) -> None:
-    Work = torch._C._distributed_c10d.Work
+    """Completion observed by the host: methods of Work and Future (classes, not functions of
+    torch.distributed: identities of the public API are untouched)."""
+    Work = _C10D.Work
     Future = torch._C.Future
     if getattr(Work.wait, "_hazsan", False):
         return
     w_wait, w_done, w_fut = Work.wait, Work.is_completed, Work.get_future
     f_wait, f_value, f_done = Future.wait, Future.value, Future.done
+    _ORIGINAL["Work.get_future"] = w_fut
+    slot = colls.slot
 
     def wait(self, *a, **k):
-        r = w_wait(self, *a, **k)
+        slot.quiet += 1            # ops dispatched in here are the collective's own (gloo copies)
+        try:
+            r = w_wait(self, *a, **k)
+        finally:
+            slot.quiet -= 1
         colls.observed(self)
         return r
 
@@ -286,7 +628,11 @@ def _patch_work(capture, colls) -> None:
         return fut
 
     def fwait(self, *a, **k):
-        r = f_wait(self, *a, **k)
+        slot.quiet += 1
+        try:
+            r = f_wait(self, *a, **k)
+        finally:
+            slot.quiet -= 1
         colls.observed(self)
         return r
 
@@ -307,27 +653,52 @@ def _patch_work(capture, colls) -> None:
         fn._hazsan = True
         fn.__doc__ = orig.__doc__
         fn.__name__ = name
+        fn.__qualname__ = f"{cls.__name__}.{name}"
         setattr(cls, name, fn)
 
 
-def _patch_init(capture) -> None:
-    for module in (c10d, dist):
-        fn = getattr(module, "init_process_group", None)
-        if fn is None or getattr(fn, "_hazsan", False):
-            continue
+def _patch_default_group(capture) -> None:
+    """Learn the rank when the default group is set (init_process_group calls this private
+    helper through its module globals), so init_process_group itself stays the stock function."""
+    original = getattr(c10d, "_update_default_pg", None)
+    if original is None or getattr(original, "_hazsan", False):
+        capture.failed("install.rank", RuntimeError(
+            "torch.distributed.distributed_c10d._update_default_pg not found: the rank comes from RANK"))
+        return
 
-        def init_process_group(*args, __fn=fn, **kwargs):
-            r = __fn(*args, **kwargs)
+    def _update_default_pg(pg, *args, **kwargs):
+        r = original(pg, *args, **kwargs)
+        if pg is not None:
             try:
                 device = "cpu"
-                if str(dist.get_backend()) == "nccl" and torch.cuda.is_available():
-                    device = f"cuda:{torch.cuda.current_device()}"
+                if str(dist.get_backend(pg)) == "nccl":
+                    from sanitizer.capture.cuda_hooks import _current_device
+                    device = f"cuda:{_current_device()}"
                 capture.writer.set_rank(dist.get_rank(), dist.get_world_size(), device)
             except Exception as exc:
                 capture.failed("init_process_group", exc)
-            return r
+        return r
 
-        init_process_group.__wrapped__ = fn
-        init_process_group.__doc__ = fn.__doc__
-        init_process_group._hazsan = True
-        setattr(module, "init_process_group", init_process_group)
+    _update_default_pg.__wrapped__ = original
+    _update_default_pg._hazsan = True
+    c10d._update_default_pg = _update_default_pg
+
+
+def register_collective_op(name: str, *, kind: str | None = None, comm: str | None = None,
+                           peer: str | None = None, **accesses: str) -> None:
+    """Record op `name` ("namespace::op", a collective a library registered with the dispatcher)
+    as a `coll` from now on, as the CUSTOM table's entries are: `kind` prefixes the comm name,
+    `comm` names the argument that identifies the communicator on every rank, and an argument
+    name given as a keyword overrides its access ("r", "w", "rw"; "result" for the returned
+    tensors). Safe to call with capture off: the table is only read by the dispatch mode."""
+    entry = {k: v for k, v in (("kind", kind), ("comm", comm), ("peer", peer)) if v is not None}
+    entry.update(accesses)
+    CUSTOM[name] = entry
+    from sanitizer.capture import runtime
+    cap = runtime.active()
+    colls = getattr(cap, "collectives", None) if cap is not None else None
+    if colls is not None:
+        colls.custom[name] = entry
+        colls.handlers.clear()
+        if cap.blocks is not None:
+            cap.blocks.special.clear()

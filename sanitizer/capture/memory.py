@@ -69,6 +69,18 @@ class Block:
         self.recorded = None      # streams given to record_stream (set), when any
 
 
+class DispatchSlot(threading.local):
+    """Per thread: how deep the thread is inside a collective's own call (Work.wait, wait_tensor),
+    where ops are the collective's work, not the program's launches; and the collectives a
+    ProcessGroup method dispatched, for the Work it returns (collectives.py)."""
+
+    def __init__(self):
+        self.quiet = 0
+        self.in_method = False   # inside a ProcessGroup method (collectives.py)
+        self.cids: list = []     # collectives it dispatched
+        self.coalesced = None    # cids since _start_coalescing, while coalescing
+
+
 class BlockTable:
     """Live storages -> trace blocks. All public methods swallow and count their own errors."""
 
@@ -87,6 +99,20 @@ class BlockTable:
         self._plans: dict = {}               # OpOverload -> launch plan (or False: no kernel)
         self.graph_pool: str | None = None   # set by cuda_hooks while a CUDA graph is captured
         self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
+        # Ops the mode does not simply run and record: OpOverload -> handler (collectives.py
+        # records collectives) or False, filled on an op's first sight. Emptied when the
+        # collectives are installed, so no op classified before stays plain.
+        self.special: dict = {}
+        self.collectives = None              # collectives.DispatchedCollectives, once installed
+        self.unowned: dict = {}              # collectives only C++ waits for: polled before each op
+        self.slot = DispatchSlot()           # per thread: inside a collective's own call?
+
+    def classify(self, func):
+        """The handler for op func (False: an ordinary op), cached in self.special."""
+        colls = self.collectives
+        h = colls.handler(func) if colls is not None else False
+        self.special[func] = h
+        return h
 
     # ------------------------------------------------------------------ dispatch hot path
     def on_op(self, func, args, out, where=None) -> None:
@@ -418,17 +444,38 @@ class AllocationMode(TorchDispatchMode):
 
     def __init__(self, table: BlockTable):
         super().__init__()
+        self._table = table
         self._on_op = table.on_op
+        self._special = table.special
+        self._unowned = table.unowned
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Capture steps aside while torch.compile traces and compiles (Dynamo, AOTAutograd,
+        # Inductor see the stock program) and is on again when the compiled code runs, so the
+        # graph's collectives and allocations that go through the dispatcher are recorded then.
+        return True
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # TorchDispatchMode wraps __torch_dispatch__ in torch._dynamo.disable by default: that
-        # imports torch._dynamo on the first op (seconds) and costs several us on every op. Dynamo
-        # never compiles a frame while a non-infra dispatch mode is active (convert_frame skips
-        # it and runs it eagerly), so the wrapper protects nothing here.
+        # imports torch._dynamo on the first op (seconds) and costs several us on every op. With
+        # ignore_compile_internals, Dynamo never traces into a frame while this mode is on.
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and (len(types) > 1 or types[0] is not _Tensor) and _wrapped(types):
+            # A wrapper subclass (DTensor, AsyncCollectiveTensor) runs its own __torch_dispatch__
+            # first, and its plain-tensor ops come back through this mode: its collectives, its
+            # waits and the memory behind it are recorded, not hidden inside its handler.
+            return NotImplemented
+        h = self._special.get(func)
+        if h is None:
+            h = self._table.classify(func)
+        if h is not False:
+            return h(func, args, kwargs or {})
+        if self._unowned:
+            self._table.collectives.poll()
         out = func(*args, **kwargs) if kwargs else func(*args)
         self._on_op(func, args, out)
         return out
@@ -484,11 +531,34 @@ class LaunchMode(AllocationMode):
     def __init__(self, table: BlockTable):
         super().__init__(table)
         self._on_op_full = table.on_op_full
+        self._slot = table.slot
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and (len(types) > 1 or types[0] is not _Tensor) and _wrapped(types):
+            return NotImplemented
+        h = self._special.get(func)
+        if h is None:
+            h = self._table.classify(func)
+        if h is not False:
+            return h(func, args, kwargs or {})
+        if self._unowned:
+            self._table.collectives.poll()
         out = func(*args, **kwargs) if kwargs else func(*args)
-        self._on_op_full(func, args, kwargs, out)
+        if self._slot.quiet:          # inside a collective's own call: its work, not a launch
+            self._on_op(func, args, out)
+        else:
+            self._on_op_full(func, args, kwargs, out)
         return out
+
+
+def _wrapped(types) -> bool:
+    """Whether any of the op's tensor types is a traceable wrapper subclass (it has
+    __tensor_flatten__: DTensor, AsyncCollectiveTensor, ...). FakeTensor and friends are not:
+    they hold no memory, and the mode runs them as they are."""
+    for t in types:
+        if t not in _PLAIN and hasattr(t, "__tensor_flatten__"):
+            return True
+    return False
 
 
 def mode_for(table: BlockTable) -> AllocationMode:
@@ -506,7 +576,40 @@ def install(capture) -> BlockTable:
     _installed_table = table
     mode_for(table).__enter__()
     _wrap_thread_start(table)
+    _wrap_compiled_allocators(table)
     return table
+
+
+# Inductor's generated code allocates its buffers through these C functions, not through the
+# dispatcher (torch/_inductor/codegen/wrapper.py binds them by attribute when a compiled module is
+# loaded), so the mode would only see each buffer when it reaches an op, as "adopted".
+_COMPILED_ALLOCATORS = ("_empty_strided_cpu", "_empty_strided_cpu_pinned", "_empty_strided_cuda")
+
+
+def _wrap_compiled_allocators(table: BlockTable) -> None:
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    if guards is None:
+        return
+    stack_len = torch._C._len_torch_dispatch_stack
+    for name in _COMPILED_ALLOCATORS:
+        original = getattr(guards, name, None)
+        if original is None or getattr(original, "_hazsan", False):
+            continue
+        op = "inductor." + name.lstrip("_")
+
+        def allocate(*args, __original=original, __op=op, **kwargs):
+            out = __original(*args, **kwargs)
+            # only while the mode is on: compilation itself (autotuning) runs with modes off
+            if stack_len():
+                table.on_op(__op, (), out)
+            return out
+
+        allocate._hazsan = True
+        allocate.__doc__ = getattr(original, "__doc__", None)
+        try:
+            setattr(guards, name, allocate)
+        except Exception as exc:
+            table.capture.failed("install.compiled_allocators", exc)
 
 
 def _wrap_thread_start(table: BlockTable) -> None:

@@ -37,6 +37,11 @@ class SiteFinder:
         self.prefixes += (prefix,)
         self._names.clear()
 
+    def add_internal_dir(self, path: str) -> None:
+        """Treat every file under folder `path` as internal (generated code, such as Inductor's)."""
+        self.prefixes += (os.path.abspath(path) + os.sep,)
+        self._names.clear()
+
     def _name(self, code):
         # Keyed by id(code): hashing a code object hashes its bytecode and constants on every
         # lookup. The entry keeps the code object, so an id reused after the code died is noticed.

@@ -16,6 +16,9 @@ def on_torch(capture) -> None:
         mod = sys.modules.get(name)
         if mod is not None:
             capture.sites.add_internal(mod)
+    # torch.compile's generated code: its ops and collectives are the compiled function's, whose
+    # call site is the user's
+    capture.sites.add_internal_dir(_inductor_cache_dir())
     from sanitizer.capture import memory
     table = memory.install(capture)
     capture.installed.append("dispatch-mode")
@@ -43,6 +46,23 @@ def on_distributed(capture) -> None:
     from sanitizer.capture import collectives
     collectives.install(capture)
     capture.installed.append("collectives")
+
+
+def _inductor_cache_dir() -> str:
+    """Where Inductor writes generated modules (torch/_inductor/runtime/cache_dir_utils.py, whose
+    cache_dir() creates the folder and sets the variable: not called here)."""
+    import getpass
+    import os
+    import re
+    import tempfile
+    d = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if d:
+        return d
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 class WindowPools:
