@@ -61,6 +61,7 @@ import torch.distributed.distributed_c10d as c10d
 
 _C10D = torch._C._distributed_c10d
 _PLAIN = (torch.Tensor,)
+_API_MODULE = "torch.distributed.distributed_c10d"   # torch.distributed's Python functions
 SETTLE_SECONDS = 0.0002
 
 
@@ -423,8 +424,10 @@ class DispatchedCollectives:
         del self.pending[id(handle)]
         return entry[1]
 
-    def observed(self, handle, waited: bool = True) -> None:
-        """The host saw `handle` (a Work or its Future) complete (waited=True: through wait())."""
+    def observed(self, handle, waited: bool = True, settle: bool = True) -> None:
+        """The host saw `handle` (a Work or its Future) complete (waited=True: through wait()).
+        settle=False: a blocking call of the Python API waited for its own Work, whose buffers
+        the caller still holds (nothing to let the worker release first)."""
         try:
             cids = self._take(handle)
             if cids is not None:
@@ -435,7 +438,8 @@ class DispatchedCollectives:
                 # the buffers) just after marking it complete. Yield once so that it does so now:
                 # otherwise a buffer the program releases right after wait() dies later, on the
                 # worker, and the modelled window placement of the next block depends on timing.
-                time.sleep(SETTLE_SECONDS)
+                if settle:
+                    time.sleep(SETTLE_SECONDS)
             if self.unowned:
                 self.poll()
         except Exception as exc:
@@ -613,7 +617,7 @@ def _patch_work(capture, colls) -> None:
             r = w_wait(self, *a, **k)
         finally:
             slot.quiet -= 1
-        colls.observed(self)
+        colls.observed(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
         return r
 
     def is_completed(self):
