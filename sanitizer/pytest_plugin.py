@@ -15,7 +15,15 @@ What it does when asked:
 * after the test's call phase the folder is analysed (`hazsan check`'s engine, leniently: a trace cut
   at a test boundary is not the test's fault). Findings at or above `--hazsan-fail-on` fail the test,
   with the report (rule, both stacks, the colliding collective) as its failure text; findings that
-  appear only during teardown make a teardown error;
+  appear only during teardown make a teardown error. After the teardown the pytest process ends the
+  test's file (its `end` record) and switches back to the session's folder before the last analysis,
+  so a clean test's traces are complete; during the call phase its own file is still being written
+  and is read as such. A file whose process still runs (a helper such as multiprocessing's resource
+  tracker) is read up to its last flush; one whose process is gone without its end record (a rank
+  the test killed) makes the test's capture INCOMPLETE, named in the terminal summary;
+* the level is `full` unless --hazsan-level, the ini key or $HAZSAN_LEVEL say otherwise: every op's
+  reads and writes are recorded, so a read of an asynchronous collective's output before its wait
+  fails the test (plain HAZSAN=1 capture keeps `alloc`);
 * accepted findings: `@pytest.mark.hazsan_allow(rule=..., site=..., reason=...)` on a test, and an
   allow-list file (`--hazsan-allow FILE`, TOML/JSON `[[allow]]` tables with rule, site, test,
   reason) for the session. `site` is an fnmatch pattern matched against every call site of the
@@ -54,8 +62,9 @@ def pytest_addoption(parser):
     group.addoption("--hazsan-stacks", choices=("none", "site", "full"), default=None,
                     help="call-site detail recorded (default: full, so reports show both stacks)")
     group.addoption("--hazsan-level", choices=("alloc", "full"), default=None,
-                    help="what is recorded, as HAZSAN_LEVEL (default: $HAZSAN_LEVEL, else alloc); full also "
-                         "records every op's reads and writes, so unordered-access covers kernels")
+                    help="what is recorded, as HAZSAN_LEVEL (default: $HAZSAN_LEVEL, else full); full "
+                         "records every op's reads and writes, so unordered-access covers kernels (a read "
+                         "before an asynchronous collective's wait)")
     parser.addini("hazsan", "capture every test with hazsan (as --hazsan)", type="bool", default=False)
     parser.addini("hazsan_fail_on", "lowest severity that fails a test (error or warning)", default="error")
     parser.addini("hazsan_allow", "allow-list files for the session", type="paths", default=[])
@@ -192,11 +201,14 @@ class HazardVerdict:
         self.files: list[str] = []
         self.ranks: list[int] = []
         self.warnings = 0
+        self.incomplete: list[str] = []   # why the test's capture is incomplete (render.incomplete)
+        self.running: list[str] = []      # files whose process still ran when analysed
 
     def record(self) -> str:
         return json.dumps({"nodeid": self.nodeid, "dir": self.directory, "failing": self.failing,
                            "allowed": self.allowed, "below": self.below, "events": self.events,
-                           "files": self.files, "ranks": self.ranks, "warnings": self.warnings})
+                           "files": self.files, "ranks": self.ranks, "warnings": self.warnings,
+                           "incomplete": self.incomplete, "running": self.running})
 
 
 class HazsanSession:
@@ -212,6 +224,7 @@ class HazsanSession:
         self.is_worker = hasattr(config, "workerinput")
         self.dir = self._session_dir(config)
         self.index = 0
+        self.in_test = False        # the pytest process writes into a test's folder
         self.verdicts: dict[str, HazardVerdict] = {}
         self.records: list[dict] = []          # controller / single process: one per test
         os.makedirs(self.dir, exist_ok=True)
@@ -221,10 +234,11 @@ class HazsanSession:
         os.environ["HAZSAN_DIR"] = self.idle_dir
         stacks = config.getoption("hazsan_stacks") or os.environ.get("HAZSAN_STACKS") or "full"
         os.environ["HAZSAN_STACKS"] = stacks
-        # full: every op is a launch with its reads and writes, so that a read of a collective's
-        # output before its wait is seen; alloc (capture's default) records no launches
+        # full (the plugin's default): every op is a launch with its reads and writes, so that a
+        # read of a collective's output before its wait is seen; alloc (capture's default) records
+        # no launches
         level = (config.getoption("hazsan_level") or config.getini("hazsan_level")
-                 or os.environ.get("HAZSAN_LEVEL") or "alloc").strip().lower()
+                 or os.environ.get("HAZSAN_LEVEL") or "full").strip().lower()
         if level not in ("alloc", "full"):
             raise AllowListError(f"hazsan_level must be alloc or full, got {level!r}")
         os.environ["HAZSAN_LEVEL"] = level
@@ -250,6 +264,7 @@ class HazsanSession:
         os.makedirs(directory, exist_ok=True)
         self.verdicts[item.nodeid] = HazardVerdict(item.nodeid, directory)
         os.environ["HAZSAN_DIR"] = directory
+        self.in_test = True
         cap = self.capture
         if cap is not None:
             from sanitizer.capture.rotate import rotate
@@ -261,15 +276,23 @@ class HazsanSession:
         try:
             yield
         finally:
-            os.environ["HAZSAN_DIR"] = self.idle_dir
+            self._leave_test()
             self.verdicts.pop(item.nodeid, None)
-            if cap is not None:
-                from sanitizer.capture.rotate import rotate
-                rotate(cap, self.idle_dir)
             try:
                 os.rmdir(directory)     # nothing was captured: no folder (`hazsan check DIR/*/` stays valid)
             except OSError:
                 pass
+
+    def _leave_test(self) -> None:
+        """The test is over: its file ends (the `end` record) and the pytest process writes into
+        the session's folder again."""
+        if not self.in_test:
+            return
+        self.in_test = False
+        os.environ["HAZSAN_DIR"] = self.idle_dir
+        if self.capture is not None:
+            from sanitizer.capture.rotate import rotate
+            rotate(self.capture, self.idle_dir)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -278,6 +301,8 @@ class HazsanSession:
         verdict = self.verdicts.get(item.nodeid)
         if verdict is None or rep.when == "setup":
             return
+        if rep.when == "teardown":
+            self._leave_test()      # the test's own file complete before the last analysis
         try:
             text = self._judge(item, verdict)
         except AllowListError as exc:
@@ -298,22 +323,32 @@ class HazsanSession:
             else:
                 rep.sections.append(("hazsan findings", text))
         if rep.when == "teardown":
+            if verdict.incomplete:
+                rep.sections.append(("hazsan", f"INCOMPLETE capture in {verdict.directory}: "
+                                               f"{'; '.join(verdict.incomplete)}"))
             rep.user_properties = [*rep.user_properties, ("hazsan", verdict.record())]
 
     def _judge(self, item, verdict: HazardVerdict) -> str | None:
         """Analyse the test's folder; return the report of new failing findings, or None."""
-        from sanitizer.report.render import render_text
+        from sanitizer.report.render import incomplete, render_text
         from sanitizer.rules.driver import Analysis, analyze
 
+        own = None
         if self.capture is not None:
             self.capture.writer.flush()
-        if not any(n.endswith((".jsonl", ".jsonl.gz")) for n in os.listdir(verdict.directory)):
+            if self.in_test:           # the call phase: the test's file is still being written
+                own = self.capture.writer.path
+        names = sorted(n for n in os.listdir(verdict.directory) if n.endswith((".jsonl", ".jsonl.gz")))
+        if not names:
             return None
-        analysis = analyze([verdict.directory], lenient=True)
+        live, running = _live_files(verdict.directory, names, own)
+        analysis = analyze([verdict.directory], lenient=True, live=live)
         verdict.events = analysis.summary.get("events", 0)
         verdict.ranks = sorted(int(r) for r in analysis.summary.get("steps_by_rank", {}))
-        verdict.files = sorted(n for n in os.listdir(verdict.directory) if n.endswith((".jsonl", ".jsonl.gz")))
+        verdict.files = names
         verdict.warnings = len(analysis.warnings)
+        verdict.incomplete = incomplete(analysis.summary)
+        verdict.running = running
         allow = marker_allowances(item) + self.allowances
         failing = []
         for f in analysis.findings:
@@ -357,8 +392,9 @@ class HazsanSession:
         tr.write_sep("=", "hazsan")
         verbose = config.getoption("verbose") > 0
         for r in records:
+            lost = r.get("incomplete") or []
             found = r["failing"] or r["allowed"] or r["below"]
-            if not (found or verbose):
+            if not (found or lost or verbose):
                 continue
             ranks = ",".join(str(x) for x in r["ranks"]) or "-"
             tr.write_line(f"{r['nodeid']}: {r['events']} events, {len(r['files'])} trace(s), ranks {ranks}")
@@ -367,12 +403,67 @@ class HazsanSession:
                                           ("below --hazsan-fail-on", r["below"], {})):
                 for rule, n in sorted(counts.items()):
                     tr.write_line(f"    {label}: {rule} x{n}", **markup)
+            for why in lost:
+                tr.write_line(f"    INCOMPLETE capture: {why}", yellow=True)
+            if verbose:
+                for name in r.get("running") or ():
+                    tr.write_line(f"    still running when analysed: {name}")
         failed = sum(1 for r in records if r["failing"])
+        partial = sum(1 for r in records if r.get("incomplete"))
         events = sum(r["events"] for r in records)
         tr.write_line(f"hazsan: {len(records)} test(s) captured, {events} events, "
-                      f"{failed} failed on hazards; traces in {self.dir}")
+                      f"{failed} failed on hazards"
+                      + (f", {partial} with an INCOMPLETE capture" if partial else "")
+                      + f"; traces in {self.dir}")
         try:
             with open(os.path.join(self.dir, "summary.json"), "w") as fh:
                 json.dump({"tests": records}, fh, indent=1)
         except OSError:
             pass
+
+
+def _live_files(directory: str, names: list[str], own: str | None) -> tuple[list[str], list[str]]:
+    """(paths still being written, names of those written by another process still running).
+
+    `own`: the pytest process's current file. Any other file names its writer's pid in its
+    header: while that process runs (a helper such as multiprocessing's resource tracker, a server
+    a fixture keeps), its file is read up to its last flush, not reported truncated."""
+    live: list[str] = []
+    running: list[str] = []
+    me = os.getpid()
+    for name in names:
+        path = os.path.join(directory, name)
+        if own is not None and os.path.abspath(path) == os.path.abspath(own):
+            live.append(path)
+            continue
+        if not name.endswith(".jsonl"):
+            continue
+        try:
+            with open(path, "rb") as fh:
+                pid = json.loads(fh.readline(1 << 20)).get("pid")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(pid, int) and pid != me and _running(pid):
+            live.append(path)
+            running.append(name)
+    return live, running
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` is alive (a zombie, killed and not yet reaped, is not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True

@@ -292,12 +292,21 @@ def test_writer_counts_failed_writes(tmp_path, monkeypatch):
     assert w.dropped_total == 1
 
 
-def test_writer_flushes_on_interval(tmp_path, monkeypatch):
+def test_writer_time_flush_is_a_timer_not_an_event_count(tmp_path, monkeypatch):
+    """One event, then nothing: the timer thread writes it within flush_seconds (no 512-event tick)."""
+    import time
     monkeypatch.delenv("RANK", raising=False)
-    w = TraceWriter(str(tmp_path), flush_seconds=0.0)
-    for n in range(600):
-        w.emit({"ev": "step", "n": n})
-    files = os.listdir(tmp_path)
-    assert files and len(load(tmp_path / files[0])) >= 513     # header + the first 512, unflushed rest
-    w.close()
-    assert len(load(tmp_path / files[0])) == 602   # header, 600 events, the end record
+    w = TraceWriter(str(tmp_path), flush_seconds=0.2)
+    w.start()
+    try:
+        (name,) = os.listdir(tmp_path)
+        assert [e.get("ev") for e in load(tmp_path / name)] == [None]          # the header, at once
+        w.emit({"ev": "step", "n": 0})
+        deadline = time.monotonic() + 5
+        while len(load(tmp_path / name)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert load(tmp_path / name)[1] == {"ev": "step", "n": 0}
+    finally:
+        w.close()
+    assert load(tmp_path / name)[-1]["ev"] == "end"
+    assert w._timer is None

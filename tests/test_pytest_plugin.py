@@ -81,6 +81,16 @@ PROJECT = textwrap.dedent('''
 
     def test_two_gloo_ranks(tmp_path):
         mp.spawn(_gloo_rank, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+    def test_killed_child():
+        import signal, subprocess, sys
+        code = "import time, torch; x = torch.ones(8); print('ready', flush=True); time.sleep(60)"
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGKILL)          # its trace: cut before its first flush
+        child.wait()
+        open("killed.pid", "w").write(str(child.pid))
 ''')
 
 ALLOW = textwrap.dedent('''
@@ -125,9 +135,12 @@ def test_plugin_is_inert_without_the_option(pytester):
 def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank(pytester):
     pytester.makepyfile(test_project=PROJECT)
     pytester.path.joinpath("allow.toml").write_text(ALLOW)
+    # at alloc: the allowances below name reuse-in-flight; at full (the plugin's default) the
+    # reference case's write into the reused block is also an unordered-access
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-v", "--hazsan", "--hazsan-dir", "traces", "--hazsan-allow", "allow.toml",
-        "-k", "not read_before_wait and not allowed_by_file", timeout=300)
+        "--hazsan-level", "alloc", "-k", "not read_before_wait and not allowed_by_file and not killed_child",
+        timeout=300)
     outcomes = _outcomes(result)
     assert outcomes == {"test_wait_first": "PASSED", "test_release_under_collective": "FAILED",
                         "test_release_allowed_by_marker": "PASSED", "test_two_gloo_ranks": "PASSED"}, result.stdout.str()[-4000:]
@@ -164,24 +177,53 @@ def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank
     assert {t["nodeid"].split("::")[1] for t in record["tests"]} == set(outcomes)
 
 
-def test_plugin_fails_a_read_before_wait(pytester, monkeypatch):
-    monkeypatch.delenv("HAZSAN_LEVEL", raising=False)   # the plugin's default level, alloc, below
+def test_plugin_fails_a_read_before_wait_at_its_default_level(pytester, monkeypatch):
+    monkeypatch.delenv("HAZSAN_LEVEL", raising=False)   # the plugin's own default: full
     pytester.makepyfile(test_project=PROJECT)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--hazsan", "--hazsan-dir", "traces",
-                                           "--hazsan-level", "full", "-k", "read_before_wait or wait_first",
-                                           timeout=300)
+                                           "-k", "read_before_wait or wait_first", timeout=300)
     assert _outcomes(result) == {"test_wait_first": "PASSED", "test_read_before_wait": "FAILED"}
     assert "unordered-access" in result.stdout.str()
-    # at the alloc level kernels' reads are not recorded: the same test passes unseen
+    assert "INCOMPLETE" not in result.stdout.str()
+    # asked for the alloc level (capture's own default), kernels' reads are not recorded: the same
+    # test passes unseen; HAZSAN_LEVEL overrides the same way
     alloc = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--hazsan", "--hazsan-dir", "traces2",
-                                          "-k", "read_before_wait", timeout=300)
+                                          "--hazsan-level", "alloc", "-k", "read_before_wait", timeout=300)
     assert _outcomes(alloc) == {"test_read_before_wait": "PASSED"}
+
+
+def test_plugin_reports_incomplete_only_where_a_process_was_killed(pytester, monkeypatch):
+    monkeypatch.delenv("HAZSAN_LEVEL", raising=False)
+    pytester.makepyfile(test_project=PROJECT)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--hazsan", "--hazsan-dir", "traces",
+                                           "-k", "wait_first or two_gloo_ranks or killed_child", timeout=300)
+    assert _outcomes(result) == {"test_wait_first": "PASSED", "test_two_gloo_ranks": "PASSED",
+                                 "test_killed_child": "PASSED"}, result.stdout.str()[-3000:]
+    traces = pytester.path / "traces"
+    killed = int((pytester.path / "killed.pid").read_text())
+    killed_file = _test_dir(traces, "test_killed_child") / f"pid{killed}.jsonl"
+    records = {t["nodeid"].split("::")[1]: t for t in json.loads((traces / "summary.json").read_text())["tests"]}
+    assert records["test_wait_first"]["incomplete"] == []
+    assert records["test_two_gloo_ranks"]["incomplete"] == []     # its spawned ranks ended cleanly
+    assert records["test_killed_child"]["incomplete"] == [f"1 trace(s) truncated: {killed_file}"]
+    text = result.stdout.str()
+    summary = text[text.index("= hazsan ="):]
+    assert summary.count("INCOMPLETE capture:") == 1
+    block = summary[summary.index("test_project.py::test_killed_child:"):]
+    assert block.splitlines()[1].strip() == f"INCOMPLETE capture: 1 trace(s) truncated: {killed_file}"
+    assert "1 with an INCOMPLETE capture" in summary
+    # every test's own file, from the pytest process, ends with its end record
+    (pytest_pid,) = {json.loads(p.read_bytes().splitlines()[0])["pid"] for p in (traces / "_session").iterdir()}
+    for name in ("test_wait_first", "test_two_gloo_ranks", "test_killed_child"):
+        own = [p for p in _test_dir(traces, name).iterdir()
+               if json.loads(p.read_bytes().splitlines()[0])["pid"] == pytest_pid]
+        assert len(own) == 1 and _events(own[0])[-1]["ev"] == "end", (name, own)
 
 
 def test_plugin_under_xdist_with_the_ini_option(pytester):
     pytester.makepyfile(test_project=PROJECT)
     pytester.path.joinpath("allow.toml").write_text(ALLOW)
-    pytester.makeini("[pytest]\nhazsan = true\nhazsan_dir = traces\nhazsan_allow = allow.toml\n")
+    pytester.makeini("[pytest]\nhazsan = true\nhazsan_dir = traces\nhazsan_allow = allow.toml\nhazsan_level = alloc\n")
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-n", "2", "-k", "release_under or allowed_by_file or wait_first", timeout=300)
     result.assert_outcomes(passed=2, failed=1)

@@ -43,7 +43,7 @@ def test_a_file_without_its_end_record_is_reported_truncated(tmp_path, monkeypat
     list(tf.line_batches())
     assert tf.truncated and "no end record" in tf.warnings[0]
     a = analyze([w.path])
-    assert not a.errors and incomplete(a.summary) == ["1 trace(s) truncated"]
+    assert not a.errors and incomplete(a.summary) == [f"1 trace(s) truncated: {w.path}"]   # named
 
 
 def test_disk_full_drops_counts_and_never_raises(tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_disk_full_drops_counts_and_never_raises(tmp_path, monkeypatch):
     lines = _lines(w.path)
     assert [e["n"] for e in lines[1:]] == [0] and lines[-1]["ev"] != "end"
     a = analyze([w.path])
-    assert "1 trace(s) truncated" in incomplete(a.summary)
+    assert f"1 trace(s) truncated: {w.path}" in incomplete(a.summary)
 
 
 def test_folder_removed_mid_run_is_made_again_with_the_loss_counted(tmp_path, monkeypatch):

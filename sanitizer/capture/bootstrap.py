@@ -38,6 +38,7 @@ def activate(environ=os.environ):
         atexit.register(cap.close)
         _install_sigterm(cap)
         os.register_at_fork(after_in_child=cap.after_fork_in_child)
+        cap.start()        # the file and its header now; then the time flush
         return cap
     except Exception as exc:   # never break the host program's start-up
         print(f"hazsan: capture not started: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -60,9 +60,24 @@ class Capture:
         self.versions: dict[str, str] = {}       # versions hooks learnt (the NCCL pynccl loaded)
         self._cids = itertools.count(1)  # coll ids, unique within the file, for every hook
         self.writer.header_source = self.header_facts
+        self.writer.header_key = self.header_key
 
     def next_cid(self) -> int:
         return next(self._cids)
+
+    def header_key(self) -> tuple:
+        """What the header's facts depend on, cheap enough to ask at every flush: the writer
+        writes the header again (in place) when it changes. Counts of failures are not in it (they
+        are brought up to date at close), the distinct failing hooks are. torch counts once its
+        hooks are installed (after its import, never while it imports: the flush thread asks)."""
+        mods = sys.modules
+        cuda = mods.get("torch.cuda") if self.installed else None
+        try:       # never initialises CUDA: is_initialized() only reads a flag
+            cuda_ready = bool(cuda is not None and cuda.is_initialized())
+        except Exception:
+            cuda_ready = False
+        return (len(self.installed), len(self.hooks_failed), len(self.versions),
+                "sglang" in mods, "vllm" in mods, cuda_ready)
 
     def header_facts(self) -> dict:
         """Extra header keys, computed when the header is written: what was hooked, versions,
@@ -149,6 +164,14 @@ class Capture:
         return self.arenas
 
     # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Capture is on: the trace file and its header are written now, before any event, so a
+        process killed before its first flush still leaves one; the time flush starts."""
+        try:
+            self.writer.start()
+        except Exception as exc:
+            self.failed("writer.start", exc)
+
     def close(self) -> None:
         try:
             # A process where nothing was hooked (it never imported torch: a launcher, a resource
@@ -161,9 +184,12 @@ class Capture:
             pass
 
     def after_fork_in_child(self) -> None:
-        """A forked child owns its own trace: reset the writer, then re-declare inherited blocks."""
+        """A forked child owns its own trace: reset the writer (its own file and header at once, its
+        own time flush), then re-declare inherited blocks. The child subprocess forks to exec another
+        program (a `preexec_fn` runs the fork handlers) starts no file: exec runs no exit handler,
+        so the file would stay behind header-only, read as a killed process."""
         try:
-            self.writer.discard_after_fork()
+            self.writer.discard_after_fork(start=not _in_subprocess_exec_child())
             if self.blocks is not None:
                 self.blocks.redeclare_after_fork()
             # multiprocessing's fork children end with os._exit (no atexit): flush from its exit
@@ -174,6 +200,24 @@ class Capture:
                 mp_util.register_after_fork(self, _close_at_multiprocessing_exit)
         except Exception as exc:
             self.failed("fork", exc)
+
+
+def _in_subprocess_exec_child() -> bool:
+    """Whether this fork handler runs in the child of subprocess.Popen, between fork and exec:
+    _posixsubprocess runs the fork handlers there only for a preexec_fn, called from the Python
+    frame of Popen._execute_child."""
+    try:
+        frame = sys._getframe(1)
+        for _ in range(8):
+            if frame is None:
+                return False
+            code = frame.f_code
+            if code.co_name == "_execute_child" and code.co_filename.endswith("subprocess.py"):
+                return True
+            frame = frame.f_back
+    except Exception:
+        pass
+    return False
 
 
 def _close_at_multiprocessing_exit(cap: "Capture") -> None:

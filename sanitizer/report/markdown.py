@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import re
 
-from sanitizer.report.render import finding_text
+from sanitizer.report.render import finding_text, incomplete, truncated_files
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
 
 _CELL = re.compile(r"([\\`*_{}\[\]<>()#+!|~])")
@@ -40,9 +40,20 @@ def render_markdown(analysis) -> str:
     elif counts:
         mark = ":x:" if errors else ":warning:"
         out.append(f"{mark} **{s['findings']} finding(s)** in {s['events']:,} events, {s['ranks']} rank(s)")
+    elif incomplete(s):
+        out.append(f":warning: **No hazards found** in {s['events']:,} events, {s['ranks']} rank(s), "
+                   "but the capture is **INCOMPLETE**: hazards may be missing")
     else:
         out.append(f":white_check_mark: **No hazards** in {s['events']:,} events, {s['ranks']} rank(s)")
     out.append("")
+    lost = incomplete(s)
+    if lost:
+        if counts:
+            out.append("**INCOMPLETE capture**: more hazards may be missing.")
+            out.append("")
+        out += [f"- {cell(why.split(':', 1)[0] if 'truncated' in why else why)}" for why in lost]
+        out += [f"- INCOMPLETE: {cell(t['file'])}: {cell(t['why'])}" for t in truncated_files(s)]
+        out.append("")
     if counts:
         out += ["| rule | severity | findings | meaning |", "|---|---|---:|---|"]
         for rule in RULES:

@@ -6,6 +6,7 @@ with both stacks (the block's and the colliding op's), then totals.
 from __future__ import annotations
 
 import json
+import re
 
 import orjson
 
@@ -23,17 +24,37 @@ def render(analysis, fmt: str = "text") -> str:
     return render_text(analysis)
 
 
+#: The reader's warning for a file that ends early: "FILE:LINE: trace truncated (WHY)".
+_TRUNCATED = re.compile(r"(?s)(?P<file>.+?):(?P<line>\d+): trace truncated \((?P<why>.*)\)$")
+#: Files named in an `incomplete` reason; the warnings (and json's `incomplete_files`) list every one.
+NAMED_FILES = 20
+
+
+def truncated_files(summary: dict) -> list[dict]:
+    """The trace files that end early (a killed process, one killed before its first flush, a
+    disk that stayed full), once each, in report order: {"file", "line", "why"}."""
+    out: dict[str, dict] = {}
+    for w in summary.get("warnings", []):
+        m = _TRUNCATED.match(w) if isinstance(w, str) else None
+        if m is not None and m["file"] not in out:
+            out[m["file"]] = {"file": m["file"], "line": int(m["line"]), "why": m["why"]}
+    return list(out.values())
+
+
 def incomplete(summary: dict) -> list[str]:
     """Why the traces do not hold every event of the run (empty: they do). A report with any of
-    these is never a plain "no hazards": what was lost may have held one."""
+    these is never a plain "no hazards": what was lost may have held one. Truncated traces are
+    named (the first NAMED_FILES of them)."""
     out = []
     if summary.get("dropped_events"):
         out.append(f"{summary['dropped_events']} event(s) dropped by capture")
     if summary.get("hook_errors"):
         out.append(f"{summary['hook_errors']} capture hook failure(s)")
-    truncated = sum("trace truncated" in w for w in summary.get("warnings", []))
+    truncated = [t["file"] for t in truncated_files(summary)]
     if truncated:
-        out.append(f"{truncated} trace(s) truncated")
+        names = ", ".join(truncated[:NAMED_FILES])
+        more = f" and {len(truncated) - NAMED_FILES} more" if len(truncated) > NAMED_FILES else ""
+        out.append(f"{len(truncated)} trace(s) truncated: {names}{more}")
     if summary.get("skipped_lines"):
         out.append(f"{summary['skipped_lines']} malformed line(s) skipped")
     return out
@@ -53,7 +74,8 @@ def render_json(analysis) -> str:
     doc = {
         "findings": [f.to_dict() for f in analysis.findings],
         "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors],
-                    "complete": not lost, "incomplete": lost},
+                    "complete": not lost, "incomplete": lost,
+                    "incomplete_files": truncated_files(analysis.summary)},
     }
     return _dumps(doc)
 
@@ -167,6 +189,8 @@ def render_text(analysis) -> str:
                      f"is INCOMPLETE ({', '.join(lost)}): hazards may be missing")
     else:
         lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s)")
+    for t in truncated_files(s):
+        lines.append(f"hazsan: INCOMPLETE: {t['file']}: {t['why']}")
     if analysis.errors:
         malformed = s.get("malformed", len(analysis.errors))
         if malformed:

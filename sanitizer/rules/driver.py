@@ -159,7 +159,7 @@ class RankReader:
 
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
             max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
-            matcher=None) -> Analysis:
+            matcher=None, live=()) -> Analysis:
     """Analyse rank trace files (or directories of them) together.
 
     Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
@@ -172,19 +172,22 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     .rank/.step/.file, op the engine's Op), ``end_round()`` after each round-robin round, ``rank_finished(rank)`` when a rank's file ends,
     ``finish()`` at the end, and an ``unmatched`` count. Default: the engine's CollectiveMatcher,
     which makes the asymmetric-offset findings.
+
+    `live`: paths of files still being written (the pytest plugin's own file, a process still
+    running): read up to their last flush, their missing end record is not a truncated trace.
     """
     # Millions of short-lived decoded events, no reference cycles among them: the cyclic
     # collector's passes over them cost time and find nothing.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher)
+        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher, live)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher) -> Analysis:
+def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher, live=()) -> Analysis:
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
     sink = FindingSink(max_per_group=max_per_group)
@@ -201,11 +204,15 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     except TraceError as exc:
         return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, engine_kind), [exc], [])
     traces: list[TraceFile] = []
+    live = {os.path.realpath(p) for p in live}
     for p in files:
         try:
-            traces.append(open_trace(p))
+            t = open_trace(p)
         except TraceError as exc:
             errors.append(exc)
+            continue
+        t.live = bool(live) and os.path.realpath(p) in live
+        traces.append(t)
     ranks_seen: dict[int, str] = {}
     for t in traces:
         if t.rank in ranks_seen:

@@ -64,6 +64,9 @@ class TraceFile:
     truncated: bool = False  # set once the last line turned out cut short (a killed writer)
     ended: bool = False      # the writer's end record was read (header "end_record": true)
     compressed: bool = False
+    #: the file is still being written (a live process: the pytest plugin's own file, a helper
+    #: still running): its missing end record, or a last line not yet complete, is no truncation
+    live: bool = False
     warnings: list[str] = field(default_factory=list)
     _stream: io.BufferedIOBase | None = None
 
@@ -106,9 +109,13 @@ class TraceFile:
             raise TraceError(self.path, first, f"read error: {exc}") from exc
         finally:
             stream.close()
-        if wants_end and not self.ended and not self.truncated:
-            self._truncate(first, "no end record: the process was killed, or its last writes failed; "
-                           "events may be missing")
+        if wants_end and not self.ended and not self.truncated and not self.live:
+            if first == 2:     # the header alone: capture started, no event was ever flushed
+                self._truncate(first, "header only, no end record: the process was killed, or ended "
+                               "without a clean exit, before its first flush; its events are missing")
+            else:
+                self._truncate(first, "no end record: the process was killed, or its last writes "
+                               "failed; events may be missing")
 
     def batches(self, size: int = 4096) -> Iterator[tuple[int, list]]:
         """Yield (line_no of the first item, [parsed event or TraceError, ...]) in file order.
@@ -143,6 +150,9 @@ class TraceFile:
 
     def _truncate(self, line_no: int, why: str = "last line cut short: the writer was killed?") -> None:
         self.truncated = True
+        if self.live:    # read while its writer writes: the line after the last flush is not there yet
+            self.warnings.append(f"{self.path}:{line_no}: still being written: read up to line {line_no - 1}")
+            return
         self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why})")
 
     def close(self) -> None:

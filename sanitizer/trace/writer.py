@@ -20,12 +20,27 @@ The header says ``"end_record": true`` and a clean close writes ``{"ev": "end", 
 line, so a trace without it (a killed process, a disk that stayed full) is reported as truncated.
 Folders and files are created owner-only (0700 / 0600): traces hold addresses and call sites.
 
+Nothing lost (``start()``, what capture calls when it starts): the file and its header line are
+written at once, before any event is buffered, so a process killed before its first flush still
+leaves a file (header only, no end record: reported as truncated). The header line is padded with
+spaces to ``HEADER_ROOM`` bytes, so that the facts known later (what was hooked, versions; the
+``header_source``) are written over it in place (``pwrite``) at the first flush, whenever
+``header_key()`` changes, and at close; a header that outgrows its room is rewritten with a copy
+of the file. A daemon thread (``hazsan-flush``) waits on an Event and flushes a non-empty buffer
+every ``flush_seconds``, so a process whose events are rare still has them on disk: emit() does
+no clock reads. The thread is stopped before a fork (no thread is copied into the child, none runs
+while the fork happens) and started again in both processes. A writer whose process recorded
+nothing and must leave no file (``write_empty`` false) removes its header-only file at close.
+
 File naming: ``rank<R>.jsonl`` once the rank is known (torch.distributed, else RANK / LOCAL_RANK),
 else ``pid<PID>.jsonl`` with header rank ``-PID`` (a process without a distributed rank; distinct
 from every real rank and from other such processes). Files are created with O_EXCL; a name already
-taken (two processes claiming one rank) becomes ``rank<R>.pid<PID>.jsonl``. When the rank becomes
-known after the file was opened under its pid name, the file is rewritten once under the rank name
-with the right header.
+taken (two processes claiming one rank) becomes ``rank<R>.pid<PID>.jsonl``, then
+``...pid<PID>.<n>.jsonl`` (a process that started a second file in one folder: the pytest plugin's
+idle folder). A taken name whose file holds only a header of this very pid is the trace of this
+process before an exec (exec runs no exit handler): it is taken over. When the rank becomes known
+after the file was opened under its pid name, the file is rewritten once under the rank name with
+the right header.
 """
 from __future__ import annotations
 
@@ -40,6 +55,11 @@ from sanitizer.trace.schema import SCHEMA_VERSION
 
 _ENCODE_SLICE = 1024
 _CAPPED_RECORD_SECONDS = 60.0
+#: Bytes the header line takes (padded with spaces): room for the facts learnt later, in place.
+HEADER_ROOM = 4096
+#: The time-flush thread wakes at most this often (HAZSAN_FLUSH_SECONDS=0 means "as often as this").
+MIN_FLUSH_SECONDS = 0.05
+_COPY_CHUNK = 1 << 20
 
 
 class TraceWriter:
@@ -53,7 +73,8 @@ class TraceWriter:
         self.flush_seconds = flush_seconds
         self.header_extra = dict(header_extra or {})
         self.header_source = None   # callable -> dict of more header keys, asked when the header is written
-        self.write_empty = True     # close() writes the header even when no event was recorded
+        self.header_key = None      # callable -> hashable; the header is written again when it changes
+        self.write_empty = True     # close() keeps a header-only file (false: a header-only file is removed)
         self.rank: int | None = None
         self.world_size: int | None = None
         self.device = "cpu"
@@ -62,7 +83,7 @@ class TraceWriter:
         self._buf: list = []
         self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
         self._buf_lock = threading.RLock()  # the buffer append/swap only
-        self._flushing = False
+        self._flush_thread = None    # ident of the thread inside flush() (a GC free there must not re-enter)
         self._written = 0            # events accepted into the file (header excluded)
         self._dropped = 0            # dropped since the last `dropped` record
         self._drop_reason = None
@@ -73,7 +94,14 @@ class TraceWriter:
         self._closing = False
         self._last_record = 0.0      # when counts were last written (rate-limited past max_events)
         self._last_flush = time.monotonic()
-        self._tick = 0
+        self._header_len = 0         # bytes of the header line on disk (padded): 0 before the file exists
+        self._header_state = _NO_FACTS   # header_key() when the facts were written; _NO_FACTS: not yet
+        self._facts_cache = None     # (header_key(), header_source()'s dict): a rotation asks it again only on a change
+        self._next_suffix: dict = {} # (folder, stem) -> the next n of `stem.<n>.jsonl` to try there
+        self._timer = None           # the time-flush thread, once start() ran
+        self._timer_stop = None      # its Event
+        self._started = False
+        self._fork_hooks = False
         self.closed = False
         env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
         if env_rank is not None:
@@ -82,7 +110,7 @@ class TraceWriter:
 
     # ------------------------------------------------------------------ hot path
     def emit(self, ev: dict) -> None:
-        """Queue one event. Flushes when the buffer is full or the flush interval passed.
+        """Queue one event. Flushes when the buffer is full; the time flush is the timer thread's.
 
         Called from any thread (frees arrive on whichever thread drops a storage): the append and
         the swap in flush() share a lock, so no event can land in a batch already written."""
@@ -90,16 +118,8 @@ class TraceWriter:
             buf = self._buf
             buf.append(ev)
             n = len(buf)
-        if self._flushing:        # a free fired by GC inside flush() on this thread: next time
-            return
-        if n >= self.buffer_events:
-            self.flush()
-        else:
-            self._tick += 1
-            if self._tick >= 512:
-                self._tick = 0
-                if time.monotonic() - self._last_flush >= self.flush_seconds:
-                    self.flush()
+        if n >= self.buffer_events and self._flush_thread != threading.get_ident():
+            self.flush()      # (on the flushing thread itself: a free fired by GC inside flush(), next time)
 
     def hook_failed(self, hook: str, exc: BaseException) -> None:
         """Count a caught hook failure; written into the trace at the next flush."""
@@ -128,63 +148,250 @@ class TraceWriter:
                 return
             self._reopen_under_rank()
 
-    def _header(self) -> bytes:
+    def _key(self):
+        """What the header's facts depend on (header_key), cheap to ask at every flush."""
+        if self.header_key is None:
+            return 0
+        try:
+            return self.header_key()
+        except Exception as exc:
+            self.hook_failed("writer.header", exc)
+            return self._header_state
+
+    def _header_json(self, facts: bool = True) -> tuple[bytes, object]:
+        """The header as JSON (no newline), and the header_key() it was made under (_NO_FACTS when
+        the header_source was not asked: capture just started)."""
         rank = self.rank if self.rank is not None else -os.getpid()
         h = {"hazsan": SCHEMA_VERSION, "rank": rank, "world_size": self.world_size or 1,
              "device": self.device, "pid": os.getpid(), "end_record": True}
         h.update(self.header_extra)
-        if self.header_source is not None:
-            try:
-                h.update(self.header_source())
-            except Exception as exc:
-                self.hook_failed("writer.header", exc)
-        return orjson.dumps(h) + b"\n"
+        state = _NO_FACTS
+        if facts or self.header_source is None:
+            state = self._key()
+        if facts and self.header_source is not None:
+            cached = self._facts_cache
+            if cached is not None and cached[0] == state:
+                h.update(cached[1])
+            else:
+                try:
+                    more = dict(self.header_source())
+                    self._facts_cache = (state, more)
+                    h.update(more)
+                except Exception as exc:
+                    self.hook_failed("writer.header", exc)
+        return orjson.dumps(h), state
 
-    def _open(self) -> None:
+    def _header(self) -> bytes:
+        return self._header_json()[0] + b"\n"
+
+    def _open(self, facts: bool = True) -> None:
+        """Create this process's file (O_EXCL, owner-only) and write its header line, padded to
+        HEADER_ROOM so that later facts fit in place."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        names = ([f"rank{self.rank}.jsonl", f"rank{self.rank}.pid{os.getpid()}.jsonl"]
-                 if self.rank is not None else [f"pid{os.getpid()}.jsonl"])
+        pid = os.getpid()
+        if self.rank is not None:
+            names = [f"rank{self.rank}.jsonl"]
+            stem = f"rank{self.rank}.pid{pid}"
+        else:
+            names = []
+            stem = f"pid{pid}"
+        first = self._next_suffix.get((self.directory, stem), 2)   # a folder this process wrote before
+        names += [f"{stem}.jsonl"] + [f"{stem}.{n}.jsonl" for n in range(first, first + 100)]
+        js, state = self._header_json(facts)
+        header = _padded(js, max(HEADER_ROOM, len(js) + 1))
         last_exc = None
-        for name in names:
+        for i, name in enumerate(names):
+            if i >= len(names) - 100:
+                self._next_suffix[(self.directory, stem)] = first + (i - (len(names) - 100)) + 1
             path = os.path.join(self.directory, name)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+                fd = _create(path)
             except FileExistsError as exc:
                 last_exc = exc
-                continue
+                if not _stale_own_header(path, pid):
+                    continue
+                try:                    # this process's own file from before an exec: take it over
+                    os.unlink(path)
+                    fd = _create(path)
+                except OSError:
+                    continue
+            try:
+                _write_all(fd, header)
+            except BaseException:
+                os.close(fd)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                raise
             self._fd, self.path = fd, path
             self._in_file = 0
-            _write_all(fd, self._header())
+            self._header_len = len(header)
+            self._header_state = state
             return
         raise last_exc  # type: ignore[misc]
 
     def _reopen_under_rank(self) -> None:
+        """Copy the file under its rank's name with the right header; on failure keep writing
+        where we were."""
         old_fd, old_path = self._fd, self.path
         self._fd = self.path = None
         try:
+            self._open(facts=True)
+        except OSError as exc:
+            self.hook_failed("writer.rename", exc)
+            self._fd, self.path = old_fd, old_path
+            return
+        try:
+            _copy_body(old_path, self._fd)
+        except OSError as exc:
+            self.hook_failed("writer.rename", exc)
+            try:
+                os.close(self._fd)
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self._fd, self.path = old_fd, old_path
+            return
+        self._in_file = self._written
+        try:
             os.close(old_fd)
-            with open(old_path, "rb") as f:
-                f.readline()                 # the old header
-                body = f.read()
-            self._open()
-            _write_all(self._fd, body)
-            self._in_file = self._written
             os.unlink(old_path)
         except OSError as exc:
             self.hook_failed("writer.rename", exc)
-            if self._fd is None:   # keep writing where we were
-                self._fd = os.open(old_path, os.O_WRONLY | os.O_APPEND)
-                self.path = old_path
+
+    def _refresh_header(self) -> None:
+        """Write the header again with the facts known now: over the old one in place when it
+        fits its room (pwrite on a second descriptor: the first appends), else with a copy."""
+        if self._fd is None or self.path is None:
+            return
+        js, state = self._header_json(True)
+        self._header_state = state       # tried once per change of the facts, even if it fails
+        try:
+            if len(js) + 1 <= self._header_len:
+                data = _padded(js, self._header_len)
+                fd = os.open(self.path, os.O_WRONLY)
+                try:
+                    if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+                        return           # not our file any more (the folder was removed)
+                    done = 0
+                    while done < len(data):
+                        done += os.pwrite(fd, data[done:], done)
+                finally:
+                    os.close(fd)
+            else:
+                self._rewrite_with_header(js)
+        except Exception as exc:
+            self.hook_failed("writer.header", exc)
+
+    def _rewrite_with_header(self, js: bytes) -> None:
+        """The header outgrew its room: the file copied under the new header, then renamed over."""
+        tmp = self.path + ".tmp"          # not *.jsonl: never read as a trace
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
+            header = _padded(js, len(js) + 1 + HEADER_ROOM // 4)
+            _write_all(fd, header)
+            _copy_body(self.path, fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = fd
+        self._header_len = len(header)
+
+    # ------------------------------------------------------------------ start and the time flush
+    def start(self) -> None:
+        """Capture started: the file and its header are written now, before any event is
+        buffered, and the time flush starts. Never raises: a file that cannot be made now is tried
+        again at the next flush, which counts and reports the failure."""
+        try:
+            with self._lock:
+                self._started = True
+                if self._fd is None and not self.closed:
+                    try:
+                        self._open(facts=False)
+                    except Exception:
+                        pass
+            self._start_timer()
+            if not self._fork_hooks:
+                self._fork_hooks = True
+                os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent)
+        except Exception as exc:
+            self.hook_failed("writer.start", exc)
+
+    def _start_timer(self) -> None:
+        if self.closed or (self._timer is not None and self._timer.is_alive()):
+            return
+        stop = threading.Event()
+        timer = threading.Thread(target=self._run_timer, args=(stop,), name="hazsan-flush", daemon=True)
+        self._timer, self._timer_stop = timer, stop
+        timer.start()
+
+    def _stop_timer(self, join: float = 0.0) -> None:
+        timer, stop = self._timer, self._timer_stop
+        self._timer = self._timer_stop = None
+        if stop is not None:
+            stop.set()
+        if join and timer is not None and timer.is_alive() and timer is not threading.current_thread():
+            timer.join(join)
+
+    def _run_timer(self, stop: threading.Event) -> None:
+        """The time flush: wake every flush_seconds after the last flush, write what is buffered."""
+        period = max(self.flush_seconds, MIN_FLUSH_SECONDS)
+        wait = period
+        while not stop.wait(wait):
+            try:
+                if self.closed:
+                    return
+                left = self._last_flush + period - time.monotonic()
+                if left > 0.001:          # flushed meanwhile (a step, a full buffer): the rest
+                    wait = left
+                    continue
+                wait = period
+                if self._buf or self._dropped or self._hook_errors:
+                    self.flush()
+            except Exception:             # never raise, not even at interpreter exit
+                pass
+
+    def _before_fork(self) -> None:
+        """No thread of ours may run while the process forks (the child would inherit the
+        writer's lock held): stop it; both processes start it again."""
+        try:
+            self._was_timed = self._timer is not None
+            self._stop_timer(join=1.0)
+        except Exception:
+            pass
+
+    def _after_fork_in_parent(self) -> None:
+        try:
+            if getattr(self, "_was_timed", False) and self._started and not self.closed:
+                self._start_timer()
+        except Exception:
+            pass
 
     # ------------------------------------------------------------------ flushing
     def flush(self) -> None:
         """Write everything buffered as whole lines. Never raises."""
         with self._lock:
-            self._flushing = True
+            outer = self._flush_thread
+            self._flush_thread = threading.get_ident()
             try:
                 self._flush_locked()
+            except Exception as exc:
+                try:
+                    self.hook_failed("writer.flush", exc)
+                except Exception:
+                    pass
             finally:
-                self._flushing = False
+                self._flush_thread = outer
 
     def _flush_locked(self) -> None:
         self._last_flush = time.monotonic()
@@ -220,6 +427,8 @@ class TraceWriter:
         try:
             if self._fd is None:
                 self._open()
+            elif self.header_source is not None and self._header_state != self._key():
+                self._refresh_header()
             # orjson's result keeps its ~4 KiB working buffer: holding a whole batch of them at
             # once would add ~270 MB to the host's peak RSS per 65k events. Slices keep it ~4 MB.
             for i in range(0, len(batch), _ENCODE_SLICE):
@@ -256,7 +465,9 @@ class TraceWriter:
         except OSError:
             pass
 
+    # ------------------------------------------------------------------ closing
     def close(self) -> None:
+        self._stop_timer()
         with self._lock:
             if self.closed:
                 return
@@ -268,45 +479,72 @@ class TraceWriter:
                 except Exception as exc:
                     self.hook_failed("writer.open", exc)
             self.closed = True
-            if self._fd is not None:
+            self._finish_file(remove_empty=not self.write_empty)
+
+    def _finish_file(self, remove_empty: bool = False) -> None:
+        """Close the current file: its header brought up to date, then the `end` record (unless
+        drops or hook errors are still unrecorded). `remove_empty`: a file that holds nothing but
+        its header is removed instead (a process that hooked nothing leaves no file)."""
+        fd = self._fd
+        if fd is None:
+            return
+        self._fd = None
+        try:
+            if remove_empty and self._in_file == 0 and not self._dropped and not self._hook_errors:
                 try:
-                    if not self._dropped and not self._hook_errors and os.fstat(self._fd).st_nlink:
-                        # the last line of a complete trace; without it the reader says truncated
-                        _write_all(self._fd, _dumps({"ev": "end", "events": self._written,
-                                                     "dropped": self.dropped_total}))
-                except Exception:
-                    pass
-                try:
-                    os.close(self._fd)
+                    if self.path is not None and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                        os.unlink(self.path)
                 except OSError:
                     pass
-                self._fd = None
+                self.path = None
+                return
+            self._fd = fd
+            if self.header_source is not None and self._header_state != self._key():
+                self._refresh_header()
+            fd = self._fd                 # (a header rewritten with a copy is a new descriptor)
+            if not self._dropped and not self._hook_errors and os.fstat(fd).st_nlink:
+                # the last line of a complete trace; without it the reader says truncated
+                _write_all(fd, _dumps({"ev": "end", "events": self._written, "dropped": self.dropped_total}))
+        except Exception:
+            pass
+        finally:
+            self._fd = None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def reopen(self, directory: str, preamble: list | None = None) -> None:
         """Continue in a new file in `directory` (same rank and naming): what is buffered goes to
-        the old file first; the new file starts with `preamble` (events that re-declare the live
-        state, so the new file reads on its own). Used by the pytest plugin: one trace per test."""
+        the old file first, which is then ended with its `end` record (it is complete: the pytest
+        plugin analyses it); the new file starts with `preamble` (events that re-declare the live
+        state, so the new file reads on its own) and, once started, is made at once. Used by the
+        pytest plugin: one trace per test."""
         with self._lock:
             self.flush()
+            self._finish_file()
             with self._buf_lock:
-                if self._fd is not None:
-                    try:
-                        os.close(self._fd)
-                    except OSError:
-                        pass
-                self._fd = None
                 self.path = None
                 self._written = 0
+                self._in_file = 0
                 self.directory = directory
                 self.closed = False
+                self._closing = False
                 if preamble:
                     self._buf = list(preamble) + self._buf
+            if self._started:
+                try:
+                    self._open()
+                except Exception:
+                    pass                  # tried again, counted and reported, at the next flush
 
-    def discard_after_fork(self) -> None:
-        """In a forked child: forget the parent's buffer and file (they belong to the parent)."""
+    def discard_after_fork(self, start: bool = True) -> None:
+        """In a forked child: forget the parent's buffer and file (they belong to the parent). A
+        started writer then starts again, its own file and header at once and its time flush
+        (threads do not survive a fork); `start=False` leaves that to the first flush."""
         self._lock = threading.RLock()
         self._buf_lock = threading.RLock()
-        self._flushing = False
+        self._flush_thread = None
         self._buf = []
         self._fd = None
         self.path = None
@@ -317,9 +555,51 @@ class TraceWriter:
         self.closed = False
         self._closing = False
         self._last_record = 0.0
+        self._last_flush = time.monotonic()
+        self._header_len = 0
+        self._header_state = _NO_FACTS
+        self._timer = self._timer_stop = None
         env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
         self.rank = env_rank
         self.world_size = None
+        if start and self._started:
+            self.start()
+
+
+_NO_FACTS = object()   # a header written before its facts were asked (capture start)
+
+
+def _padded(js: bytes, size: int) -> bytes:
+    """The header line: JSON, spaces up to `size` - 1 bytes, a newline (JSON allows the spaces)."""
+    return js + b" " * max(0, size - len(js) - 1) + b"\n"
+
+
+def _create(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+
+
+def _stale_own_header(path: str, pid: int) -> bool:
+    """`path` holds nothing but a header line with this `pid` (and no end record): the trace this
+    very process started before an exec replaced its program (exec runs no exit handler)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 20)
+            if not first.endswith(b"\n") or f.read(1):
+                return False
+        return orjson.loads(first).get("pid") == pid
+    except Exception:
+        return False
+
+
+def _copy_body(src_path: str, dst_fd: int) -> None:
+    """Everything after the header line of `src_path`, appended to `dst_fd`, a chunk at a time."""
+    with open(src_path, "rb") as f:
+        f.readline()
+        while True:
+            chunk = f.read(_COPY_CHUNK)
+            if not chunk:
+                return
+            _write_all(dst_fd, chunk)
 
 
 def _dumps(ev: dict) -> bytes:
