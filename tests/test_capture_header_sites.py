@@ -138,7 +138,7 @@ def test_nccl_wait_is_a_stream_edge_and_is_completed_a_host_observation():
     emitted = []
     cap = types.SimpleNamespace(emit=emitted.append, failed=lambda h, e: (_ for _ in ()).throw(e),
                                 streams=None, next_cid=iter(range(1, 100)).__next__)
-    colls = collectives.Collectives(cap)
+    colls = collectives.DispatchedCollectives(cap)
     # as _record leaves them: a collective on a NCCL group's stream, one on gloo's
     colls.device_streamed[1] = "nccl:0"
     colls.done(1, waited=True)            # Work.wait() / blocking call on NCCL

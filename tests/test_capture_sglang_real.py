@@ -197,9 +197,12 @@ def test_every_pynccl_collective_with_exact_ranges_stream_and_seq(run):
 def test_torch_single_collectives_from_sglang(run):
     _, ranks = run
     for _, events, _ in ranks.values():
-        singles = [e for e in events if e["ev"] == "coll" and e["op"].endswith("_single")]
+        # torch's all_gather_single / reduce_scatter_single, recorded as the c10d ops they dispatch
+        singles = [e for e in events if e["ev"] == "coll" and e["op"].startswith("c10d.")
+                   and "sglang/srt/distributed/parallel_state.py" in e.get("site", "")]
         assert [(e["op"], [(b["size"], b["access"]) for b in e["bufs"]]) for e in singles] == [
-            ("all_gather_single", [(32, "r"), (64, "w")]), ("reduce_scatter_single", [(48, "r"), (24, "w")])]
+            ("c10d._allgather_base_", [(32, "r"), (64, "w")]),
+            ("c10d._reduce_scatter_base_", [(48, "r"), (24, "w")])]
         assert all(e["stream"].startswith("gloo:") and "sglang/srt/distributed/parallel_state.py" in e["site"]
                    for e in singles)
         done = {e["cid"] for e in events if e["ev"] == "coll_done"}

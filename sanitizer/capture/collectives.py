@@ -147,7 +147,7 @@ class DispatchedCollectives:
         self.groups: dict = {}              # ProcessGroup (pybind) or group name -> (name, stream, pg)
         self.device_streamed: dict[int, str] = {}   # cid -> NCCL stream of a collective not yet waited for
         self.pending: dict[int, tuple] = {}     # id(Work or Future) -> (weakref, cid)
-        table = capture.blocks
+        table = getattr(capture, "blocks", None)
         # cid -> Future of a Work only C++ holds (polled); per-thread state: shared with the mode
         self.unowned: dict[int, object] = table.unowned if table is not None else {}
         self.slot = table.slot if table is not None else _new_slot()
