@@ -352,3 +352,71 @@ def test_step_boundary_and_close_drain_into_the_trace(tmp_path):
     evs = [json.loads(x)["ev"] for x in open(tmp_path / files[0]).read().splitlines()[1:]]
     assert evs == ["segment", "step", "segment_free", "end"]
     assert alloc.calls[-1] == (None, {}) and not hist.enabled
+
+
+# ---------------------------------------------------------------------- lazy installation
+class HistorySettings:
+    alloc_history_entries = 32
+
+
+def lazy_install(monkeypatch, compiled=True):
+    """allocator_history.install with torch.cuda's device queries made to fail the test, the CUDA
+    build faked (torch._C._cuda_getDeviceCount present) and torch.cuda._lazy_call recorded."""
+    for name in ("is_available", "current_device", "device_count", "_lazy_init", "init",
+                 "get_device_name", "get_device_capability"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: pytest.fail(f"torch.cuda.{_n} called"))
+    if compiled:
+        monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: pytest.fail("cudaGetDeviceCount"),
+                            raising=False)
+    queued = []
+    monkeypatch.setattr(torch.cuda, "_lazy_call", lambda fn, **kw: queued.append(fn))
+    cap = Cap()
+    cap.installed, cap.settings = [], HistorySettings()
+    table = Table(cap)
+    emit = table.emit
+    hist = ah.install(cap, table)
+    return cap, table, emit, hist, queued
+
+
+def test_install_queues_recording_for_cuda_initialisation_and_asks_nothing(monkeypatch):
+    cap, table, emit, hist, queued = lazy_install(monkeypatch)
+    assert hist is not None and cap.alloc_history is hist and cap.installed == ["allocator-history"]
+    assert len(queued) == 1 and not hist.enabled
+    assert table.emit is emit                 # the dispatch mode is not tapped before CUDA exists
+    hist.drain()
+    hist.close()                              # exit without CUDA: nothing to read, nothing to stop
+    assert not cap.failures and not cap.events
+    # CUDA initialisation runs the queued call: recording starts (injected allocator)
+    alloc = Allocator()
+    alloc.counters.append((0, 0, 0, 0))
+    hist.cuda = alloc
+    queued[0]()
+    assert hist.enabled and table.emit is not emit and alloc.calls[0][0] == "all"
+
+
+def test_queued_start_never_raises_into_torchs_lazy_init(monkeypatch):
+    """A queued call that raises would fail the program's CUDA initialisation
+    (DeferredCudaCallError): a failing start is counted instead."""
+    cap, _, _, hist, queued = lazy_install(monkeypatch)
+    hist.cuda = object()                      # every allocator call fails
+    queued[0]()
+    hist.enable = lambda: 1 / 0               # even a failure outside enable's own guard
+    queued[0]()
+    assert not hist.enabled and cap.failures["alloc_history.enable"] == 2
+
+
+def test_install_on_a_cpu_build_queues_nothing(monkeypatch):
+    cap, table, emit, hist, queued = lazy_install(monkeypatch, compiled=False)
+    assert hist is None and queued == [] and cap.installed == [] and table.emit is emit
+
+
+def test_torchs_lazy_call_before_initialisation_only_queues(monkeypatch):
+    """The real torch.cuda._lazy_call in a process where CUDA is not initialised: the callable is
+    appended to torch.cuda._queued_calls and not run; nothing initialises."""
+    ran = []
+    monkeypatch.setattr(torch.cuda, "_queued_calls", list(torch.cuda._queued_calls))
+    monkeypatch.setattr(torch._C, "_cuda_init", lambda: pytest.fail("CUDA initialised"), raising=False)
+    before = len(torch.cuda._queued_calls)
+    torch.cuda._lazy_call(lambda: ran.append(1))
+    assert ran == [] and len(torch.cuda._queued_calls) == before + 1
+    assert not torch.cuda.is_initialized()

@@ -137,7 +137,8 @@ class AllocatorHistory:
         # init, where torch.cuda.memory_stats_as_nested_dict still answers {} (not initialised)
         self.memory_stats = getattr(torch._C, "_cuda_memoryStats", None)
         self.totals: Counter = Counter()
-        self._tap(table)
+        self._tapped = False               # the dispatch mode is tapped when recording starts:
+                                           # until CUDA is initialised there is no CUDA alloc
 
     # ------------------------------------------------------------------ dispatch side
     def _tap(self, table) -> None:
@@ -155,8 +156,13 @@ class AllocatorHistory:
     def enable(self) -> None:
         """Start recording (called at CUDA initialisation, through torch.cuda._lazy_call)."""
         try:
+            if not self._tapped:
+                self._tap(self.table)
+                self._tapped = True
             self._record(clear=True)
             self.enabled = True
+            # runs inside torch's lazy init (CUDA is being initialised by the program): the
+            # device count is cudaGetDeviceCount's, no new side effect
             for d in range(self.cuda.device_count()):
                 self._base[d] = self._read_counters(d)
         except Exception as exc:
@@ -272,11 +278,20 @@ class AllocatorHistory:
 
 
 def install(capture, table):
-    """HAZSAN_ALLOC_SOURCE=history: record from CUDA initialisation on (never initialise CUDA
-    ourselves: a parent that forks workers must not own a CUDA context because of us)."""
-    import torch
-    if not torch.cuda.is_available():      # nothing to record: leave the dispatch path untouched
+    """HAZSAN_ALLOC_SOURCE=history: record from CUDA initialisation on, never initialising CUDA
+    ourselves (a parent that forks workers must not own a CUDA context because of us): no device
+    query here, not even `torch.cuda.is_available()` (cudaGetDeviceCount initialises the driver).
+
+    On a torch built with CUDA, `start` is queued with `torch.cuda._lazy_call`: torch runs it inside
+    its lazy initialisation, when the program first uses CUDA (at once where CUDA is initialised
+    already). In a process that never initialises CUDA the queued call just stays in
+    torch.cuda._queued_calls, never run; nothing else happens (a child forked from such a process
+    inherits it and records from its own initialisation). A CPU build of torch has nothing to record:
+    the dispatch path is left untouched and nothing is queued."""
+    from sanitizer.capture import cuda_state
+    if not cuda_state.compiled():
         return None
+    import torch
     hist = AllocatorHistory(capture, table, capture.settings.alloc_history_entries, torch.cuda)
     capture.alloc_history = hist
 

@@ -21,6 +21,11 @@ What is recorded, and from where
 
 Every callback and wrapper body runs under the capture's failure accounting: nothing raises into
 the program, and the original torch call always runs (its exceptions are the program's own).
+
+Installing initialises no CUDA: the _gpu_trace registries are Python lists, and
+torch._C._activate_gpu_trace only sets c10's trace interpreter; the wrappers are set on classes.
+The device and stream a callback names come through cuda_state.py (the current device only once
+the program initialised CUDA).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import threading
 import weakref
 
 import torch
+
+from sanitizer.capture import cuda_state
 
 
 class CudaOrdering:
@@ -55,6 +62,10 @@ class CudaOrdering:
         if hasattr(stream, "cuda_stream"):
             return self.streams.of_torch(stream)
         dtype = getattr(stream, "device_type", None)
+        if dtype == 1 and not cuda_state.initialized():
+            # building the CUDA view sets the device (cudaSetDevice makes a context): without
+            # CUDA initialised there is no work on any CUDA stream, name the device's
+            return f"cuda:{int(getattr(stream, 'device_index', 0) or 0)}"
         if dtype == 1:   # a generic torch.Stream on CUDA: its cudaStream_t is on the CUDA view
             cs = torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
                                    device_type=stream.device_type)
@@ -198,19 +209,18 @@ class CudaOrdering:
 
 
 def _current_device() -> int:
-    try:
-        if torch.cuda.is_initialized():
-            return torch.cuda.current_device()
-    except Exception:
-        pass
-    return 0
+    """The current CUDA device once the program initialised CUDA, else 0 (cuda_state.py: never
+    initialises it)."""
+    return cuda_state.current_device(0)
 
 
 def _current_stream(streams) -> str:
     try:
-        return streams.current(_current_device())
-    except Exception:          # no usable CUDA runtime (CPU build): the device's default stream
-        return f"cuda:{_current_device()}"
+        if cuda_state.initialized():
+            return streams.current(_current_device())
+    except Exception:          # no usable CUDA runtime (CPU build)
+        pass
+    return f"cuda:{_current_device()}"   # the device's default stream
 
 
 # ---------------------------------------------------------------------- installation

@@ -1,8 +1,9 @@
 """Facts for the trace header: what capture hooked, the versions it ran against, the device.
 
-Computed when the header is written (the first flush, or at exit for a capture that recorded
-nothing). Nothing is imported on the program's behalf: torch facts only when the program imported
-torch, NVML (`pynvml`) only when torch sees a GPU and pynvml is installed.
+Computed when the header is written. Nothing is imported on the program's behalf but NVML: torch
+facts only when the program imported torch; NVML (`pynvml`, which creates no CUDA context) only
+when that torch is built with CUDA. Nothing here initialises CUDA (cuda_state.py): the current
+device is added once the program has initialised CUDA itself.
 """
 from __future__ import annotations
 
@@ -37,26 +38,103 @@ def header_facts(capture) -> dict:
 
 
 def _device_facts(torch, versions: dict) -> dict:
-    cuda = getattr(torch, "cuda", None)
-    if cuda is None or not cuda.is_available():
+    """The `gpu` header key, without initialising CUDA (cuda_state.py): the machine's devices
+    from NVML (pynvml), the current device from torch once the program has initialised CUDA.
+    `null` on a CPU build of torch, and where neither source knows a device."""
+    from sanitizer.capture import cuda_state
+    if not cuda_state.compiled():
         return {"gpu": None}
-    dev = cuda.current_device()
-    major, minor = cuda.get_device_capability(dev)
-    gpu = {"name": cuda.get_device_name(dev), "capability": f"SM{major}{minor}",
-           "count": cuda.device_count(), "cuda": getattr(torch.version, "cuda", None)}
-    try:
-        nccl = cuda.nccl.version()
+    gpu = _nvml_facts() or {}
+    dev = cuda_state.current_device()
+    if dev is not None:                      # initialised: torch can answer without side effects
+        cuda = torch.cuda
+        gpu["device"] = dev
+        try:
+            major, minor = cuda.get_device_capability(dev)
+            gpu.update(name=cuda.get_device_name(dev), capability=f"SM{major}{minor}",
+                       count=cuda.device_count())
+        except Exception:
+            pass                             # NVML's answers stand
+    if not gpu:
+        return {"gpu": None}
+    gpu["cuda"] = getattr(torch.version, "cuda", None)
+    try:                                     # ncclGetVersion: a constant, no context
+        nccl = torch.cuda.nccl.version()
         versions["nccl"] = ".".join(str(x) for x in nccl) if isinstance(nccl, tuple) else str(nccl)
     except Exception:
         pass
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            gpu["driver"] = driver.decode() if isinstance(driver, bytes) else str(driver)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        pass      # no NVML: the header says what torch knows
     return {"gpu": gpu}
+
+
+def _nvml_facts() -> dict | None:
+    """Device facts from NVML, which creates no CUDA context: name and compute capability of the
+    first device visible to CUDA (CUDA_VISIBLE_DEVICES, NVML's PCI order), the count of visible
+    devices, the driver version. None without pynvml (`nvidia-ml-py`) or without a driver."""
+    try:
+        import warnings
+        with warnings.catch_warnings():      # the old `pynvml` wrapper warns on import
+            warnings.simplefilter("ignore")
+            import pynvml
+    except Exception:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        gpu: dict = {}
+        visible = _visible(pynvml, int(pynvml.nvmlDeviceGetCount()))
+        gpu["count"] = len(visible)
+        if visible:
+            h = visible[0]
+            gpu["name"] = _text(pynvml.nvmlDeviceGetName(h))
+            try:
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+                gpu["capability"] = f"SM{int(major)}{int(minor)}"
+            except Exception:
+                pass
+        try:
+            gpu["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
+        except Exception:
+            pass
+        return gpu
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _visible(pynvml, n: int) -> list:
+    """NVML handles of the devices CUDA_VISIBLE_DEVICES leaves visible, in its order: indices and
+    GPU UUIDs (or their prefixes); like CUDA, the list ends at the first entry that names no
+    device. A MIG UUID ends it too (its parent is not looked up)."""
+    import os
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+    if spec is None:
+        return handles
+    uuids = None
+    out, used = [], set()
+    for token in spec.split(","):
+        token = token.strip()
+        index = None
+        if token.lstrip("-").isdigit():
+            i = int(token)
+            index = i if 0 <= i < n else None
+        elif token.startswith("GPU-"):
+            if uuids is None:
+                uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in handles]
+            found = [i for i, u in enumerate(uuids) if u.startswith(token)]
+            index = found[0] if len(found) == 1 else None
+        if index is None or index in used:
+            break
+        used.add(index)
+        out.append(handles[index])
+    return out
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -214,13 +214,10 @@ class NcclCalls:
 
 
 def _current_device() -> int:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.current_device()
-    except Exception:
-        pass
-    return 0
+    """The current CUDA device once the program initialised CUDA, else 0: never initialises it
+    (cuda_state.py; `torch.cuda.is_available()` would)."""
+    from sanitizer.capture import cuda_state
+    return cuda_state.current_device(0)
 
 
 # ---------------------------------------------------------------------- installing the hook

@@ -50,7 +50,13 @@ class StreamIds:
         return self.of_handle(getattr(stream, "cuda_stream", 0), device)
 
     def current(self, device=None) -> str:
-        """The id of the current CUDA stream of `device` (a torch.device, an int or None)."""
+        """The id of the current CUDA stream of `device` (a torch.device, an int or None).
+        Before the program initialised CUDA (torch.cuda.current_stream would initialise it) no
+        stream has work: the device's default stream."""
+        from sanitizer.capture import cuda_state
+        if not cuda_state.initialized():
+            index = getattr(device, "index", device)
+            return f"cuda:{int(index or 0)}"
         import torch
         return self.of_torch(torch.cuda.current_stream(device))
 
