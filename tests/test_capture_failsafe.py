@@ -139,3 +139,20 @@ def test_text_report_never_says_plainly_clean_when_incomplete(runs):
                         "--format", "sarif"], capture_output=True, text=True, timeout=120)
     notes = json.loads(r.stdout)["runs"][0]["invocations"][0]["toolExecutionNotifications"]
     assert any("incomplete capture" in n["message"]["text"] for n in notes)
+
+
+def test_check_names_the_killed_rank_in_every_format(runs):
+    """The killed rank's file is named INCOMPLETE (text, json, markdown); the exit code stays the
+    findings' (docs/cli.md: an incomplete capture is a warning)."""
+    traces = Path(runs["kill"]["traces"])
+    rank1 = traces / "rank1.jsonl"
+    text = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces)],
+                          capture_output=True, text=True, timeout=120)
+    assert text.returncode in (0, 1)
+    assert f"hazsan: INCOMPLETE: {rank1}: no end record" in text.stdout
+    code, doc = _check(traces)
+    assert str(rank1) in [f["file"] for f in doc["summary"]["incomplete_files"]]
+    assert any("trace(s) truncated: " in why and str(rank1) in why for why in doc["summary"]["incomplete"])
+    md = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces), "--format", "markdown"],
+                        capture_output=True, text=True, timeout=120).stdout
+    assert "INCOMPLETE" in md and "rank1.jsonl" in md
