@@ -528,9 +528,10 @@ def _p2p_comm(comm: str, pg, peer) -> str:
 
 def _current_stream(capture) -> str:
     try:
-        from sanitizer.capture.cuda_hooks import _current_device
-        if torch.cuda.is_initialized():
-            return capture.streams.current(_current_device())
+        from sanitizer.capture import cuda_state
+        d = cuda_state.current_device()      # never initialises CUDA
+        if d is not None:
+            return capture.streams.current(d)
     except Exception as exc:
         capture.failed("coll.stream", exc)
     return "cuda:0"
@@ -676,8 +677,8 @@ def _patch_default_group(capture) -> None:
             try:
                 device = "cpu"
                 if str(dist.get_backend(pg)) == "nccl":
-                    from sanitizer.capture.cuda_hooks import _current_device
-                    device = f"cuda:{_current_device()}"
+                    from sanitizer.capture import cuda_state
+                    device = cuda_state.group_device(pg)
                 capture.writer.set_rank(dist.get_rank(), dist.get_world_size(), device)
             except Exception as exc:
                 capture.failed("init_process_group", exc)

@@ -45,6 +45,8 @@ from time import time_ns
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sanitizer.capture import cuda_state
+
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 # Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
@@ -228,6 +230,9 @@ class BlockTable:
         if device.type != "cuda":
             return f"{device.type}:{device.index or 0}"
         index = device.index or 0
+        if not cuda_state.initialized():
+            # a fake or meta "cuda" tensor before CUDA starts: asking for the stream would start it
+            return f"cuda:{index}"
         if _CURRENT_STREAM is not None:
             # (c10 stream id, device, type) is cheap to get and names one cudaStream_t for the
             # process's life; the handle is looked up once per stream
