@@ -83,6 +83,7 @@ class TraceWriter:
         self._buf: list = []
         self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
         self._buf_lock = threading.RLock()  # the buffer append/swap only
+        self._count_lock = threading.Lock() # drop and hook-error counts: hooks add, a flush (any thread) takes
         self._flush_thread = None    # ident of the thread inside flush() (a GC free there must not re-enter)
         self._written = 0            # events accepted into the file (header excluded)
         self._dropped = 0            # dropped since the last `dropped` record
@@ -123,18 +124,20 @@ class TraceWriter:
 
     def hook_failed(self, hook: str, exc: BaseException) -> None:
         """Count a caught hook failure; written into the trace at the next flush."""
-        entry = self._hook_errors.get(hook)
         text = f"{type(exc).__name__}: {exc}"[:300]
-        if entry is None:
-            self._hook_errors[hook] = [1, text]
-        else:
-            entry[0] += 1
-            entry[1] = text
+        with self._count_lock:
+            entry = self._hook_errors.get(hook)
+            if entry is None:
+                self._hook_errors[hook] = [1, text]
+            else:
+                entry[0] += 1
+                entry[1] = text
 
     def count_drop(self, n: int, reason: str) -> None:
-        self._dropped += n
-        self.dropped_total += n
-        self._drop_reason = reason
+        with self._count_lock:
+            self._dropped += n
+            self.dropped_total += n
+            self._drop_reason = reason
 
     # ------------------------------------------------------------------ identity
     def set_rank(self, rank: int, world_size: int | None = None, device: str | None = None) -> None:
@@ -414,13 +417,14 @@ class TraceWriter:
                 self._file_removed()   # before the records below, so that they count it
         except OSError:
             pass
-        if self._hook_errors:
-            for hook, (count, error) in self._hook_errors.items():
-                batch.append({"ev": "hook_error", "hook": hook, "count": count, "error": error})
-            self._hook_errors = {}
-        if self._dropped:
-            batch.append({"ev": "dropped", "count": self._dropped, "reason": self._drop_reason})
-            self._dropped = 0
+        with self._count_lock:          # taken whole: a count added meanwhile goes to the next flush
+            errors, self._hook_errors = self._hook_errors, {}
+            dropped, self._dropped = self._dropped, 0
+            reason = self._drop_reason
+        for hook, (count, error) in errors.items():
+            batch.append({"ev": "hook_error", "hook": hook, "count": count, "error": error})
+        if dropped:
+            batch.append({"ev": "dropped", "count": dropped, "reason": reason})
         if not batch:
             return
         done = 0
@@ -544,6 +548,7 @@ class TraceWriter:
         (threads do not survive a fork); `start=False` leaves that to the first flush."""
         self._lock = threading.RLock()
         self._buf_lock = threading.RLock()
+        self._count_lock = threading.Lock()
         self._flush_thread = None
         self._buf = []
         self._fd = None
