@@ -47,7 +47,8 @@ def _fault_sets(cap):
         ("streams", [(cap.streams, n) for n in ("of_handle", "of_torch", "current", "known")]),
         ("blocks", [(blocks, n) for n in ("_new", "_output", "_release", "buffer")
                     if hasattr(blocks, n)]),
-        ("collectives", [(colls, n) for n in ("_record", "_remember", "_take", "group_of", "done")
+        ("collectives", [(colls, n) for n in ("_record", "_remember", "_take", "group", "done", "poll",
+                                                        "issued_by_method", "observed", "_bufs")
                          if colls is not None and hasattr(colls, n)]),
         ("window", [(cap, "arenas_model")]),
         ("scopes", [(cap, "enter_scope"), (cap, "exit_scope"), (cap, "mark_step")]),

@@ -217,7 +217,7 @@ def test_exception_in_hook_does_not_reach_program(tmp_path):
     events = load(tmp_path / "t" / "rank0.jsonl")[1:]
     errors = {e["hook"]: e for e in events if e["ev"] == "hook_error"}
     assert errors["dispatch"]["count"] >= 2 and "injected" in errors["dispatch"]["error"]
-    assert errors["coll.all_reduce"]["count"] == 2
+    assert errors["coll.c10d.allreduce_"]["count"] == 2
     a = analyze([tmp_path / "t"])
     assert not a.errors and a.summary["hook_errors"] == sum(e["count"] for e in errors.values())
 

@@ -80,7 +80,7 @@ def test_every_capture_service_raising_changes_nothing_in_the_program(runs):
             if ev["ev"] == "hook_error":
                 hooks.add(ev["hook"])
     # the allocator hook, frees, collectives and their completion, the scope API and the window model
-    assert {"dispatch", "free", "coll.all_reduce", "coll.done", "symmetric_scope", "window"} <= hooks
+    assert {"dispatch", "free", "coll.c10d.allreduce_", "coll.done", "symmetric_scope", "window"} <= hooks
 
 
 def test_trace_folder_and_files_are_owner_only(runs):

@@ -166,7 +166,7 @@ def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank
     two = _test_dir(traces, "test_two_gloo_ranks")
     for r in (0, 1):
         evs = _events(two / f"rank{r}.jsonl")
-        assert [e["op"] for e in evs if e["ev"] == "coll"] == ["all_reduce"]
+        assert [e["op"] for e in evs if e["ev"] == "coll"] == ["c10d.allreduce_"]
     # the in-process gloo test: the pytest process's own trace, the test as a step, the wait seen
     first = _test_dir(traces, "test_wait_first")
     (mine,) = [p for p in first.iterdir() if p.suffix == ".jsonl"]

@@ -254,10 +254,10 @@ class DispatchedCollectives:
 
     # ------------------------------------------------------------------ c10d::*
     def _c10d(self, func, args, kwargs):
-        named = _bind(func, args, kwargs)
-        entry = C10D[func._schema.name.partition("::")[2]]
         cid = None
         try:
+            named = _bind(func, args, kwargs)
+            entry = C10D[func._schema.name.partition("::")[2]]
             self.poll()
             comm, stream, pg = self.group(named.get("process_group"))
             if "root" in entry:
@@ -267,7 +267,7 @@ class DispatchedCollectives:
             bufs = self._bufs(entry, named)
             cid = self._record(f"c10d.{func._schema.name[6:]}", comm, stream, bufs)
         except Exception as exc:
-            self.capture.failed(f"coll.{func}", exc)
+            self.capture.failed(_hook_name(func), exc)
         out = func(*args, **kwargs)
         if cid is not None:
             try:
@@ -285,16 +285,16 @@ class DispatchedCollectives:
                     if fut is not None:
                         self.unowned[cid] = fut
             except Exception as exc:
-                self.capture.failed(f"coll.{func}", exc)
+                self.capture.failed(_hook_name(func), exc)
         return out
 
     # ------------------------------------------------------------------ _c10d_functional::*
     def _functional(self, func, args, kwargs):
-        named = _bind(func, args, kwargs)
-        base = func._schema.name.partition("::")[2]
-        entry = FUNCTIONAL[base]
         out = func(*args, **kwargs)
         try:
+            named = _bind(func, args, kwargs)
+            base = func._schema.name.partition("::")[2]
+            entry = FUNCTIONAL[base]
             self.poll()
             comm, stream, pg = self.group(named.get("group_name"))
             if "peer" in entry:
@@ -311,7 +311,7 @@ class DispatchedCollectives:
                 b = live.get(key)
                 self.functional[key] = (cid, b.id if b is not None else None)
         except Exception as exc:
-            self.capture.failed(f"coll.{func}", exc)
+            self.capture.failed(_hook_name(func), exc)
         return out
 
     def _wait_tensor(self, func, args, kwargs):
@@ -340,10 +340,14 @@ class DispatchedCollectives:
 
     # ------------------------------------------------------------------ registered custom ops
     def _custom(self, func, args, kwargs):
-        py_hook = getattr(self.capture, "op_collectives", None)
-        if py_hook is not None and getattr(py_hook.local, "depth", 0):
-            return func(*args, **kwargs)     # a Python-level hook (ops.py) records this call itself
+        try:
+            py_hook = getattr(self.capture, "op_collectives", None)
+            inside = py_hook is not None and getattr(py_hook.local, "depth", 0)
+        except Exception:
+            inside = False
         out = func(*args, **kwargs)
+        if inside:
+            return out                       # a Python-level hook (ops.py) records this call itself
         try:
             self.poll()
             entry = self.custom[func._schema.name]
@@ -370,7 +374,7 @@ class DispatchedCollectives:
                                stream, bufs)
             self.done(cid, waited=True)    # returned: done for the host (CPU) / ordered on the stream
         except Exception as exc:
-            self.capture.failed(f"coll.{func}", exc)
+            self.capture.failed(_hook_name(func), exc)
         return out
 
     def _ranges(self, value, access):
@@ -490,6 +494,14 @@ def _tensors(value):
     return ()
 
 
+def _hook_name(func) -> str:
+    """The hook name failures are counted under: coll.c10d.allreduce_ (no overload)."""
+    try:
+        return f"coll.{func.namespace}.{func._schema.name.partition('::')[2]}"
+    except Exception:
+        return "coll.op"
+
+
 def _bind(func, args, kwargs) -> dict:
     named = {}
     for arg, value in zip(func._schema.arguments, args):
@@ -586,7 +598,10 @@ def _patch_process_group(capture, colls) -> None:
             finally:
                 cids = slot.cids
                 slot.cids, slot.in_method = outer_cids, outer
-            colls.issued_by_method(__name, work, cids)
+            try:
+                colls.issued_by_method(__name, work, cids)
+            except Exception as exc:
+                capture.failed(f"coll.{__name}", exc)
             return work
 
         method._hazsan = True
@@ -612,24 +627,37 @@ def _patch_work(capture, colls) -> None:
     _ORIGINAL["Work.get_future"] = w_fut
     slot = colls.slot
 
+    # the program's call has returned: nothing capture does afterwards may raise into it
+    def observe(handle, **kw):
+        try:
+            colls.observed(handle, **kw)
+        except Exception as exc:
+            capture.failed("coll.done", exc)
+
+    def future_of(work, fut):
+        try:
+            colls.future_of(work, fut)
+        except Exception as exc:
+            capture.failed("coll.future", exc)
+
     def wait(self, *a, **k):
         slot.quiet += 1            # ops dispatched in here are the collective's own (gloo copies)
         try:
             r = w_wait(self, *a, **k)
         finally:
             slot.quiet -= 1
-        colls.observed(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
+        observe(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
         return r
 
     def is_completed(self):
         r = w_done(self)
         if r:
-            colls.observed(self, waited=False)
+            observe(self, waited=False)
         return r
 
     def get_future(self):
         fut = w_fut(self)
-        colls.future_of(self, fut)
+        future_of(self, fut)
         return fut
 
     def fwait(self, *a, **k):
@@ -638,18 +666,18 @@ def _patch_work(capture, colls) -> None:
             r = f_wait(self, *a, **k)
         finally:
             slot.quiet -= 1
-        colls.observed(self)
+        observe(self)
         return r
 
     def fvalue(self, *a, **k):
         r = f_value(self, *a, **k)
-        colls.observed(self)
+        observe(self)
         return r
 
     def fdone(self):
         r = f_done(self)
         if r:
-            colls.observed(self, waited=False)
+            observe(self, waited=False)
         return r
 
     for cls, name, fn, orig in ((Work, "wait", wait, w_wait), (Work, "is_completed", is_completed, w_done),
