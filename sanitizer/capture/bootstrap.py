@@ -1,6 +1,6 @@
 """Turn capture on in this process: called by the .pth line when HAZSAN is set.
 
-Nothing here imports torch: torch, torch.distributed and SGLang are patched by post-import hooks
+Nothing here imports torch: torch, torch.distributed, SGLang and vLLM are patched by post-import hooks
 (wrapt) when, and only if, the program imports them. Everything is wrapped so that a failure to
 set up capture prints one line on stderr and leaves the program running untouched.
 """
@@ -19,6 +19,8 @@ PYNCCL_WRAPPERS = ("sglang.srt.distributed.device_communicators.pynccl_wrapper",
                    "vllm.distributed.device_communicators.pynccl_wrapper")
 PYNCCL_COMMUNICATORS = ("sglang.srt.distributed.device_communicators.pynccl",
                         "vllm.distributed.device_communicators.pynccl")
+# vLLM's model runners (V1 and V2): execute_model is its step (vllm_hooks.py)
+VLLM_MODEL_RUNNERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
 
 
 def activate(environ=os.environ):
@@ -92,12 +94,23 @@ def _register_import_hooks(cap) -> None:
         from sanitizer.capture import sglang_hooks
         sglang_hooks.on_pynccl(cap, module)
 
+    def on_vllm(module):
+        from sanitizer.capture import vllm_hooks
+        vllm_hooks.on_vllm(cap, module)
+
+    def on_vllm_runner(module):
+        from sanitizer.capture import vllm_hooks
+        vllm_hooks.on_model_runner(cap, module)
+
     hook(SGLANG_ALLOCATOR, on_allocator)
     hook(SGLANG_SCHEDULER, on_scheduler)
     for name in PYNCCL_WRAPPERS:
         hook(name, on_wrapper)
     for name in PYNCCL_COMMUNICATORS:
         hook(name, on_communicator)
+    hook("vllm", on_vllm)
+    for name in VLLM_MODEL_RUNNERS:
+        hook(name, on_vllm_runner)
 
     def on_op_module(module):
         from sanitizer.capture import ops

