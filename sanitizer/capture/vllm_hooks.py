@@ -86,8 +86,13 @@ def on_model_runner(capture, module) -> None:
         depth = getattr(_inside, "depth", 0)
         if not depth:
             try:
-                phase, tokens = step_facts(scheduler_output)
-                capture.mark_step(next(_steps), phase=phase, tokens=tokens)
+                n = next(_steps)            # taken first: ranks keep equal numbers whatever fails
+                try:
+                    phase, tokens = step_facts(scheduler_output)
+                except Exception as exc:    # the boundary is still marked, without its facts
+                    capture.failed("vllm.step", exc)
+                    phase = tokens = None
+                capture.mark_step(n, phase=phase, tokens=tokens)
             except Exception as exc:
                 capture.failed("vllm.step", exc)
         _inside.depth = depth + 1
