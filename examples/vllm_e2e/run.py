@@ -7,12 +7,15 @@ no tokenizer), bare and under HAZSAN=1, and checks:
   * the greedy tokens are identical, bare vs captured, in every configuration;
   * both ranks' traces hold the TP all-reduces and all-gathers of every model step, the same
     collectives in the same order (comm, seq, op) on both ranks;
-  * every `execute_model` call is a marked step (n, phase, tokens equal on both ranks; prefill and
-    decode seen; with ngram speculative decoding, decode steps schedule draft tokens);
+  * every `execute_model` call is a marked step (n, phase, tokens equal on both ranks, but for
+    trailing steps that schedule nothing: the engine core waits for the output rank only, and at
+    shutdown another worker may exit before it reads the last, empty, broadcast; prefill and decode
+    seen; with ngram speculative decoding, decode steps schedule draft tokens);
   * the header names vLLM (`vllm.__version__`) and the step hook, and no hook failed;
   * `hazsan check` on the folder: no findings, and the capture complete (every process's file
     ends with its end record);
-  * and it prints the time per configuration and level against bare (overhead).
+  * and it prints the cost per configuration and level against bare (overhead): start-up, and one
+    batch's wall time (the fastest of REPEAT) and CPU time (every vLLM process, mean of REPEAT).
 
 Configurations (`--only NAME,...` picks some): eager bare / alloc / full, compiled (torch.compile,
 vLLM's default) bare / alloc / full, eager with ngram speculative decoding bare / alloc, and eager
@@ -41,9 +44,9 @@ ROOT = HERE.parents[1]
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=1, eos_token_id=2)
-MAX_TOKENS = 32
-N_PROMPTS = 12
-REPEAT = 3
+MAX_TOKENS = 64
+N_PROMPTS = 16
+REPEAT = 5
 # name -> (enforce_eager, capture level or None, speculative, kernels)
 CONFIGS = {
     "eager-bare": (True, None, False, "native"),
@@ -91,6 +94,7 @@ def child(spec: dict) -> None:
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
     llm.generate(batch[:2], warm, use_tqdm=False)         # first-use costs out of the timed part
     t2 = time.perf_counter()
+    cpu0 = cpu_seconds()
     times, runs = [], []
     for _ in range(REPEAT):       # the fastest of REPEAT identical batches: less noise from others
         t = time.perf_counter()
@@ -98,6 +102,7 @@ def child(spec: dict) -> None:
         times.append(time.perf_counter() - t)
         runs.append([list(o.outputs[0].token_ids) for o in outs])
     t3 = time.perf_counter()
+    cpu = cpu_seconds() - cpu0
     tokens = runs[0]
     try:      # give the EngineCore time to stop its workers and exit on its own (vLLM's default
         # grace is 5 s, then SIGKILL: on a loaded machine its teardown takes longer)
@@ -109,7 +114,23 @@ def child(spec: dict) -> None:
         "vllm": vllm.__version__, "tokens": tokens,
         "repeats_identical": all(r == tokens for r in runs),
         "startup_s": round(t1 - t0, 2), "warmup_s": round(t2 - t1, 2),
-        "generate_s": round(min(times), 3), "shutdown_s": round(t4 - t3, 2)}))
+        "generate_s": round(min(times), 3), "cpu_s": round(cpu / REPEAT, 3),
+        "shutdown_s": round(t4 - t3, 2)}))
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every process under it (the EngineCore and
+    the workers) so far: what a batch costs the machine, less sensitive to other load than wall."""
+    import psutil
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 # --------------------------------------------------------------------------- parent
@@ -201,8 +222,16 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
     marks = {r: [(s["n"], s["phase"], s["tokens"]) for s in st] for r, st in steps.items()}
     if not marks[0]:
         fail("no step marked")
-    if marks[0] != marks[1]:
-        fail(f"ranks marked different steps: {marks[0][:5]} vs {marks[1][:5]}")
+    common = min(len(marks[0]), len(marks[1]))
+    if marks[0][:common] != marks[1][:common]:
+        diff = next(i for i in range(common) if marks[0][i] != marks[1][i])
+        fail(f"ranks marked different steps from step {diff}: {marks[0][diff:diff + 3]} vs "
+             f"{marks[1][diff:diff + 3]}")
+    # The engine core waits for the output rank only; at shutdown another worker may exit before it
+    # reads the last (empty) execute_model broadcast: only steps that schedule nothing may trail.
+    trailing = marks[0][common:] + marks[1][common:]
+    if any(t for _, _, t in trailing):
+        fail(f"one rank marked more steps with work: {trailing}")
     phases = Counter(p for _, p, _ in marks[0])
     if not phases.get("prefill") or not phases.get("decode"):
         fail(f"phases seen: {dict(phases)}")
@@ -219,8 +248,8 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
             fail(f"step {s['n']} ({s['phase']}, {s['tokens']} tokens): {len(ar)} all-reduce(s), "
                  f"{len(ag)} all-gather(s)")
             break
-    seq0 = [c for s in steps[0] for c in s["colls"]]
-    seq1 = [c for s in steps[1] for c in s["colls"]]
+    seq0 = [c for s in steps[0][:common] for c in s["colls"]]
+    seq1 = [c for s in steps[1][:common] for c in s["colls"]]
     if seq0 != seq1:
         fail("the ranks' collectives differ (comm, seq, op)")
     want = {"_C.shm_allreduce"} if kernels == "native" else {"c10d.allreduce_"}
@@ -285,13 +314,15 @@ def main(argv=None) -> int:
             print(f"[{name}] FAILED to run ({time.perf_counter() - t:.0f} s)", flush=True)
             continue
         r = results[name]
-        print(f"[{name}] {r['wall_s']:.0f} s: start-up {r['startup_s']} s, generate {r['generate_s']} s, "
-              f"shutdown {r['shutdown_s']} s", flush=True)
+        print(f"[{name}] {r['wall_s']:.0f} s: start-up {r['startup_s']} s, one batch {r['generate_s']} s "
+              f"wall, {r['cpu_s']} s CPU, shutdown {r['shutdown_s']} s", flush=True)
         if CONFIGS[name][1] is not None:
             r["capture"] = check_capture(name, work, r["vllm"], problems)
             print(f"    capture: {json.dumps(r['capture'])}", flush=True)
     # tokens and overhead against the bare run of the same configuration
-    print("\nconfiguration      level  tokens-vs-bare  start-up s  generate s  x bare")
+    print("\nper configuration and level: the greedy tokens against bare, start-up, and one batch of "
+          f"{N_PROMPTS} x {MAX_TOKENS} tokens (wall: fastest of {REPEAT}; CPU: all vLLM processes, mean)")
+    print("configuration      level  tokens-vs-bare  start-up s  wall s  x bare   CPU s  x bare")
     for name in names:
         r = results.get(name)
         if r is None:
@@ -305,7 +336,9 @@ def main(argv=None) -> int:
         if not r.get("repeats_identical"):
             problems.append(f"{name}: the {REPEAT} identical batches gave different tokens")
         ratio = f"{r['generate_s'] / bare['generate_s']:.2f}" if bare and bare["generate_s"] else "-"
-        print(f"{group:18} {level:6} {same:15} {r['startup_s']:10.1f} {r['generate_s']:11.3f}  {ratio}")
+        cratio = f"{r['cpu_s'] / bare['cpu_s']:.2f}" if bare and bare["cpu_s"] else "-"
+        print(f"{group:18} {level:6} {same:15} {r['startup_s']:10.1f} {r['generate_s']:7.3f} {ratio:>7}"
+              f" {r['cpu_s']:7.2f} {cratio:>7}")
     first = next(iter(results.values()), None)
     if first:
         print(f"\nvLLM {first['vllm']}; greedy tokens of prompt 0 ({names[0]}): {first['tokens'][0]}")
