@@ -6,7 +6,8 @@ plain code and on a graph with a functional collective; a DDP loop (the C++ redu
 all-reduces); an FSDP2 `fully_shard` loop and a `torch.distributed.checkpoint` save; a
 `torch.distributed.pipelining` GPipe step (send/recv through P2POp); a tensor-parallel forward
 (DTensor, functional collectives); a raw functional all-reduce read before its `wait_tensor` (the
-one planted hazard); a collective op registered through the custom-op table. It runs bare, at
+one planted hazard); a collective op registered through the custom-op table, and an op whose
+kernel issues its collective itself (as vLLM's `vllm::all_reduce` does on GPUs). It runs bare, at
 `alloc` and at `full`.
 
 What must hold: the program's results are bitwise identical in the three runs; every collective
@@ -153,7 +154,21 @@ PROGRAM = textwrap.dedent(r'''
     torch.ops.hazsan_test.ring_allreduce(0, data)
     res["custom"] = data.tolist()
 
-    sanitizer.step(9, phase="end")
+    # 9. an op whose kernel issues the collective itself (vLLM's vllm::all_reduce on GPUs)
+    sanitizer.step(9, phase="wrapping")
+    lib.define("wrapped_all_reduce(Tensor t) -> Tensor")
+    def wrapped_all_reduce(t):
+        out = t.clone()
+        dist.all_reduce(out)
+        return out
+    lib.impl("wrapped_all_reduce", wrapped_all_reduce, "CPU")
+    try:
+        collectives.register_wrapping_op("hazsan_test::wrapped_all_reduce")
+    except NameError:              # capture off
+        pass
+    res["wrapped"] = torch.ops.hazsan_test.wrapped_all_reduce(torch.full((3,), float(r + 2))).tolist()
+
+    sanitizer.step(10, phase="end")
     with open(os.path.join(sys.argv[1], f"result{r}.json"), "w") as fh:
         json.dump(res, fh)
     dist.destroy_process_group()
@@ -220,6 +235,7 @@ def test_every_callers_collectives_recorded_once_and_matched(runs, mode):
     assert sum(v for k, v in ops[6].items() if k.startswith("_c10d_functional.")) >= 1   # DTensor
     assert ops[7] == {"_c10d_functional.all_reduce": 2}
     assert ops[8] == {"hazsan_test.ring_allreduce": 1}                      # once, not twice
+    assert ops[9] == {"c10d.allreduce_": 1}                                 # seen inside the wrapping op
     # equal signatures on both ranks: the same (comm, seq) name the same op on each side
     for n in per_rank[0]:
         sig = [{(c["comm"], c["seq"]): c["op"] for c in pr.get(n, []) if ":p2p:" not in c["comm"]}
@@ -235,7 +251,7 @@ def test_completion_seen_for_cpp_and_python_owned_work(runs, mode):
         issued = {e["cid"]: e for e in events if e["ev"] == "coll"}
         done = {e["cid"] for e in events if e["ev"] == "coll_done"}
         steps = _steps(events)
-        for n in (1, 2, 3, 4, 5, 7, 8):
+        for n in (1, 2, 3, 4, 5, 7, 8, 9):
             cids = [e["cid"] for e in steps[n] if e["ev"] == "coll"]
             assert set(cids) <= done, (n, [issued[c]["op"] for c in set(cids) - done])
 

@@ -116,6 +116,12 @@ FUNCTIONAL = {
     "batch_p2p_ops": {"tensors": "rw"},
 }
 
+# Ops whose kernels issue collectives themselves: run with the mode on inside (their collectives
+# are then recorded where they happen, each once). vLLM wraps every tensor-parallel collective on
+# CUDA, ROCm and XPU (and in compiled graphs) in these (vllm/distributed/parallel_state.py).
+TRANSPARENT = {"vllm::all_reduce", "vllm::all_gather", "vllm::reduce_scatter", "vllm::all_gatherv",
+               "vllm::reduce_scatterv", "vllm::sequence_parallel_chunk_impl"}
+
 # Collective ops that serving engines register themselves (they bypass torch.distributed): op
 # "namespace::name" -> its entry. Accesses come from the op's schema (an argument annotated as
 # written, `Tensor!`, is read and written: these ops reduce in place; any other tensor argument is
@@ -176,6 +182,8 @@ class DispatchedCollectives:
                     h = self._wait_tensor
                 elif func._schema.name in self.custom:
                     h = self._custom
+                elif func._schema.name in TRANSPARENT:
+                    h = self._transparent
             except Exception as exc:
                 self.capture.failed("coll.classify", exc)
             self.handlers[func] = h
@@ -256,7 +264,7 @@ class DispatchedCollectives:
         return cid
 
     # ------------------------------------------------------------------ c10d::*
-    def _c10d(self, func, args, kwargs):
+    def _c10d(self, func, args, kwargs, mode=None):
         cid = None
         try:
             named = _bind(func, args, kwargs)
@@ -292,7 +300,7 @@ class DispatchedCollectives:
         return out
 
     # ------------------------------------------------------------------ _c10d_functional::*
-    def _functional(self, func, args, kwargs):
+    def _functional(self, func, args, kwargs, mode=None):
         out = func(*args, **kwargs)
         try:
             named = _bind(func, args, kwargs)
@@ -317,7 +325,7 @@ class DispatchedCollectives:
             self.capture.failed(_hook_name(func), exc)
         return out
 
-    def _wait_tensor(self, func, args, kwargs):
+    def _wait_tensor(self, func, args, kwargs, mode=None):
         self.slot.quiet += 1
         try:
             out = func(*args, **kwargs)
@@ -341,8 +349,25 @@ class DispatchedCollectives:
             self.capture.failed("coll.wait_tensor", exc)
         return out
 
+    # ------------------------------------------------------------------ ops that wrap collectives
+    def _transparent(self, func, args, kwargs, mode=None):
+        """Run an op whose own kernel issues the collectives (vLLM's `vllm::all_reduce` on
+        GPUs) with the mode on inside it: the kernel is called for its backend directly (not
+        through the dispatcher again, which would come back here), so the collectives, pynccl
+        calls and allocations inside are recorded as if the program had called them."""
+        key = None
+        try:
+            if mode is not None:
+                key = _backend_key(func, args, kwargs)
+        except Exception as exc:
+            self.capture.failed(_hook_name(func), exc)
+        if key is None:
+            return func(*args, **kwargs)
+        with mode:
+            return func._op_dk(key, *args, **kwargs)
+
     # ------------------------------------------------------------------ registered custom ops
-    def _custom(self, func, args, kwargs):
+    def _custom(self, func, args, kwargs, mode=None):
         try:
             py_hook = getattr(self.capture, "op_collectives", None)
             inside = py_hook is not None and getattr(py_hook.local, "depth", 0)
@@ -495,6 +520,21 @@ def _tensors(value):
             out.extend(_tensors(v))
         return out
     return ()
+
+
+def _backend_key(func, args, kwargs):
+    """The backend dispatch key whose kernel op `func` runs for these tensors (CUDA if any is
+    on a CUDA device, else CPU), or None when that kernel is not registered (then the op runs
+    as usual, the mode off inside it)."""
+    device = "cpu"
+    for t in _tensors(list(args) + list(kwargs.values())):
+        if t.device.type != "cpu":
+            device = t.device.type
+            break
+    name = {"cpu": "CPU", "cuda": "CUDA"}.get(device)
+    if name is None or not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), name):
+        return None
+    return getattr(torch._C.DispatchKey, name)
 
 
 def _hook_name(func) -> str:
@@ -730,11 +770,22 @@ def register_collective_op(name: str, *, kind: str | None = None, comm: str | No
     entry = {k: v for k, v in (("kind", kind), ("comm", comm), ("peer", peer)) if v is not None}
     entry.update(accesses)
     CUSTOM[name] = entry
+    _reclassify()
+
+
+def register_wrapping_op(name: str) -> None:
+    """Run op `name` ("namespace::op"), whose kernel issues collectives itself, with capture on
+    inside it, as the TRANSPARENT entries are (vLLM's `vllm::all_reduce`)."""
+    TRANSPARENT.add(name)
+    _reclassify()
+
+
+def _reclassify() -> None:
     from sanitizer.capture import runtime
     cap = runtime.active()
     colls = getattr(cap, "collectives", None) if cap is not None else None
     if colls is not None:
-        colls.custom[name] = entry
+        colls.custom.update(CUSTOM)
         colls.handlers.clear()
         if cap.blocks is not None:
             cap.blocks.special.clear()

@@ -478,7 +478,7 @@ class AllocationMode(TorchDispatchMode):
         if h is None:
             h = self._table.classify(func)
         if h is not False:
-            return h(func, args, kwargs or {})
+            return h(func, args, kwargs or {}, self)
         if self._unowned:
             self._table.collectives.poll()
         out = func(*args, **kwargs) if kwargs else func(*args)
@@ -545,7 +545,7 @@ class LaunchMode(AllocationMode):
         if h is None:
             h = self._table.classify(func)
         if h is not False:
-            return h(func, args, kwargs or {})
+            return h(func, args, kwargs or {}, self)
         if self._unowned:
             self._table.collectives.poll()
         out = func(*args, **kwargs) if kwargs else func(*args)
