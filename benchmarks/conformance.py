@@ -191,15 +191,41 @@ def run_mode(mode: str, driver: Path, work: Path, *, k: str | None, node_ids: li
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=driver.parent, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
         # wait4: CPU time of pytest and of every descendant it reaped (the rank processes)
         _, status, ru = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
+    # multiprocessing's resource tracker outlives pytest by a moment (it exits on EOF): its trace
+    # is whole only once it is gone, so wait for every process of the session before checking
+    lingering = wait_session(proc.pid)
     outcomes, messages, durations = parse_junit(xml)
     return {"mode": mode, "rc": proc.returncode, "wall": wall, "cpu": ru.ru_utime + ru.ru_stime,
             "outcomes": outcomes, "messages": messages, "durations": durations,
-            "traces": str(traces) if traces else None, "log": str(log), "cmd": cmd}
+            "traces": str(traces) if traces else None, "log": str(log), "cmd": cmd,
+            "lingering": lingering}
+
+
+def wait_session(sid: int, grace: float = 30.0) -> list[str]:
+    """Wait up to `grace` s until no process of session `sid` is left; returns those left."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()
+                if int(fields[3]) == sid:          # session id
+                    cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    left.append(f"{d.name} {cmdline.strip()[:200]}")
+            except (OSError, ValueError, IndexError):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def parse_junit(path: Path) -> tuple[dict, dict, dict]:
@@ -297,6 +323,12 @@ def compare(results: dict) -> dict:
         row = {m: results[m]["outcomes"].get(n, "absent") for m in modes}
         if len(set(row.values())) > 1:
             diffs.append({"test": n, **row})
+        elif row[ref] == "skipped":
+            # the same outcome, but skipped for another reason (a rank exiting with another
+            # skip code is a changed program too)
+            why = {m: skip_reason(results[m].get("messages", {}).get(n, "")) for m in modes}
+            if len(set(why.values())) > 1:
+                diffs.append({"test": n, **{m: f"skipped: {why[m]}" for m in modes}})
     problems = {}
     for m in modes:
         checks = results[m].get("checks")
@@ -320,6 +352,10 @@ def compare(results: dict) -> dict:
                 p["unusable"][n] = c["errors"] or [f"exit {c['rc']}"]
         problems[m] = p
     return {"reference": ref, "tests": names, "diffs": diffs, "problems": problems}
+
+
+def skip_reason(message: str) -> str:
+    return (message.splitlines() or [""])[0].strip()
 
 
 def counts(outcomes: dict) -> dict:
@@ -390,6 +426,9 @@ def report(results: dict, cmp: dict, out=sys.stdout, max_text: int = 25) -> None
         w()
     else:
         w(f"Outcomes: identical across {', '.join(modes)} ({len(cmp['tests'])} tests).")
+    for m in modes:
+        if results[m].get("lingering"):
+            w(f"[{m}] processes still running 30 s after pytest exited: {results[m]['lingering']}")
     for m, p in cmp["problems"].items():
         checks = results[m]["checks"]
         events = sum(c["events"] for c in checks.values())
@@ -528,7 +567,29 @@ def main(argv=None) -> int:
                                       "(default: a fresh temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     ap.add_argument("--json", metavar="PATH", help="write every result (outcomes, checks) as JSON")
+    ap.add_argument("--report", metavar="PATH", help="print the report of an earlier --json run "
+                                                     "(nothing is run)")
+    ap.add_argument("--recheck", action="store_true",
+                    help="with --report: run hazsan check again on that run's kept traces")
     args = ap.parse_args(argv)
+    if args.report:
+        out = json.loads(Path(args.report).read_text())
+        results = out["results"]
+        if args.recheck:
+            for m, r in results.items():
+                if r.get("traces") and Path(r["traces"]).is_dir():
+                    check_mode(r, sys.executable, args.check_jobs)
+                elif r.get("traces"):
+                    print(f"[{m}] {r['traces']} is gone (a clean run deletes its temporary "
+                          "directory unless --keep): its checks are the recorded ones")
+        cmp = compare(results)
+        for d in out["compare"]["diffs"]:       # keep the reruns of that run
+            for d2 in cmp["diffs"]:
+                if d2["test"] == d["test"] and "reruns" in d:
+                    d2["reruns"] = d["reruns"]
+        report(results, cmp)
+        print(f"\nverdict: {'PASS' if verdict(cmp) == 0 else 'FAIL'}")
+        return verdict(cmp)
     if not args.modes:
         ap.error("--modes needs at least one mode")
 
