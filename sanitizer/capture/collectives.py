@@ -192,8 +192,9 @@ class DispatchedCollectives:
     def poll(self) -> None:
         """C++-held Works: write coll_done for those whose Future is now done."""
         try:
+            done = _ORIGINAL["Future.done"]     # the stock method: the patched one observes
             for cid, fut in list(self.unowned.items()):
-                if fut.done():
+                if done(fut):
                     if self.unowned.pop(cid, None) is not None:
                         self.done(cid, waited=True)
         except Exception as exc:
@@ -477,6 +478,18 @@ class DispatchedCollectives:
         except Exception as exc:
             self.capture.failed("coll.done", exc)
 
+    def handed_to_cpp(self, fut) -> None:
+        """A Future Python got from a collective goes to C++, which waits on it where Python
+        cannot look (a DDP communication hook's result): poll it from now on, as for a Work
+        only C++ ever held. The Future is kept until it is seen done (C++ holds it anyway)."""
+        try:
+            cids = self._take(fut)
+            for cid in cids or ():
+                if cid in self.issued_cids:
+                    self.unowned[cid] = fut
+        except Exception as exc:
+            self.capture.failed("coll.handed_to_cpp", exc)
+
     def future_of(self, work, fut) -> None:
         try:
             entry = self.pending.get(id(work))
@@ -606,7 +619,35 @@ def install(capture) -> DispatchedCollectives:
     _patch_work(capture, colls)
     _patch_process_group(capture, colls)
     _patch_default_group(capture)
+    _patch_comm_hooks(capture, colls)
     return colls
+
+
+def _patch_comm_hooks(capture, colls) -> None:
+    """DDP communication hooks (`DistributedDataParallel.register_comm_hook`, which calls
+    `torch.distributed._register_comm_hook`, a private helper, through the module): the Future a
+    hook returns goes to the C++ reducer, which waits on it in C++."""
+    original = getattr(dist, "_register_comm_hook", None)
+    if original is None or getattr(original, "_hazsan", False):
+        return
+
+    def _register_comm_hook(reducer, state, hook, *args, **kwargs):
+        def comm_hook(state, bucket):
+            fut = hook(state, bucket)
+            colls.handed_to_cpp(fut)          # never raises
+            return fut
+        try:
+            comm_hook.__name__ = getattr(hook, "__name__", "comm_hook")
+            comm_hook.__qualname__ = getattr(hook, "__qualname__", comm_hook.__name__)
+            comm_hook.__wrapped__ = hook
+        except Exception:
+            pass
+        return original(reducer, state, comm_hook, *args, **kwargs)
+
+    _register_comm_hook._hazsan = True
+    _register_comm_hook.__wrapped__ = original
+    _register_comm_hook.__doc__ = getattr(original, "__doc__", None)
+    dist._register_comm_hook = _register_comm_hook
 
 
 # ProcessGroup methods that dispatch collectives and hand their Work to Python (the methods
@@ -666,8 +707,9 @@ def _patch_work(capture, colls) -> None:
     if getattr(Work.wait, "_hazsan", False):
         return
     w_wait, w_done, w_fut = Work.wait, Work.is_completed, Work.get_future
-    f_wait, f_value, f_done = Future.wait, Future.value, Future.done
+    f_wait, f_value, f_done, f_then = Future.wait, Future.value, Future.done, Future.then
     _ORIGINAL["Work.get_future"] = w_fut
+    _ORIGINAL["Future.done"] = f_done
     slot = colls.slot
 
     # the program's call has returned: nothing capture does afterwards may raise into it
@@ -723,9 +765,15 @@ def _patch_work(capture, colls) -> None:
             observe(self, waited=False)
         return r
 
+    def fthen(self, *a, **k):
+        child = f_then(self, *a, **k)
+        future_of(self, child)          # the child completes after the collective: its wait is one
+        return child
+
     for cls, name, fn, orig in ((Work, "wait", wait, w_wait), (Work, "is_completed", is_completed, w_done),
                                 (Work, "get_future", get_future, w_fut), (Future, "wait", fwait, f_wait),
-                                (Future, "value", fvalue, f_value), (Future, "done", fdone, f_done)):
+                                (Future, "value", fvalue, f_value), (Future, "done", fdone, f_done),
+                                (Future, "then", fthen, f_then)):
         fn._hazsan = True
         fn.__doc__ = orig.__doc__
         fn.__name__ = name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 
 
 class SiteFinder:
@@ -19,6 +20,12 @@ class SiteFinder:
             if d:
                 dirs.append(os.path.abspath(d) + os.sep)
         self.prefixes = tuple(dirs)
+        # The standard library (multiprocessing's bootstrap, threading, runpy, unittest) is never
+        # the program's call site; site-packages can sit inside its folder (a non-venv install),
+        # and stays the program's. torch.testing is test code: its frames are the caller's.
+        self.stdlib = tuple(os.path.abspath(p) + os.sep for p in {sysconfig.get_paths().get("stdlib"),
+                                                                  sysconfig.get_paths().get("platstdlib")} if p)
+        self.external: tuple = ()
         self.cwd = os.getcwd() + os.sep
         self._names: dict = {}   # id(code) -> (code, display file name or None when internal)
 
@@ -37,6 +44,12 @@ class SiteFinder:
         self.prefixes += (prefix,)
         self._names.clear()
 
+    def add_external_dir(self, path: str) -> None:
+        """Treat files under `path` as the program's even inside an internal package (torch's
+        own test code, torch/testing)."""
+        self.external += (os.path.abspath(path) + os.sep,)
+        self._names.clear()
+
     def add_internal_dir(self, path: str) -> None:
         """Treat every file under folder `path` as internal (generated code, such as Inductor's)."""
         self.prefixes += (os.path.abspath(path) + os.sep,)
@@ -49,7 +62,10 @@ class SiteFinder:
         if entry is not None and entry[0] is code:
             return entry[1]
         fn = code.co_filename
-        if fn.startswith("<frozen") or fn.startswith(self.prefixes) or fn.endswith(("contextlib.py", "threading.py")):
+        if fn.startswith(self.external):
+            name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn
+        elif fn.startswith("<frozen") or fn.startswith(self.prefixes) or fn.endswith(("contextlib.py", "threading.py")) \
+                or (fn.startswith(self.stdlib) and "-packages" + os.sep not in fn):
             name = None
         else:
             name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn

@@ -5,6 +5,7 @@ Run from a post-import hook, so torch is never imported early on the program's b
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
@@ -12,6 +13,7 @@ import torch
 
 def on_torch(capture) -> None:
     capture.sites.add_internal(torch)
+    capture.sites.add_external_dir(os.path.join(os.path.dirname(torch.__file__), "testing"))
     for name in ("wrapt", "typing_extensions"):
         mod = sys.modules.get(name)
         if mod is not None:
