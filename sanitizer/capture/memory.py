@@ -453,6 +453,8 @@ class AllocationMode(TorchDispatchMode):
         self._on_op = table.on_op
         self._special = table.special
         self._unowned = table.unowned
+        self._slot = table.slot
+        self._full = False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -482,7 +484,10 @@ class AllocationMode(TorchDispatchMode):
         if self._unowned:
             self._table.collectives.poll()
         out = func(*args, **kwargs) if kwargs else func(*args)
-        self._on_op(func, args, out)
+        if self._full and not self._slot.quiet:
+            self._on_op_full(func, args, kwargs, out)
+        else:                # alloc level, or inside a collective's own call (its work, not a launch)
+            self._on_op(func, args, out)
         return out
 
 
@@ -536,24 +541,7 @@ class LaunchMode(AllocationMode):
     def __init__(self, table: BlockTable):
         super().__init__(table)
         self._on_op_full = table.on_op_full
-        self._slot = table.slot
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and (len(types) > 1 or types[0] is not _Tensor) and _wrapped(types):
-            return NotImplemented
-        h = self._special.get(func)
-        if h is None:
-            h = self._table.classify(func)
-        if h is not False:
-            return h(func, args, kwargs or {}, self)
-        if self._unowned:
-            self._table.collectives.poll()
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        if self._slot.quiet:          # inside a collective's own call: its work, not a launch
-            self._on_op(func, args, out)
-        else:
-            self._on_op_full(func, args, kwargs, out)
-        return out
+        self._full = True
 
 
 def _wrapped(types) -> bool:
