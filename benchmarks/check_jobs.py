@@ -15,6 +15,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--jobs", default="1,2", help="comma-separated job counts; the first is the baseline")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--trace-dir", type=Path, default=Path("/tmp/hazsan-bench"))
+    ap.add_argument("--trace-dir", type=Path, default=Path(tempfile.gettempdir()) / "hazsan-bench",
+                    help="cache of generated traces, reused (default: hazsan-bench in tempfile.gettempdir())")
     args = ap.parse_args(argv)
     trace = ensure_traces(args)
     total = args.ranks * args.events

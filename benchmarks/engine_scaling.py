@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import orjson
@@ -130,7 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", nargs="+", default=["compiled"], choices=["compiled", "interpreted"])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--core", type=int, default=0, help="pin runs to this core (-1: no pinning)")
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/hazsan-scaling"))
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "hazsan-scaling",
+                    help="where the generated traces go (default: hazsan-scaling in tempfile.gettempdir())")
     ap.add_argument("--old", type=Path, metavar="TREE",
                     help="also run another hazsan checkout with its engine built in place "
                          "(e.g. `git archive f82bfab | tar -x -C TREE; python setup.py build_ext --inplace`)")

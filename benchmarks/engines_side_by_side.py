@@ -14,7 +14,7 @@ tar -x -C DIR` plus its built extension), as the figures of issue 12 were taken.
 its runs gave the same findings and summary as this checkout's compiled engine is printed too.
 
     .venv/bin/python benchmarks/engines_side_by_side.py                       # 1,000,000 events
-    .venv/bin/python benchmarks/engines_side_by_side.py --old /tmp/old-hazsan --repeats 3
+    .venv/bin/python benchmarks/engines_side_by_side.py --old ../old-hazsan --repeats 3
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--trace-dir", default="/tmp/hazsan-bench")
+    ap.add_argument("--trace-dir", default=str(Path(tempfile.gettempdir()) / "hazsan-bench"),
+                    help="cache of generated traces, reused (default: hazsan-bench in tempfile.gettempdir())")
     ap.add_argument("--core", type=int, default=None)
     ap.add_argument("--old", action="append", default=[], metavar="DIR[:ENGINE,...]")
     args = ap.parse_args(argv)

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 HAZSAN=${HAZSAN:-.venv/bin/hazsan}
 PY=${PY:-.venv/bin/python}
-WORK=${SGLANG_WORK:-/tmp/hazsan-sglang-0.5.23}
+WORK=${SGLANG_WORK:-$("$PY" -c 'import os, tempfile; print(os.path.join(tempfile.gettempdir(), "hazsan-sglang-0.5.23"))')}
 OUT=reports/scan
 mkdir -p "$WORK"
 if ! ls "$WORK"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
