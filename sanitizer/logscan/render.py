@@ -9,6 +9,7 @@ import math
 import orjson
 
 from sanitizer.logscan.scan import ScanResult
+from sanitizer.logscan.vllm import MEAN_LEN
 
 BAR_WIDTH = 50
 _NICE_WIDTHS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -64,6 +65,8 @@ def histogram_lines(values, threshold: float) -> list[str]:
 # ------------------------------------------------------------------------------ verdict
 
 def verdict(r: ScanResult) -> str:
+    if r.has_vllm:
+        return _verdict_vllm(r)
     n = r.intervals
     if not r.decode_lines:
         return ("no 'Decode batch' lines found: is this an SGLang server log (scheduler output, "
@@ -80,6 +83,76 @@ def verdict(r: ScanResult) -> str:
             "corrupted collective output looks like (the target model rejects the draft); check the "
             "flagged windows against request-level output checks and run `hazsan check` on a "
             "captured trace")
+
+
+def _verdict_vllm(r: ScanResult) -> str:
+    """vLLM or mixed input: the same verdicts, in words that fit both formats."""
+    n = r.intervals
+    sig = f"accept length <= {r.threshold:.2f} with running requests >= {r.min_running}"
+    if not n:
+        if r.vllm_spec_lines:
+            return (f"no vLLM 'SpecDecoding metrics' line carries '{MEAN_LEN}' ({r.vllm_spec_lines} lines in the "
+                    "vLLM 0.8.3-0.8.4 format), so this signature cannot be applied")
+        if r.vllm_legacy_lines:
+            return (f"{r.vllm_legacy_lines} vLLM 'Speculative metrics' lines (V0 engine, or V1 up to 0.8.2) carry "
+                    "no per-interval mean acceptance length, so this signature cannot be applied")
+        if r.vllm_stats_lines or r.decode_lines:
+            return (f"no decode interval carries an accept length ({r.vllm_stats_lines} vLLM stats lines without a "
+                    f"'SpecDecoding metrics' line, {r.decode_lines} 'Decode batch' lines): speculative decoding is "
+                    "off (or vLLM logs below INFO), so this signature cannot be applied")
+        return (f"no vLLM metrics line parsed ({r.vllm_unparsed} unparsed): is the log cut, or written in "
+                "another format?")
+    if not r.flagged:
+        extra = ""
+        if r.unknown_load_below:
+            extra = (f"; {r.unknown_load_below} interval(s) at or below the threshold have unknown load (no stats "
+                     "line before them) and are not flagged")
+        return f"clean: none of {n} decode intervals has {sig}{extra}"
+    ranks = ", ".join(f"{p or '(no prefix)'}: {st.flagged}" for p, st in sorted(r.by_prefix.items()) if st.flagged)
+    return (f"SIGNATURE FOUND: {len(r.flagged)} of {n} decode intervals have {sig} ({ranks}). Under load this "
+            "is what corrupted collective output looks like (the target model rejects the draft); check the "
+            "flagged windows against request-level output checks and run `hazsan check` on a captured trace")
+
+
+def notes(r: ScanResult) -> list[str]:
+    """What a reader of a vLLM scan should know beside the verdict (empty for SGLang logs)."""
+    out = []
+    k = r.max_spec_tokens
+    if k is not None and r.threshold >= k + 1:
+        out.append(f"with {k} draft token(s) per step an accept length is at most {k + 1}, at or below the "
+                   f"threshold {r.threshold:.2f}: every interval under load is flagged; lower --threshold")
+    if r.unknown_load:
+        out.append(f"{r.unknown_load} vLLM interval(s) had no stats line before them from the same process: "
+                   f"load unknown; {r.unknown_load_below} of them at or below the threshold were not flagged"
+                   + (" (--min-running 0 flags them)" if r.min_running > 0 else " (flagged: --min-running is 0)"))
+    if r.bonus_added:
+        out.append(f"{r.bonus_added} vLLM interval(s) in 0.8.5's convention (mean acceptance length without the "
+                   "bonus token, recognised by its per-position rates): one added, as vLLM >= 0.9 and SGLang count")
+    if r.vllm_legacy_lines:
+        out.append(f"{r.vllm_legacy_lines} vLLM 'Speculative metrics' line(s) (V0 engine or V1 <= 0.8.2) not read: "
+                   "no per-interval mean acceptance length")
+    if r.records_dropped:
+        out.append(f"{r.records_dropped} vLLM interval(s) beyond the first {len(r.records)} counted but not kept "
+                   "one by one")
+    return out
+
+
+def _format_line(r: ScanResult) -> str:
+    per_file = r.formats()
+    if len(per_file) == 1:
+        return f"format: {r.format}"
+    return f"format: {r.format} (" + ", ".join(f"{f}: {fmt}" for f, fmt in per_file.items()) + ")"
+
+
+def _signature_line(r: ScanResult) -> str:
+    if not r.has_vllm:
+        return f"signature: accept len <= {r.threshold:.2f} with #running-req >= {r.min_running}"
+    return (f"signature: accept length <= {r.threshold:.2f} with running requests >= {r.min_running} "
+            "(vLLM: 'Mean acceptance length', and 'Running' of the stats line the same process logged before it)")
+
+
+def _running(v) -> str:
+    return "?" if v is None else str(v)
 
 
 # ------------------------------------------------------------------------------ text
@@ -100,13 +173,19 @@ def _f(v) -> str:
 def render_text(r: ScanResult, max_lines: int = 50) -> str:
     from tabulate import tabulate
 
-    out = [f"hazsan logscan: {len(r.files)} file(s), {r.lines} lines, {r.decode_lines} 'Decode batch' "
-           f"lines, {r.intervals} decode intervals with accept len, {r.unparsed_count} unparsed",
-           f"signature: accept len <= {r.threshold:.2f} with #running-req >= {r.min_running}", ""]
+    if not r.has_vllm:  # SGLang logs: the report as it always was
+        out = [f"hazsan logscan: {len(r.files)} file(s), {r.lines} lines, {r.decode_lines} 'Decode batch' "
+               f"lines, {r.intervals} decode intervals with accept len, {r.unparsed_count} unparsed",
+               _signature_line(r), ""]
+    else:
+        sglang = f"{r.decode_lines} 'Decode batch' lines, " if r.decode_lines or r.format == "mixed" else ""
+        out = [f"hazsan logscan: {len(r.files)} file(s), {r.lines} lines, {sglang}{r.vllm_stats_lines} vLLM stats "
+               f"lines, {r.vllm_spec_lines} 'SpecDecoding metrics' lines, {r.intervals} decode intervals with "
+               f"accept length, {r.unparsed_count} unparsed", _format_line(r), _signature_line(r), ""]
     if r.by_prefix:
-        out.append("per rank prefix:")
-        out.append(tabulate(_prefix_rows(r), headers=["prefix", "decode lines", "intervals", "flagged",
-                                                      "accept len min", "median", "mean"],
+        out.append("per rank prefix:" if not r.has_vllm else "per rank prefix (SGLang) or process and engine (vLLM):")
+        out.append(tabulate(_prefix_rows(r), headers=["prefix", "decode lines" if not r.has_vllm else "lines",
+                                                      "intervals", "flagged", "accept len min", "median", "mean"],
                             tablefmt="simple", disable_numparse=True))
         out.append("")
     out.append("accept-length distribution:")
@@ -119,18 +198,22 @@ def render_text(r: ScanResult, max_lines: int = 50) -> str:
         shown = r.flagged[:max_lines] if max_lines else r.flagged
         out.append(f"flagged intervals ({len(shown)} of {len(r.flagged)} shown):")
         out.append(tabulate([[f"{i.file}:{i.line}", i.time or "-", i.prefix or "(none)", f"{i.accept_len:.2f}",
-                              i.running_req, _f(i.accept_rate)] for i in shown],
-                            headers=["where", "time", "prefix", "accept len", "#running-req", "accept rate"],
+                              _running(i.running_req), _f(i.accept_rate)] for i in shown],
+                            headers=["where", "time", "prefix", "accept len",
+                                     "#running-req" if not r.has_vllm else "running", "accept rate"],
                             tablefmt="simple", disable_numparse=True))
         out.append("")
     if r.unparsed_count:
         shown = r.unparsed[:max_lines] if max_lines else r.unparsed
-        out.append(f"unparsed 'Decode batch' lines ({len(shown)} of {r.unparsed_count} shown):")
+        what = "'Decode batch' lines" if not r.has_vllm else "lines"
+        out.append(f"unparsed {what} ({len(shown)} of {r.unparsed_count} shown):")
         for u in shown:
             out.append(f"  {u.file}:{u.line}: {u.reason}")
             if u.text:
                 out.append(f"    {u.text[:160]}")
         out.append("")
+    for note in notes(r):
+        out.append(f"note: {note}")
     out.append(f"verdict: {verdict(r)}")
     return "\n".join(out) + "\n"
 
@@ -138,7 +221,7 @@ def render_text(r: ScanResult, max_lines: int = 50) -> str:
 # ------------------------------------------------------------------------------ json
 
 def to_dict(r: ScanResult) -> dict:
-    return {
+    d = {
         "intervals": r.intervals,
         "flagged": [i.to_dict() for i in r.flagged],
         "threshold": r.threshold,
@@ -153,7 +236,18 @@ def to_dict(r: ScanResult) -> dict:
         "unparsed_lines": [u.to_dict() for u in r.unparsed],
         "verdict": verdict(r),
         "signature_found": bool(r.flagged),
+        "format": r.format,
+        "formats": r.formats(),
     }
+    if r.has_vllm:
+        d["vllm"] = {"stats_lines": r.vllm_stats_lines, "spec_lines": r.vllm_spec_lines,
+                     "legacy_lines": r.vllm_legacy_lines, "unparsed": r.vllm_unparsed,
+                     "unknown_load": r.unknown_load, "unknown_load_below": r.unknown_load_below,
+                     "bonus_added": r.bonus_added, "max_spec_tokens": r.max_spec_tokens,
+                     "records_dropped": r.records_dropped}
+        d["records"] = [rec.to_dict() for rec in r.records]
+        d["notes"] = notes(r)
+    return d
 
 
 def render_json(r: ScanResult) -> str:
@@ -188,7 +282,7 @@ def plot_png(r: ScanResult) -> bytes | None:
     ax.set_xlabel("accept len (per decode interval)")
     ax.set_ylabel("decode intervals")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title("SGLang accept-length distribution")
+    ax.set_title({"vllm": "vLLM", "mixed": "SGLang and vLLM"}.get(r.format, "SGLang") + " accept-length distribution")
     ax.legend()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
@@ -210,6 +304,10 @@ def render_html(r: ScanResult, max_lines: int = 500) -> tuple[str, bool]:
              f"<p>{len(r.files)} file(s): {e(', '.join(r.files))}. Signature: accept len &le; {r.threshold:.2f} "
              f"with #running-req &ge; {r.min_running}.</p>",
              "<h2>Accept-length distribution</h2>"]
+    if r.has_vllm:
+        sig = _signature_line(r).removeprefix("signature: ")
+        parts[-1:-1] = [f"<p>{e(_format_line(r).capitalize())}. For vLLM the signature is {e(sig)}.</p>"]
+        parts[-1:-1] = [f"<p>Note: {e(n)}</p>" for n in notes(r)]
     if png is not None:
         parts.append(f"<img alt='accept-length histogram' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
     else:
@@ -222,11 +320,12 @@ def render_html(r: ScanResult, max_lines: int = 500) -> tuple[str, bool]:
     if r.flagged:
         parts.append(f"<h2>Flagged intervals ({min(len(r.flagged), max_lines)} of {len(r.flagged)} shown)</h2>")
         parts.append(tabulate([[f"{i.file}:{i.line}", i.time or "-", i.prefix or "(none)", f"{i.accept_len:.2f}",
-                                i.running_req, i.text] for i in r.flagged[:max_lines]],
+                                _running(i.running_req), i.text] for i in r.flagged[:max_lines]],
                               headers=["where", "time", "prefix", "accept len", "#running-req", "line"],
                               tablefmt="html", disable_numparse=True))
     if r.unparsed_count:
-        parts.append(f"<h2>Unparsed 'Decode batch' lines ({r.unparsed_count})</h2><pre>")
+        what = "lines" if r.has_vllm else "'Decode batch' lines"
+        parts.append(f"<h2>Unparsed {what} ({r.unparsed_count})</h2><pre>")
         parts.extend(e(f"{u.file}:{u.line}: {u.reason}\n    {u.text}\n") for u in r.unparsed[:max_lines])
         parts.append("</pre>")
     parts.append("</body></html>\n")

@@ -1,10 +1,15 @@
-"""Scan SGLang server logs for the corruption signature (docs/cli.md, "hazsan logscan").
+"""Scan SGLang and vLLM server logs for the corruption signature (docs/cli.md, "hazsan logscan";
+docs/logscan-formats.md).
 
-A *decode interval* is a `Decode batch` line carrying `accept len` (speculative decoding on): the
-mean accepted tokens per verify step since the previous such line. Corrupted collective output
-makes the target model disagree with the draft, so accept len collapses towards 1 while the
-server is under load. An interval is *flagged* when accept len <= threshold and #running-req >=
-min_running (an idle server legitimately logs low values).
+A *decode interval* is a `Decode batch` line carrying `accept len` (SGLang, speculative decoding
+on): the mean accepted tokens per verify step since the previous such line; or a vLLM
+`SpecDecoding metrics` line carrying `Mean acceptance length` (the same quantity, bonus token
+included, over VLLM_LOG_STATS_INTERVAL seconds), whose load is the `Running: N reqs` of the stats
+line the same process logged right before it. Corrupted collective output makes the target model
+disagree with the draft, so the accept length collapses towards 1 while the server is under load.
+An interval is *flagged* when its accept length <= threshold and its running requests >=
+min_running (an idle server legitimately logs low values). A vLLM interval with no stats line
+before it has unknown load: flagged only when min_running is 0, else counted (`unknown_load`).
 """
 from __future__ import annotations
 
@@ -18,9 +23,14 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from sanitizer.logscan.parse import BrokenLine, DecodeLine, parse_line
+from sanitizer.logscan.vllm import VllmBroken, VllmLegacy, VllmSpec, VllmStats, parse_vllm_line
 
 GZIP_MAGIC = b"\x1f\x8b"
 MAX_LINE_CHARS = 4 << 20  # a `Decode batch` line is a few hundred characters
+MAX_RECORDS = 100_000  # vLLM intervals kept one by one (one per engine per 10 s: 11 days of one engine)
+
+SGLANG = "sglang"
+VLLM = "vllm"
 
 
 class LogError(Exception):
@@ -40,14 +50,68 @@ class Interval:
     prefix: str
     time: str | None
     accept_len: float
-    running_req: int
+    running_req: int | None  # None: a vLLM interval with unknown load (flagged with min_running 0)
     accept_rate: float | None
     text: str
+    record: VllmRecord | None = None  # the vLLM interval; None for SGLang
+
+    @property
+    def format(self) -> str:
+        return SGLANG if self.record is None else VLLM
+
+    def to_dict(self) -> dict:
+        d = {"file": self.file, "line": self.line, "prefix": self.prefix, "time": self.time,
+             "accept_len": self.accept_len, "running_req": self.running_req,
+             "accept_rate": self.accept_rate}
+        if self.record is not None:
+            d.update(self.record.extra_dict())
+        return d
+
+
+def vllm_prefix(process: str, engine: str | None, paired: bool) -> str:
+    """A vLLM interval's grouping key: process and engine ("APIServer pid=7 Engine 000"); never
+    empty, so never SGLang's prefix-less "" (and SGLang's are rank tags, "DP0 TP0")."""
+    engine = engine or ("vLLM" if paired else "engine unknown")
+    return f"{process} {engine}" if process else engine
+
+
+@dataclass(slots=True)
+class VllmRecord:
+    """One vLLM `SpecDecoding metrics` line with a mean acceptance length, paired with its load."""
+
+    file: str
+    line: int
+    process: str  # "APIServer pid=7", "" without a process prefix
+    engine: str | None  # from the paired stats line: "Engine 000"; None when unknown
+    time: str | None
+    accept_len: float  # bonus token included (one added to vLLM 0.8.5's value)
+    logged_accept_len: float
+    bonus_added: bool
+    running_req: int | None  # `Running` of the stats line before it; None: no such line (unknown load)
+    waiting_req: int | None
+    stats_line: int | None
+    accept_rate: float | None
+    accepted: int | None
+    drafted: int | None
+    num_spec_tokens: int | None
+    flagged: bool = False
+
+    @property
+    def prefix(self) -> str:
+        return vllm_prefix(self.process, self.engine, self.stats_line is not None)
+
+    def extra_dict(self) -> dict:
+        """What a vLLM interval adds to an SGLang one in JSON."""
+        return {"format": VLLM, "process": self.process, "engine": self.engine,
+                "stats_line": self.stats_line, "waiting_req": self.waiting_req,
+                "accepted": self.accepted, "drafted": self.drafted,
+                "num_spec_tokens": self.num_spec_tokens, "logged_accept_len": self.logged_accept_len,
+                "bonus_added": self.bonus_added}
 
     def to_dict(self) -> dict:
         return {"file": self.file, "line": self.line, "prefix": self.prefix, "time": self.time,
                 "accept_len": self.accept_len, "running_req": self.running_req,
-                "accept_rate": self.accept_rate}
+                "accept_rate": self.accept_rate, "flagged": self.flagged, **self.extra_dict()}
 
 
 @dataclass(slots=True)
@@ -56,22 +120,27 @@ class Unparsed:
     line: int
     reason: str
     text: str
+    format: str = SGLANG
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "line": self.line, "reason": self.reason, "text": self.text}
+        d = {"file": self.file, "line": self.line, "reason": self.reason, "text": self.text}
+        if self.format != SGLANG:
+            d["format"] = self.format
+        return d
 
 
 @dataclass
 class PrefixStats:
     """Per rank prefix (`DP0 TP0`, ...): every accept len seen and how many were flagged."""
 
-    decode_lines: int = 0
+    decode_lines: int = 0  # vLLM: `SpecDecoding metrics` lines
     flagged: int = 0
     accept_lens: array = field(default_factory=lambda: array("d"))
+    format: str = SGLANG
 
     def to_dict(self) -> dict:
         a = self.accept_lens
-        return {
+        d = {
             "decode_lines": self.decode_lines,
             "intervals": len(a),
             "flagged": self.flagged,
@@ -79,6 +148,9 @@ class PrefixStats:
             "accept_len_median": median(a) if a else None,
             "accept_len_mean": sum(a) / len(a) if a else None,
         }
+        if self.format != SGLANG:
+            d["format"] = self.format
+        return d
 
 
 @dataclass
@@ -93,6 +165,33 @@ class ScanResult:
     unparsed_count: int = 0
     below_min_running: int = 0  # accept len at or below threshold but too few running requests
     by_prefix: dict[str, PrefixStats] = field(default_factory=dict)
+    # What each file held: {"sglang"}, {"vllm"}, both, or nothing (see `formats`).
+    file_formats: dict[str, set] = field(default_factory=dict)
+    # vLLM (all zero / empty for SGLang logs)
+    vllm_stats_lines: int = 0  # `Avg prompt throughput: ..., Running: N reqs, ...`
+    vllm_spec_lines: int = 0  # `SpecDecoding metrics: ...`, with or without a mean acceptance length
+    vllm_legacy_lines: int = 0  # `Speculative metrics: ...` (V0 / V1 <= 0.8.2): not read
+    vllm_unparsed: int = 0
+    unknown_load: int = 0  # vLLM intervals with no stats line before them
+    unknown_load_below: int = 0  # ...at or below the threshold, not flagged (min_running > 0)
+    bonus_added: int = 0  # vLLM 0.8.5 intervals whose mean acceptance length got its bonus token
+    records: list[VllmRecord] = field(default_factory=list)  # every vLLM interval, up to MAX_RECORDS
+    records_dropped: int = 0
+    max_spec_tokens: int | None = None  # the largest k among vLLM intervals
+
+    @property
+    def has_vllm(self) -> bool:
+        return bool(self.vllm_stats_lines or self.vllm_spec_lines or self.vllm_legacy_lines or self.vllm_unparsed)
+
+    def formats(self) -> dict[str, str]:
+        """Per file: "sglang", "vllm", "sglang+vllm", or "none" (neither format's lines)."""
+        return {f: "+".join(sorted(self.file_formats.get(f, ()))) or "none" for f in self.files}
+
+    @property
+    def format(self) -> str:
+        """Over all files: "sglang", "vllm", "mixed" (both read) or "none"."""
+        seen = set().union(*self.file_formats.values()) if self.file_formats else set()
+        return "mixed" if len(seen) > 1 else (next(iter(seen)) if seen else "none")
 
     @property
     def intervals(self) -> int:
@@ -112,23 +211,106 @@ class LogScanner:
     """Feeds lines through `parse_line` and keeps the tallies. Nothing here raises on bad lines."""
 
     def __init__(self, threshold: float = 2.0, min_running: int = 1, max_unparsed: int = 1000,
-                 max_line_chars: int = MAX_LINE_CHARS):
+                 max_line_chars: int = MAX_LINE_CHARS, max_records: int = MAX_RECORDS):
         self.result = ScanResult(threshold=threshold, min_running=min_running)
         self.max_unparsed = max_unparsed
         self.max_line_chars = max_line_chars  # 0: no limit
+        self.max_records = max_records
+        # vLLM: per (file, process prefix), the stats line waiting for its `SpecDecoding metrics`
+        # line (None: the last one was broken, so the next spec line's load is unknown).
+        self._pending: dict[tuple[str, str], tuple[int, VllmStats] | None] = {}
+
+    def _seen(self, file: str, fmt: str) -> None:
+        formats = self.result.file_formats.get(file)
+        if formats is None:
+            formats = self.result.file_formats[file] = set()
+        formats.add(fmt)
+
+    def _unparsed(self, file: str, line_no: int, reason: str, text: str, fmt: str) -> None:
+        r = self.result
+        r.unparsed_count += 1
+        if len(r.unparsed) < self.max_unparsed:
+            r.unparsed.append(Unparsed(file, line_no, reason, text.rstrip("\r\n")[:300], fmt))
 
     def feed(self, file: str, line_no: int, text: str) -> None:
         r = self.result
         r.lines += 1
         parsed = parse_line(text)
         if parsed is None:
+            vllm = parse_vllm_line(text)
+            if vllm is not None:
+                self._vllm(file, line_no, text, vllm)
             return
+        self._seen(file, SGLANG)
         if isinstance(parsed, BrokenLine):
-            r.unparsed_count += 1
-            if len(r.unparsed) < self.max_unparsed:
-                r.unparsed.append(Unparsed(file, line_no, parsed.reason, text.rstrip("\r\n")[:300]))
+            self._unparsed(file, line_no, parsed.reason, text, SGLANG)
             return
         self._decode(file, line_no, text, parsed)
+
+    def _vllm(self, file: str, line_no: int, text: str, v) -> None:
+        r = self.result
+        self._seen(file, VLLM)
+        if isinstance(v, VllmBroken):
+            r.vllm_unparsed += 1
+            self._unparsed(file, line_no, v.reason, text, VLLM)
+            if v.kind == "spec":  # the stats line before it was this interval's: spent
+                self._pending.pop((file, v.process), None)
+            else:  # the next spec line's own stats line is this broken one: its load is unknown
+                self._pending[(file, v.process)] = None
+            return
+        if isinstance(v, VllmStats):
+            r.vllm_stats_lines += 1
+            self._pending[(file, v.process)] = (line_no, v)
+            return
+        if isinstance(v, VllmLegacy):
+            r.vllm_legacy_lines += 1
+            return
+        self._spec(file, line_no, text, v)
+
+    def _spec(self, file: str, line_no: int, text: str, s: VllmSpec) -> None:
+        r = self.result
+        r.vllm_spec_lines += 1
+        paired = self._pending.pop((file, s.process), None)
+        stats_line, stats = paired if paired is not None else (None, None)
+        if s.accept_len is None:  # vLLM 0.8.3-0.8.4: no mean acceptance length
+            self._prefix_stats(vllm_prefix(s.process, stats.engine if stats else None, stats is not None)).decode_lines += 1
+            return
+        rec = VllmRecord(
+            file=file, line=line_no, process=s.process, engine=stats.engine if stats else None,
+            time=s.time, accept_len=s.accept_len, logged_accept_len=s.logged_accept_len,
+            bonus_added=s.bonus_added, running_req=stats.running_req if stats else None,
+            waiting_req=stats.waiting_req if stats else None, stats_line=stats_line,
+            accept_rate=s.accept_rate, accepted=s.accepted, drafted=s.drafted,
+            num_spec_tokens=s.num_spec_tokens)
+        k = rec.num_spec_tokens
+        if k is not None and (r.max_spec_tokens is None or k > r.max_spec_tokens):
+            r.max_spec_tokens = k
+        r.bonus_added += s.bonus_added
+        stats_p = self._prefix_stats(rec.prefix)
+        stats_p.decode_lines += 1
+        stats_p.accept_lens.append(rec.accept_len)
+        if rec.running_req is None:
+            r.unknown_load += 1
+        if rec.accept_len <= r.threshold:
+            if rec.running_req is None and r.min_running > 0:
+                r.unknown_load_below += 1
+            elif rec.running_req is None or rec.running_req >= r.min_running:
+                rec.flagged = True
+                stats_p.flagged += 1
+                r.flagged.append(Interval(file, line_no, rec.prefix, rec.time, rec.accept_len, rec.running_req,
+                                          rec.accept_rate, text.rstrip("\r\n"), rec))
+            else:
+                r.below_min_running += 1
+        if len(r.records) < self.max_records:
+            r.records.append(rec)
+        else:
+            r.records_dropped += 1
+
+    def _prefix_stats(self, prefix: str) -> PrefixStats:
+        stats = self.result.by_prefix.get(prefix)
+        if stats is None:
+            stats = self.result.by_prefix[prefix] = PrefixStats(format=VLLM)
+        return stats
 
     def _decode(self, file: str, line_no: int, text: str, d: DecodeLine) -> None:
         r = self.result
@@ -151,6 +333,7 @@ class LogScanner:
     def scan_file(self, path: str) -> None:
         """Read one log (plain or gzip, by content; `-` is stdin). Raises LogError if unreadable."""
         self.result.files.append(path)
+        self._pending = {k: v for k, v in self._pending.items() if k[0] != path}  # a file read twice
         line_no = 0
         try:
             with _open_text(path) as stream:
