@@ -1,33 +1,62 @@
-"""`hazsan logscan LOG...`: flag SGLang decode intervals whose accept length collapsed under load.
+"""`hazsan logscan LOG...`: flag decode intervals whose accept length collapsed under load, in
+SGLang (`Decode batch` lines) and vLLM (`SpecDecoding metrics` lines) server logs.
 
 Exit codes: 0 nothing flagged, 1 at least one interval flagged, 2 an unreadable input (named) or
-bad arguments. Plain and gzip logs (detected by content), `-` for standard input.
+bad arguments. Plain and gzip logs (detected by content), `-` for standard input. The format is
+told line by line, so each file may be either (docs/logscan-formats.md).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
-HELP = "scan SGLang server logs for the corruption signature (accept len collapsing under load)"
+HELP = ("scan SGLang or vLLM server logs for the corruption signature (the speculative-decoding "
+        "accept length collapsing under load)")
+
+DESCRIPTION = """\
+Reads SGLang and vLLM server logs (the format is recognised per line, so per file: no option).
+
+SGLang: a decode interval is a `Decode batch` line with `accept len`; its load is its
+`#running-req`.
+vLLM: a decode interval is a `SpecDecoding metrics` line with `Mean acceptance length` (bonus
+token included, averaged over VLLM_LOG_STATS_INTERVAL, 10 s by default); its load is `Running:
+N reqs` of the stats line (`Engine NNN: Avg prompt throughput: ...`) that the same process
+logged right before it. A spec line with no stats line before it has unknown load: not flagged
+unless --min-running is 0 (counted and reported). vLLM 0.8.5 wrote the mean acceptance length
+without the bonus token: recognised and corrected. The `Speculative metrics` lines of vLLM's V0
+engine (and V1 up to 0.8.2) carry no per-interval accept length and are only counted.
+
+An interval is flagged when its accept length <= --threshold and its running requests >=
+--min-running. The same defaults serve both formats: see docs/logscan-formats.md."""
 
 
 def add_arguments(p) -> None:
-    p.add_argument("logs", nargs="+", metavar="LOG", help="SGLang server logs (plain or gzip; '-' for stdin)")
+    if isinstance(p, argparse.ArgumentParser):
+        p.description = DESCRIPTION
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("logs", nargs="+", metavar="LOG",
+                   help="SGLang or vLLM server logs (plain or gzip; '-' for stdin)")
     p.add_argument("--threshold", type=float, default=2.0,
-                   help="flag decode intervals with accept len at or below this (default 2.0)")
+                   help="flag decode intervals with accept length (SGLang 'accept len', vLLM 'Mean acceptance "
+                        "length') at or below this (default 2.0)")
     p.add_argument("--min-running", type=int, default=1, metavar="N",
-                   help="...only when #running-req is at least N (default 1): idle servers log low values")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+                   help="...only when at least N requests run (SGLang '#running-req', vLLM 'Running' of the stats "
+                        "line before; default 1): idle servers log low values. 0 also flags vLLM intervals of "
+                        "unknown load")
+    p.add_argument("--format", choices=("text", "json", "markdown"), default="text",
+                   help="text (default), json, or markdown (CI step summaries); each names the format read")
     p.add_argument("--html", metavar="OUT", help="also write an HTML report (with a plot if matplotlib is installed)")
     p.add_argument("--max-line-chars", type=int, default=4 << 20, metavar="N",
                    help="longest log line read (default 4 MiB; 0: no limit); a longer one is an error")
     p.add_argument("--max-lines", type=int, default=50, metavar="N",
-                   help="text output: show at most N flagged and N unparsed lines (0: all)")
+                   help="text and markdown output: show at most N flagged and N unparsed lines (0: all)")
 
 
 def run(args) -> int:
     from sanitizer.logscan import LogError, LogScanner
     from sanitizer.logscan.parse import MAX_ACCEPT_LEN
-    from sanitizer.logscan.render import MATPLOTLIB_MISSING, render_html, render_json, render_text
+    from sanitizer.logscan.render import (MATPLOTLIB_MISSING, render_html, render_json, render_markdown,
+                                          render_text)
 
     if not 0 <= args.threshold <= MAX_ACCEPT_LEN or args.min_running < 0 or args.max_line_chars < 0:  # also refuses nan
         print(f"hazsan logscan: error: --threshold must be a number from 0 to {MAX_ACCEPT_LEN:g} "
@@ -52,5 +81,10 @@ def run(args) -> int:
         if not has_plot:
             print(f"hazsan logscan: note: {MATPLOTLIB_MISSING}", file=sys.stderr)
         print(f"hazsan logscan: HTML report written to {args.html}", file=sys.stderr)
-    sys.stdout.write(render_json(result) if args.format == "json" else render_text(result, args.max_lines))
+    if args.format == "json":
+        sys.stdout.write(render_json(result))
+    elif args.format == "markdown":
+        sys.stdout.write(render_markdown(result, args.max_lines))
+    else:
+        sys.stdout.write(render_text(result, args.max_lines))
     return result.exit_code()

@@ -254,6 +254,45 @@ def render_json(r: ScanResult) -> str:
     return orjson.dumps(to_dict(r), option=orjson.OPT_INDENT_2).decode() + "\n"
 
 
+# ------------------------------------------------------------------------------ markdown
+
+def _md(text: str) -> str:
+    """A log excerpt in a table cell: no pipes or backticks to break the row."""
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def render_markdown(r: ScanResult, max_lines: int = 50) -> str:
+    """For CI step summaries: the verdict, the format read, per-prefix table, flagged and unparsed lines."""
+    from tabulate import tabulate
+
+    out = ["# hazsan logscan", "", f"**Verdict:** {_md(verdict(r))}", ""]
+    out.append(f"- files: {len(r.files)}, lines: {r.lines}, decode intervals: {r.intervals}, "
+               f"flagged: {len(r.flagged)}, unparsed: {r.unparsed_count}")
+    out.append(f"- format: **{r.format}**" + "".join(f"\n  - `{_md(f)}`: {fmt}" for f, fmt in r.formats().items()))
+    out.append(f"- {_signature_line(r)}")
+    if r.has_vllm:
+        out.append(f"- vLLM: {r.vllm_stats_lines} stats lines, {r.vllm_spec_lines} 'SpecDecoding metrics' lines, "
+                   f"{r.unknown_load} interval(s) with unknown load")
+    out.extend(f"- note: {_md(n)}" for n in notes(r))
+    if r.by_prefix:
+        out += ["", "## Per prefix", "", tabulate(
+            [[_md(row[0])] + row[1:] for row in _prefix_rows(r)],
+            headers=["prefix", "lines", "intervals", "flagged", "accept len min", "median", "mean"],
+            tablefmt="github", disable_numparse=True)]
+    if r.flagged:
+        shown = r.flagged[:max_lines] if max_lines else r.flagged
+        out += ["", f"## Flagged intervals ({len(shown)} of {len(r.flagged)})", "", tabulate(
+            [[_md(f"{i.file}:{i.line}"), i.time or "-", _md(i.prefix or "(none)"), i.format, f"{i.accept_len:.2f}",
+              _running(i.running_req), _f(i.accept_rate)] for i in shown],
+            headers=["where", "time", "prefix", "format", "accept len", "running", "accept rate"],
+            tablefmt="github", disable_numparse=True)]
+    if r.unparsed_count:
+        shown = r.unparsed[:max_lines] if max_lines else r.unparsed
+        out += ["", f"## Unparsed lines ({len(shown)} of {r.unparsed_count})", ""]
+        out += [f"- `{_md(u.file)}:{u.line}` ({u.format}): {_md(u.reason)}" for u in shown]
+    return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------------------ html
 
 MATPLOTLIB_MISSING = ("matplotlib is not installed, so this report has no plot; "
