@@ -1,0 +1,86 @@
+"""The vLLM reference case's driver (examples/vllm_mhc/run.py), without vLLM: the attribution of a
+corrupted token to the model step that produced it, and the model's prompts (the greedy
+continuation must be what the ngram proposer can draft)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run():
+    spec = importlib.util.spec_from_file_location("vllm_mhc_run", ROOT / "examples" / "vllm_mhc" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _schedule(tmp_path: Path, steps: list[dict]) -> None:
+    with open(tmp_path / "schedule.ndjson", "w") as f:
+        for n, reqs in enumerate(steps):
+            f.write(json.dumps({"step": n, "reqs": reqs}) + "\n")
+
+
+def test_first_wrong_token_is_attributed_to_the_step_that_produced_it(run, tmp_path):
+    # request 0: prompt of 5 tokens, computed in step 0 (positions 0-4, samples position 5);
+    # step 1 verifies 1 + 2 drafts (positions 5-7): all accepted -> tokens at 6, 7, 8;
+    # step 2 verifies positions 8-10, one draft rejected -> tokens at 9, 10;
+    # step 3 verifies positions 10-12 again (the rejected draft recomputed).
+    _schedule(tmp_path, [
+        {"0-aa": [0, 5], "1-bb": [0, 4]},
+        {"0-aa": [5, 3], "1-bb": [4, 1]},
+        {"0-aa": [8, 3], "1-bb": [5, 1]},
+        {"0-aa": [10, 3]},
+    ])
+    reference = {"0": [10, 11, 12, 13, 14, 15, 16], "1": [20, 21, 22]}
+    result = {"requests": [
+        # first wrong token k=5 -> position 5 + 5 = 10, produced from position 9: steps 2 (8-10)
+        # and 3 (10-12) ... only step 2 holds 9
+        {"id": "0", "prompt": 5, "tokens": [10, 11, 12, 13, 14, 99, 16]},
+        {"id": "1", "prompt": 4, "tokens": [20, 21, 22]},
+    ]}
+    rows = run.write_outcomes(tmp_path, reference, result)
+    assert rows[0]["corrupted"] and rows[0]["first_wrong_token"] == 5 and rows[0]["step"] == 2
+    assert rows[0]["first_step"] == 0
+    assert not rows[1]["corrupted"] and rows[1]["step"] == 2       # clean: its last step
+    # the outcome file is what hazsan compare reads
+    from sanitizer.proof.outcomes import read_outcomes
+    got = read_outcomes(tmp_path / "outcomes.jsonl")
+    assert [(o.request, o.step, o.corrupted) for o in got] == [(0, 2, True), (1, 2, False)]
+
+
+def test_a_later_recompute_wins_over_the_rejected_draft(run, tmp_path):
+    # position 10's token: step 2 computed 8-10 (holding 9) ... a wrong token at position 11
+    # comes from position 10, which steps 2 (8-10) and 3 (10-12) both computed: the later one.
+    _schedule(tmp_path, [{"0-aa": [0, 5]}, {"0-aa": [5, 3]}, {"0-aa": [8, 3]}, {"0-aa": [10, 3]}])
+    rows = run.write_outcomes(tmp_path, {"0": [1, 2, 3, 4, 5, 6, 7]},
+                              {"requests": [{"id": "0", "prompt": 5, "tokens": [1, 2, 3, 4, 5, 6, 0]}]})
+    assert rows[0]["first_wrong_token"] == 6 and rows[0]["step"] == 3
+
+
+def test_a_shorter_output_is_corrupted_at_its_end(run, tmp_path):
+    _schedule(tmp_path, [{"0-aa": [0, 3]}, {"0-aa": [3, 2]}])
+    rows = run.write_outcomes(tmp_path, {"0": [1, 2, 3]}, {"requests": [{"id": "0", "prompt": 3, "tokens": [1, 2]}]})
+    assert rows[0]["corrupted"] and rows[0]["first_wrong_token"] == 2
+
+
+def test_prompts_walk_the_successor_cycles(run):
+    torch = pytest.importorskip("torch")
+    del torch
+    succ = run.successor_table().tolist()
+    assert sorted(succ) == list(range(run.MODEL["vocab_size"]))           # a permutation
+    for prompt, max_tokens in run.prompts():
+        assert all(succ[a] == b for a, b in zip(prompt, prompt[1:]))      # the greedy walk itself
+        # the continuation repeats the prompt's cycle, so ngram lookup drafts it
+        assert len(prompt) > 2 * run.MODEL["cycle"] and max_tokens >= 16
+    lengths = {m for _, m in run.prompts()}
+    assert len(lengths) > 1            # requests finish at different steps: continuous batching
+
+
+def test_base_id(run):
+    assert run.base_id("17-a1b2c3d4") == "17" and run.base_id("3") == "3"
