@@ -442,3 +442,54 @@ def test_help_describes_vllm(capsys):
         main(["logscan", "--help"])
     out = capsys.readouterr().out
     assert "SpecDecoding metrics" in out and "unknown load" in out and "markdown" in out
+
+
+# ------------------------------------------------------------------------------ hostile input
+
+def test_long_vllm_lines_parse_in_linear_time():
+    import time
+
+    def cost(n):  # best of 3 in CPU time
+        texts = [SPEC_LINE + ", 0.5" * n, SPEC_LINE[:90] + ", Ab: 1" * n, "(" * n + SPEC_LINE, " pid=1)" * n + SPEC_LINE]
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for t in texts:
+                parse_vllm_line(t)
+            best = min(best, time.process_time() - t0)
+        return best
+    small, large = cost(5_000), cost(50_000)
+    assert large < 3.0 and large < 40 * max(small, 1e-3)
+
+
+_VLINE = st.sampled_from([STATS_LINE, SPEC_LINE, LOW_SPEC_LINE, COLOR_SPEC_LINE, SPEC_0_8_5_LINE, SPEC_0_8_3_LINE,
+                          V0_SPEC_LINE, NOPREFIX_STATS_LINE, "[2026-03-01 10:00:00 TP0] Decode batch, #running-req: 4, "
+                          "accept len: 1.00, #queue-req: 0"])
+
+
+@st.composite
+def _mangled(draw):
+    line = draw(_VLINE)
+    cut = draw(st.integers(0, len(line)))
+    junk = draw(st.text(alphabet="0123456789.,: %()=[]nafi-", max_size=12))
+    return line[:cut] + junk + line[cut + draw(st.integers(0, 20)):]
+
+
+@given(st.lists(st.one_of(_VLINE, _mangled()), max_size=25), st.floats(0, 10), st.integers(0, 70))
+@settings(max_examples=150, deadline=None)
+def test_fuzz_vllm_logs_scan_and_render(lines, threshold, min_running):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "fuzz.log"
+        log.write_text("\n".join(lines), encoding="utf-8", errors="surrogatepass")
+        r = scan([log], threshold=threshold, min_running=min_running)
+    assert r.intervals >= len(r.records)  # the SGLang lines' intervals too
+    for rec in r.records:
+        assert 0 <= rec.accept_len <= 1e6 + 1
+        loaded = min_running == 0 or (rec.running_req is not None and rec.running_req >= min_running)
+        assert rec.flagged == (rec.accept_len <= threshold and loaded)
+    render_text(r, 10)
+    render_markdown(r, 10)
+    json.dumps(to_dict(r))
+    assert r.exit_code() in (0, 1)

@@ -29,6 +29,8 @@ GZIP_MAGIC = b"\x1f\x8b"
 MAX_LINE_CHARS = 4 << 20  # a `Decode batch` line is a few hundred characters
 MAX_RECORDS = 100_000  # vLLM intervals kept one by one (one per engine per 10 s: 11 days of one engine)
 
+MAX_PENDING = 4096  # vLLM processes whose last stats line is remembered (a server has a handful)
+
 SGLANG = "sglang"
 VLLM = "vllm"
 
@@ -256,16 +258,23 @@ class LogScanner:
             if v.kind == "spec":  # the stats line before it was this interval's: spent
                 self._pending.pop((file, v.process), None)
             else:  # the next spec line's own stats line is this broken one: its load is unknown
-                self._pending[(file, v.process)] = None
+                self._remember(file, v.process, None)
             return
         if isinstance(v, VllmStats):
             r.vllm_stats_lines += 1
-            self._pending[(file, v.process)] = (line_no, v)
+            self._remember(file, v.process, (line_no, v))
             return
         if isinstance(v, VllmLegacy):
             r.vllm_legacy_lines += 1
             return
         self._spec(file, line_no, text, v)
+
+    def _remember(self, file: str, process: str, stats: tuple[int, VllmStats] | None) -> None:
+        key = (file, process)
+        self._pending.pop(key, None)
+        if len(self._pending) >= MAX_PENDING:  # hostile input: a new pid every line
+            del self._pending[next(iter(self._pending))]
+        self._pending[key] = stats
 
     def _spec(self, file: str, line_no: int, text: str, s: VllmSpec) -> None:
         r = self.result
