@@ -51,6 +51,8 @@ from pathlib import Path
 
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # sanitizer.trace.binary, for --format binary
+
 GENERATOR_VERSION = 1
 
 MiB = 1 << 20
@@ -198,17 +200,24 @@ class Placer:
 class TraceWriter:
     """Buffers encoded lines and writes them in large chunks; stops at exactly `limit` events."""
 
-    def __init__(self, path: Path, header: dict, limit: int, compresslevel: int | None, lean: bool = False):
+    def __init__(self, path: Path, header: dict, limit: int, compresslevel: int | None, lean: bool = False,
+                 fmt: str = "jsonl"):
         self.path = path
         self.limit = limit
         self.lean = lean
+        self.binary = fmt == "binary"
         self.stream = (gzip.open(path, "wb", compresslevel=compresslevel) if compresslevel
                        else open(path, "wb", buffering=1 << 22))
-        self.buf: list[bytes] = []
+        self.buf: list = []      # encoded lines, or (binary) the events, encoded a frame at a time
         self.events = 0          # events emitted (some may lie past the limit)
         self.written = 0         # events in the file
         self.t = 1_000_000_000
-        self.stream.write(orjson.dumps(header) + b"\n")
+        if self.binary:
+            from sanitizer.trace import binary
+            self.encode_frames = binary.encode_frames
+            self.stream.write(binary.signature_and_header(header))
+        else:
+            self.stream.write(orjson.dumps(header) + b"\n")
 
     @property
     def next_line(self) -> int:
@@ -225,14 +234,14 @@ class TraceWriter:
         else:
             self.t += 900 + (self.events * 7919) % 1300   # plausible ns gaps, no RNG call per event
             ev["t"] = self.t
-        self.buf.append(orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE))
+        self.buf.append(ev if self.binary else orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE))
         self.events += 1
         if len(self.buf) >= 4096:   # orjson.dumps results hold ~4 KiB each while alive
             self.flush()
 
     def flush(self) -> None:
         keep = self.buf[: self.limit - self.written]     # the program runs on to a layer's end
-        self.stream.write(b"".join(keep))
+        self.stream.write(self.encode_frames(keep) if self.binary else b"".join(keep))
         self.written += len(keep)
         self.buf.clear()
 
@@ -525,13 +534,15 @@ def plan_hazards(count: int, seed: int, events: int) -> dict:
 
 
 def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: int = 0,
-             gzip_level: int | None = None, stacks: bool = False, lean: bool = False) -> dict:
-    """Writes rank{r}.jsonl[.gz] and expected.json into `out`; returns a summary dict."""
+             gzip_level: int | None = None, stacks: bool = False, lean: bool = False, fmt: str = "jsonl") -> dict:
+    """Writes rank{r}.jsonl[.gz] (or, `fmt` "binary", rank{r}.hzs[.gz]: the same events in the
+    binary format, sanitizer/trace/binary.py) and expected.json into `out`; returns a summary dict."""
     out.mkdir(parents=True, exist_ok=True)
     hazards = plan_hazards(inject, seed, events)
-    suffix = ".jsonl.gz" if gzip_level else ".jsonl"
-    for stale in list(out.glob("rank*.jsonl")) + list(out.glob("rank*.jsonl.gz")):
-        stale.unlink()
+    suffix = (".hzs" if fmt == "binary" else ".jsonl") + (".gz" if gzip_level else "")
+    for pattern in ("rank*.jsonl", "rank*.jsonl.gz", "rank*.hzs", "rank*.hzs.gz"):
+        for stale in out.glob(pattern):
+            stale.unlink()
     expected: list[dict] = []
     files = []
     start = time.perf_counter()
@@ -539,7 +550,7 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
         path = out / f"rank{rank}{suffix}"
         header = {"hazsan": 1, "rank": rank, "world_size": ranks, "device": f"cuda:{rank}",
                   "generator": f"benchmarks/gen_decode_trace.py v{GENERATOR_VERSION}", "seed": seed}
-        writer = TraceWriter(path, header, events, gzip_level, lean)
+        writer = TraceWriter(path, header, events, gzip_level, lean, fmt)
         model = DecodeRank(rank, writer, seed, hazards, stacks)
         model.run()
         written = writer.close()
@@ -548,7 +559,8 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
         files.append({"file": path.name, "events": written, "bytes": path.stat().st_size})
     seconds = time.perf_counter() - start
     summary = {"generator_version": GENERATOR_VERSION, "events_per_rank": events, "ranks": ranks,
-               "seed": seed, "inject": inject, "gzip": gzip_level, "stacks": stacks, "lean": lean, "files": files,
+               "seed": seed, "inject": inject, "gzip": gzip_level, "stacks": stacks, "lean": lean, "format": fmt,
+               "files": files,
                "seconds": round(seconds, 3)}
     (out / "expected.json").write_bytes(orjson.dumps({"findings": expected}, option=orjson.OPT_INDENT_2))
     (out / "meta.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
@@ -569,11 +581,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stacks", action="store_true", help="give every alloc a 3-frame stack (longer lines)")
     ap.add_argument("--lean", action="store_true",
                     help="leave out the optional fields (t, site, op, shape, dtype, requested): shorter lines")
+    ap.add_argument("--format", choices=("jsonl", "binary"), default="jsonl",
+                    help="jsonl: rank{r}.jsonl (default); binary: rank{r}.hzs, the same events in frames of "
+                         "msgpack arrays (what capture writes; docs/trace-format.md)")
     args = ap.parse_args(argv)
     if args.events < 1 or args.ranks < 1:
         ap.error("--events and --ranks must be positive")
     s = generate(args.out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject,
-                 gzip_level=args.gzip, stacks=args.stacks, lean=args.lean)
+                 gzip_level=args.gzip, stacks=args.stacks, lean=args.lean, fmt=args.format)
     total = sum(f["events"] for f in s["files"])
     size = sum(f["bytes"] for f in s["files"])
     print(f"wrote {total:,} events in {len(s['files'])} file(s), {size / MiB:,.1f} MiB, to {args.out} "

@@ -338,7 +338,9 @@ class HazsanSession:
             self.capture.writer.flush()
             if self.in_test:           # the call phase: the test's file is still being written
                 own = self.capture.writer.path
-        names = sorted(n for n in os.listdir(verdict.directory) if n.endswith((".jsonl", ".jsonl.gz")))
+        from sanitizer.trace.schema import is_trace_name
+
+        names = sorted(n for n in os.listdir(verdict.directory) if is_trace_name(n))
         if not names:
             return None
         live, running = _live_files(verdict.directory, names, own)
@@ -428,6 +430,8 @@ def _live_files(directory: str, names: list[str], own: str | None) -> tuple[list
     `own`: the pytest process's current file. Any other file names its writer's pid in its
     header: while that process runs (a helper such as multiprocessing's resource tracker, a server
     a fixture keeps), its file is read up to its last flush, not reported truncated."""
+    from sanitizer.trace.reader import read_header
+
     live: list[str] = []
     running: list[str] = []
     me = os.getpid()
@@ -436,13 +440,10 @@ def _live_files(directory: str, names: list[str], own: str | None) -> tuple[list
         if own is not None and os.path.abspath(path) == os.path.abspath(own):
             live.append(path)
             continue
-        if not name.endswith(".jsonl"):
+        if not name.endswith((".jsonl", ".hzs")):
             continue
-        try:
-            with open(path, "rb") as fh:
-                pid = json.loads(fh.readline(1 << 20)).get("pid")
-        except (OSError, ValueError, AttributeError):
-            continue
+        header = read_header(path)
+        pid = header.get("pid") if header else None
         if isinstance(pid, int) and pid != me and _running(pid):
             live.append(path)
             running.append(name)

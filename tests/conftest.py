@@ -9,3 +9,24 @@ os.environ["HAZSAN_RAISE"] = "1"
 
 # tests/ helpers (tracebuilder, reference_model) import as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def jsonl_capture():
+    """Capture in this module's tests (and the processes they start) writes JSON Lines: for tests
+    that read the trace lines by hand. Module-scoped, so that module-scoped fixtures that run
+    capture see it too (a module asks for it with `pytestmark = pytest.mark.usefixtures(...)`,
+    which puts it before the fixtures its tests name). The binary default has its own tests
+    (test_trace_binary.py; the writer, nothing-lost, failsafe and rotation tests run in both)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HAZSAN_TRACE_FORMAT", "jsonl")
+        yield
+
+
+@pytest.fixture(params=["binary", "jsonl"])
+def trace_format(request, monkeypatch):
+    """Run the test once per trace format (HAZSAN_TRACE_FORMAT set for it and its children)."""
+    monkeypatch.setenv("HAZSAN_TRACE_FORMAT", request.param)
+    return request.param

@@ -31,6 +31,9 @@ from sanitizer.capture import allocator_history as ah  # noqa: E402
 from sanitizer.capture.config import Settings  # noqa: E402
 from sanitizer.capture.streams import StreamIds  # noqa: E402
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 SIDE = 0x55AA00          # a cudaStream_t of a non-default stream
 SEG = 0x7F0000000000     # default-pool small segment
 POOL = 0x7E0000000000    # a MemPool's large segment

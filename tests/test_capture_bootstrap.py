@@ -19,6 +19,9 @@ import pytest
 from sanitizer.trace.reader import open_trace
 from sanitizer.trace.writer import TraceWriter
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

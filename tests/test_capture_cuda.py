@@ -20,6 +20,9 @@ import textwrap
 
 import pytest
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 pytest.importorskip("torch")
 
 PROGRAM = textwrap.dedent(r'''

@@ -22,6 +22,9 @@ import types
 
 import pytest
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 

@@ -16,7 +16,11 @@ import pytest
 
 pytest.importorskip("torch")
 
+from trace_files import records, traces as trace_files  # noqa: E402
+
 WORKLOAD = Path(__file__).with_name("failsafe_workload.py")
+#: capture's default format, the one these runs write (HAZSAN_TRACE_FORMAT unset for them)
+EXT = ".hzs"
 MODES = ("none", "raise", "full", "removed", "unwritable", "kill")
 
 
@@ -32,6 +36,7 @@ def runs(tmp_path_factory):
         out.mkdir(parents=True)
         traces = (blocker / "traces") if mode == "unwritable" else (root / mode / "traces")
         env = {**os.environ, "HAZSAN": "1", "HAZSAN_DIR": str(traces), "PYTHONWARNINGS": "ignore"}
+        env.pop("HAZSAN_TRACE_FORMAT", None)
         procs[mode] = (subprocess.Popen([sys.executable, str(WORKLOAD), mode, str(out)], env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                        out, traces)
@@ -74,9 +79,9 @@ def test_every_capture_service_raising_changes_nothing_in_the_program(runs):
     assert not s["complete"] and s["hook_errors"] > 100
     assert s["malformed"] == 0  # a failing hook leaves no half-written event
     hooks = set()
-    for f in Path(run["traces"]).glob("*.jsonl"):
-        for line in f.read_text().splitlines()[1:]:
-            ev = json.loads(line)
+    for f in trace_files(run["traces"]):
+        assert f.name.endswith(EXT)
+        for ev in records(f)[1:]:
             if ev["ev"] == "hook_error":
                 hooks.add(ev["hook"])
     # the allocator hook, frees, collectives and their completion, the scope API and the window model
@@ -86,8 +91,8 @@ def test_every_capture_service_raising_changes_nothing_in_the_program(runs):
 def test_trace_folder_and_files_are_owner_only(runs):
     traces = Path(runs["none"]["traces"])
     assert stat.S_IMODE(traces.stat().st_mode) == 0o700
-    files = list(traces.glob("*.jsonl"))   # two ranks, and the launcher's header-only pid file
-    assert sorted(f.name for f in files if f.name.startswith("rank")) == ["rank0.jsonl", "rank1.jsonl"]
+    files = trace_files(traces)   # two ranks, and the launcher's header-only pid file
+    assert sorted(f.name for f in files if f.name.startswith("rank")) == ["rank0" + EXT, "rank1" + EXT]
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
 
 
@@ -122,12 +127,12 @@ def test_trace_folder_unwritable(runs):
 def test_rank_killed_mid_collective(runs):
     run = runs["kill"]
     assert run["rc"] == 3  # the launcher reports its child's SIGKILL; rank 0 is stopped by it
-    files = sorted(Path(run["traces"]).glob("rank*.jsonl"))   # besides the launcher's pid file
-    assert [f.name for f in files] == ["rank0.jsonl", "rank1.jsonl"]
+    files = [f for f in trace_files(run["traces"]) if f.name.startswith("rank")]   # besides the launcher's pid file
+    assert [f.name for f in files] == ["rank0" + EXT, "rank1" + EXT]
     code, doc = _check(run["traces"])
     assert code in (0, 1)
     assert not doc["summary"]["complete"]
-    assert any("rank1.jsonl" in w and "no end record" in w for w in doc["summary"]["warnings"])
+    assert any("rank1" + EXT in w and "no end record" in w for w in doc["summary"]["warnings"])
 
 
 def test_text_report_never_says_plainly_clean_when_incomplete(runs):
@@ -145,7 +150,7 @@ def test_check_names_the_killed_rank_in_every_format(runs):
     """The killed rank's file is named INCOMPLETE (text, json, markdown); the exit code stays the
     findings' (docs/cli.md: an incomplete capture is a warning)."""
     traces = Path(runs["kill"]["traces"])
-    rank1 = traces / "rank1.jsonl"
+    rank1 = traces / ("rank1" + EXT)
     text = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces)],
                           capture_output=True, text=True, timeout=120)
     assert text.returncode in (0, 1)
@@ -155,4 +160,4 @@ def test_check_names_the_killed_rank_in_every_format(runs):
     assert any("trace(s) truncated: " in why and str(rank1) in why for why in doc["summary"]["incomplete"])
     md = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces), "--format", "markdown"],
                         capture_output=True, text=True, timeout=120).stdout
-    assert "INCOMPLETE" in md and "rank1.jsonl" in md
+    assert "INCOMPLETE" in md and "rank1" + EXT in md

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 TESTS = Path(__file__).parent
 
 

@@ -18,6 +18,9 @@ pytest.importorskip("torch")
 
 from sanitizer.capture.window import WINDOW_BASE  # noqa: E402
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 PROGRAM = textwrap.dedent(r'''
     import gc, json, threading
     import numpy as np

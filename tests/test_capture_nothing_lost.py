@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 
 from sanitizer.trace.writer import HEADER_ROOM, TraceWriter
+from trace_files import header_bytes, name, records
+
+# every test in both trace formats (HAZSAN_TRACE_FORMAT: the writer, and the captured processes)
+pytestmark = pytest.mark.usefixtures("trace_format")
 
 
 def _env(traces, **extra):
@@ -32,8 +36,7 @@ def _start(code, env):
 
 
 def _load(path):
-    with open(path, "rb") as f:
-        return [json.loads(line) for line in f]
+    return records(path)
 
 
 def _check(*args):
@@ -59,14 +62,14 @@ import time; time.sleep(60)
 """
 
 
-def test_sigkill_before_the_first_flush_leaves_the_header_and_check_names_it(tmp_path):
+def test_sigkill_before_the_first_flush_leaves_the_header_and_check_names_it(tmp_path, trace_format):
     traces = tmp_path / "t"
     proc = _start(KILLED, _env(traces, HAZSAN_FLUSH_SECONDS="1000"))   # no time flush before the kill
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         (path,) = traces.iterdir()
-        assert path.name == f"pid{proc.pid}.jsonl"
-        assert [len(x) for x in path.read_bytes().splitlines(keepends=True)] == [HEADER_ROOM]
+        assert path.name == name(f"pid{proc.pid}", trace_format)
+        assert path.stat().st_size == header_bytes(path) == HEADER_ROOM    # the header alone, padded
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -86,7 +89,7 @@ def test_sigkill_before_the_first_flush_leaves_the_header_and_check_names_it(tmp
     assert "INCOMPLETE" in md and path.name in md and "No hazards**" not in md.replace("No hazards found**", "")
 
 
-def test_sigkill_after_a_flush_names_the_file_and_keeps_the_events(tmp_path):
+def test_sigkill_after_a_flush_names_the_file_and_keeps_the_events(tmp_path, trace_format):
     """Killed later: the events up to the last (time) flush are read, the file is still named."""
     traces = tmp_path / "t"
     code = """
@@ -98,7 +101,7 @@ def test_sigkill_after_a_flush_names_the_file_and_keeps_the_events(tmp_path):
     proc = _start(code, _env(traces, HAZSAN_FLUSH_SECONDS="0.2"))
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        path = traces / f"pid{proc.pid}.jsonl"
+        path = traces / name(f"pid{proc.pid}", trace_format)
         assert _wait_for(lambda: sum(e["ev"] == "alloc" for e in _load(path)[1:]) >= 5)
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -112,7 +115,7 @@ def test_sigkill_after_a_flush_names_the_file_and_keeps_the_events(tmp_path):
 
 
 # ------------------------------------------------------------------ rare events, the timer
-def test_a_rare_event_is_on_disk_before_the_process_exits(tmp_path):
+def test_a_rare_event_is_on_disk_before_the_process_exits(tmp_path, trace_format):
     traces = tmp_path / "t"
     code = """
     import sys, time, torch
@@ -124,7 +127,7 @@ def test_a_rare_event_is_on_disk_before_the_process_exits(tmp_path):
     proc = _start(code, _env(traces, HAZSAN_FLUSH_SECONDS="0.5"))
     try:
         assert proc.stdout.readline().strip() == "emitted", proc.stderr.read()
-        path = traces / f"pid{proc.pid}.jsonl"
+        path = traces / name(f"pid{proc.pid}", trace_format)
         t0 = time.monotonic()
         assert _wait_for(lambda: any(e.get("shape") == [77] for e in _load(path)[1:]), 2.5)
         assert time.monotonic() - t0 < 2.5
@@ -138,7 +141,7 @@ def test_a_rare_event_is_on_disk_before_the_process_exits(tmp_path):
     assert _check(traces).returncode == 0
 
 
-def test_fork_restarts_the_timer_in_both_processes(tmp_path):
+def test_fork_restarts_the_timer_in_both_processes(tmp_path, trace_format):
     """A forked child gets a file of its own at once and a time flush of its own; the parent's
     keeps working. Both then die without a clean exit: both files are named INCOMPLETE."""
     traces = tmp_path / "t"
@@ -161,7 +164,8 @@ def test_fork_restarts_the_timer_in_both_processes(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, err
     child = int(out.split()[0])
-    parent_file, child_file = traces / f"pid{proc.pid}.jsonl", traces / f"pid{child}.jsonl"
+    parent_file = traces / name(f"pid{proc.pid}", trace_format)
+    child_file = traces / name(f"pid{child}", trace_format)
     assert any(e.get("shape") == [66] for e in _load(parent_file)[1:])
     child_events = _load(child_file)
     assert child_events[0]["pid"] == child
@@ -171,11 +175,11 @@ def test_fork_restarts_the_timer_in_both_processes(tmp_path):
 
 
 # ------------------------------------------------------------------ no stray files
-def test_a_process_that_hooked_nothing_has_a_header_while_it_runs_and_no_file_after(tmp_path):
+def test_a_process_that_hooked_nothing_has_a_header_while_it_runs_and_no_file_after(tmp_path, trace_format):
     traces = tmp_path / "t"
     proc = _start("import time; print('up', flush=True); time.sleep(1)", _env(traces))
     assert proc.stdout.readline().strip() == "up"
-    assert [p.name for p in traces.iterdir()] == [f"pid{proc.pid}.jsonl"]   # at once
+    assert [p.name for p in traces.iterdir()] == [name(f"pid{proc.pid}", trace_format)]   # at once
     proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert list(traces.iterdir()) == []                                    # removed at its clean exit
@@ -200,7 +204,7 @@ def test_subprocess_with_preexec_fn_leaves_no_header_only_file(tmp_path):
     assert json.loads(_check(traces, "--format", "json").stdout)["summary"]["complete"]
 
 
-def test_exec_takes_over_its_own_header_only_file(tmp_path):
+def test_exec_takes_over_its_own_header_only_file(tmp_path, trace_format):
     """exec runs no exit handler: the new program (same pid) takes the header-only file over."""
     traces = tmp_path / "t"
     code = """
@@ -211,7 +215,7 @@ def test_exec_takes_over_its_own_header_only_file(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     (path,) = traces.iterdir()
-    assert path.name == f"pid{proc.pid}.jsonl" and int(out) == proc.pid
+    assert path.name == name(f"pid{proc.pid}", trace_format) and int(out) == proc.pid
     events = _load(path)
     assert events[-1]["ev"] == "end" and any(e.get("shape") == [5] for e in events[1:])
 
@@ -231,7 +235,7 @@ def test_header_facts_are_written_in_place_then_by_a_copy_when_they_outgrow_the_
     w.emit({"ev": "step", "n": 0})
     w.flush()
     assert _load(path)[0]["hooks"] == {"installed": []}      # the first flush: in place
-    assert len(path.read_bytes().splitlines()[0]) + 1 == HEADER_ROOM
+    assert header_bytes(path) == HEADER_ROOM
     facts["hooks"] = {"installed": ["x" * 50] * 200}         # ~10 KiB: past the room
     key[0] = 1
     w.emit({"ev": "step", "n": 1})
@@ -247,20 +251,20 @@ def test_header_facts_are_written_in_place_then_by_a_copy_when_they_outgrow_the_
     assert [p.name for p in tmp_path.iterdir()] == [path.name]   # no temporary file left
 
 
-def test_started_writer_renames_under_its_rank_with_the_right_header(tmp_path, monkeypatch):
+def test_started_writer_renames_under_its_rank_with_the_right_header(tmp_path, monkeypatch, trace_format):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     w = TraceWriter(str(tmp_path))
     w.start()
-    assert [p.name for p in tmp_path.iterdir()] == [f"pid{os.getpid()}.jsonl"]
+    assert [p.name for p in tmp_path.iterdir()] == [name(f"pid{os.getpid()}", trace_format)]
     w.emit({"ev": "step", "n": 0})
     w.set_rank(1, 2)                        # before any flush: the header-only file is renamed
     w.emit({"ev": "step", "n": 1})
     w.flush()
     w.set_rank(1, 2)                        # the same rank again: nothing to do
     w.close()
-    assert [p.name for p in tmp_path.iterdir()] == ["rank1.jsonl"]
-    lines = _load(tmp_path / "rank1.jsonl")
+    assert [p.name for p in tmp_path.iterdir()] == [name("rank1", trace_format)]
+    lines = _load(tmp_path / name("rank1", trace_format))
     assert (lines[0]["rank"], lines[0]["world_size"]) == (1, 2)
     assert [e.get("n") for e in lines[1:]] == [0, 1, None] and lines[-1]["ev"] == "end"
 
@@ -275,7 +279,7 @@ def test_nothing_recorded_and_write_empty_off_removes_the_file(tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
-def test_reopen_ends_the_old_file_and_starts_the_new_one_at_once(tmp_path, monkeypatch):
+def test_reopen_ends_the_old_file_and_starts_the_new_one_at_once(tmp_path, monkeypatch, trace_format):
     monkeypatch.delenv("RANK", raising=False)
     w = TraceWriter(str(tmp_path / "a"))
     w.start()
@@ -285,9 +289,9 @@ def test_reopen_ends_the_old_file_and_starts_the_new_one_at_once(tmp_path, monke
     assert [e["ev"] for e in _load(old)[1:]] == ["step", "end"]        # complete: readable as such
     assert len(_load(w.path)) == 1                                      # header at once
     w.reopen(str(tmp_path / "a"))                                       # back: a second name
-    assert w.path.endswith(f"pid{os.getpid()}.2.jsonl")
+    assert w.path.endswith(name(f"pid{os.getpid()}.2", trace_format))
     w.close()
-    assert _load(tmp_path / "b" / f"pid{os.getpid()}.jsonl")[1] == {"ev": "step", "n": 1}
+    assert _load(tmp_path / "b" / name(f"pid{os.getpid()}", trace_format))[1] == {"ev": "step", "n": 1}
 
 
 def test_the_timer_never_raises_and_counts_a_failing_flush(tmp_path, monkeypatch):

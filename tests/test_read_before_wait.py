@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,6 +15,9 @@ pytest.importorskip("torch")
 
 from sanitizer.rules.driver import analyze  # noqa: E402
 
+# these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROGRAM = textwrap.dedent("""

@@ -2,19 +2,24 @@
 event cap reached; what it leaves must say so, and nothing may raise."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
+
+import pytest
 
 from sanitizer.report.render import incomplete
 from sanitizer.rules.driver import analyze
 from sanitizer.trace.reader import open_trace
 from sanitizer.trace.writer import TraceWriter
+from trace_files import name, records
+
+# every test in both trace formats (HAZSAN_TRACE_FORMAT, which the writer follows)
+pytestmark = pytest.mark.usefixtures("trace_format")
 
 
 def _lines(path):
-    return [json.loads(x) for x in open(path, "rb").read().splitlines()]
+    return records(path)
 
 
 def _writer(d, monkeypatch, **kw):
@@ -40,7 +45,7 @@ def test_a_file_without_its_end_record_is_reported_truncated(tmp_path, monkeypat
     w.emit({"ev": "step", "n": 0})
     w.flush()                                  # and then the process dies: no close
     tf = open_trace(w.path)
-    list(tf.line_batches())
+    list(tf.events())
     assert tf.truncated and "no end record" in tf.warnings[0]
     a = analyze([w.path])
     assert not a.errors and incomplete(a.summary) == [f"1 trace(s) truncated: {w.path}"]   # named
@@ -64,7 +69,7 @@ def test_disk_full_drops_counts_and_never_raises(tmp_path, monkeypatch):
     assert f"1 trace(s) truncated: {w.path}" in incomplete(a.summary)
 
 
-def test_folder_removed_mid_run_is_made_again_with_the_loss_counted(tmp_path, monkeypatch):
+def test_folder_removed_mid_run_is_made_again_with_the_loss_counted(tmp_path, monkeypatch, trace_format):
     d = tmp_path / "t"
     w = _writer(d, monkeypatch)
     for n in range(10):
@@ -74,7 +79,7 @@ def test_folder_removed_mid_run_is_made_again_with_the_loss_counted(tmp_path, mo
     for n in range(10, 15):
         w.emit({"ev": "step", "n": n})
     w.close()
-    lines = _lines(d / "rank0.jsonl")
+    lines = _lines(d / name("rank0", trace_format))
     assert {"ev": "dropped", "count": 10, "reason": "trace-file-removed"} in lines
     assert lines[-1]["ev"] == "end"
     assert [e["n"] for e in lines[1:] if e["ev"] == "step"] == list(range(10, 15))

@@ -2,6 +2,10 @@
 import subprocess
 import sys
 
+import pytest
+
+from trace_files import name, records
+
 PROBE = r"""
 import resource, sys
 from sanitizer.trace.writer import TraceWriter
@@ -15,11 +19,12 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 """
 
 
-def test_flushing_65k_events_costs_little_memory(tmp_path):
+@pytest.mark.usefixtures("trace_format")
+def test_flushing_65k_events_costs_little_memory(tmp_path, trace_format):
     r = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True, check=True)
     grown_mb = float(r.stdout.strip().splitlines()[-1])
     # The buffered events themselves take ~20 MB; encoding them all at once took ~270 MB more.
     assert grown_mb < 80, grown_mb
-    lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
-    assert len(lines) == 65538 and '"id":65535' in lines[-2]
-    assert lines[-1] == '{"ev":"end","events":65536,"dropped":0}'  # a clean close's last line
+    lines = records(tmp_path / name("rank0", trace_format))
+    assert len(lines) == 65538 and lines[-2]["id"] == 65535
+    assert lines[-1] == {"ev": "end", "events": 65536, "dropped": 0}  # a clean close's last record

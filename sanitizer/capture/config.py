@@ -14,6 +14,10 @@ LEVELS = ("alloc", "full")
 # each block's address and stream checked against the allocator's).
 ALLOC_SOURCES = ("dispatch", "history")
 OFF_VALUES = ("", "0", "false", "no", "off")
+# HAZSAN_TRACE_FORMAT: what the trace files hold. `binary` (the default: rank<R>.hzs, frames of
+# msgpack arrays, smaller and faster to read) or `jsonl` (rank<R>.jsonl, JSON Lines, for people and
+# tools that read lines); docs/trace-format.md. `hazsan cat` prints either as JSON Lines.
+TRACE_FORMATS = ("binary", "jsonl")
 
 
 def requested(environ=os.environ) -> bool:
@@ -33,6 +37,7 @@ class Settings:
     level: str = "alloc"                   # HAZSAN_LEVEL: alloc | full
     alloc_source: str = "dispatch"         # HAZSAN_ALLOC_SOURCE: dispatch | history
     alloc_history_entries: int = 1 << 20   # HAZSAN_ALLOC_HISTORY_ENTRIES: allocator ring buffer per step
+    trace_format: str | None = None        # HAZSAN_TRACE_FORMAT: binary | jsonl (None: the writer's default, binary)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> tuple["Settings", list[str]]:
@@ -66,7 +71,12 @@ class Settings:
             problems.append(f"HAZSAN_ALLOC_SOURCE={source!r} is not one of {'|'.join(ALLOC_SOURCES)}; "
                             f"using {d.alloc_source!r}")
             source = d.alloc_source
+        fmt = (environ.get("HAZSAN_TRACE_FORMAT") or "").strip().lower() or None
+        if fmt is not None and fmt not in TRACE_FORMATS:
+            problems.append(f"HAZSAN_TRACE_FORMAT={fmt!r} is not one of {'|'.join(TRACE_FORMATS)}; using 'binary'")
+            fmt = "binary"
         return cls(
+            trace_format=fmt,
             level=level,
             alloc_source=source,
             alloc_history_entries=num("HAZSAN_ALLOC_HISTORY_ENTRIES", d.alloc_history_entries),

@@ -217,11 +217,14 @@ def _check(directory: str) -> tuple[int, dict]:
 
 
 def _events(directory: str) -> list[dict]:
+    from sanitizer.trace.reader import open_trace
+    from sanitizer.trace.schema import is_trace_name
+
     evs = []
     for name in sorted(os.listdir(directory)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(directory, name), "rb") as f:
-                evs += [json.loads(line) for line in f.read().splitlines()[1:] if line.strip()]
+        if is_trace_name(name):
+            tf = open_trace(os.path.join(directory, name))
+            evs += [ev for _, ev in tf.events() if isinstance(ev, dict)]
     return evs
 
 

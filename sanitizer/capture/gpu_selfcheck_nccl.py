@@ -99,10 +99,10 @@ def main(argv=None) -> int:
         return 1
     with open(os.path.join(work, "report.json")) as f:
         report = json.load(f)
-    path = os.path.join(traces, "rank0.jsonl")
-    with open(path, "rb") as f:
-        lines = [json.loads(line) for line in f]
-    header, events = lines[0], lines[1:]
+    from sanitizer.trace.reader import expand_paths, open_trace
+
+    tf = open_trace(next(p for p in expand_paths([traces]) if p.name.startswith("rank0.")))
+    header, events = tf.header, [ev for _, ev in tf.events() if isinstance(ev, dict)]
     print("header:", json.dumps(header, indent=1))
     print("library:", report.get("library"), report.get("import_errors", ""))
     for e in events:

@@ -44,7 +44,8 @@ class Capture:
         self.settings = settings
         self.writer = TraceWriter(os.path.abspath(settings.directory), max_events=settings.max_events,
                                   buffer_events=settings.buffer_events,
-                                  flush_seconds=settings.flush_seconds)
+                                  flush_seconds=settings.flush_seconds,
+                                  trace_format=getattr(settings, "trace_format", None))
         self.emit = self.writer.emit
         self.sites = SiteFinder(settings.stacks, settings.max_stack)
         self.scopes = ScopeStack()

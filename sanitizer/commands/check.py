@@ -9,7 +9,7 @@ HELP = "analyse one or more rank traces (files or directories) and report hazard
 
 def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR",
-                   help="rank trace files (*.jsonl, *.jsonl.gz) or directories holding them")
+                   help="rank trace files (*.hzs, *.jsonl, either .gz) or directories holding them")
     p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text",
                    help="markdown: for CI step summaries (e.g. >> $GITHUB_STEP_SUMMARY)")
     p.add_argument("--fail-on", choices=("error", "warning"), default="error",

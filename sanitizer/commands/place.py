@@ -47,6 +47,7 @@ def run(args) -> int:
     from sanitizer.place.replay import PlaceError, place_file
     from sanitizer.commands.check import apply_limits
     from sanitizer.trace.reader import TraceError, expand_paths
+    from sanitizer.trace.schema import jsonl_name
 
     apply_limits(args)
 
@@ -75,7 +76,7 @@ def run(args) -> int:
         print(f"hazsan place: note: {note}", file=sys.stderr)
     for f in files:
         try:
-            stats = place_file(f, out_dir / f.name, config, no_split_pools=args.no_split)
+            stats = place_file(f, out_dir / jsonl_name(f.name), config, no_split_pools=args.no_split)
         except (TraceError, PlaceError) as exc:
             print(f"hazsan place: {exc}", file=sys.stderr)
             return 2

@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
                    help="trace folder (default: a new ./hazsan-traces/run-<time>-<pid>); "
                         "must not hold traces already unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
-                   help="delete the *.jsonl / *.jsonl.gz traces already in --dir before running")
+                   help="delete the traces (*.hzs, *.jsonl, either .gz) already in --dir before running")
     p.add_argument("--stacks", choices=("none", "site", "full"),
                    help="call-site detail recorded (HAZSAN_STACKS; default site)")
     p.add_argument("--max-events", type=int, metavar="N",
@@ -39,7 +39,9 @@ def add_arguments(p) -> None:
 
 def _traces(d: str) -> list[str]:
     try:
-        return sorted(f for f in os.listdir(d) if f.endswith((".jsonl", ".jsonl.gz")))
+        from sanitizer.trace.schema import is_trace_name
+
+        return sorted(f for f in os.listdir(d) if is_trace_name(f))
     except FileNotFoundError:
         return []
 

@@ -26,13 +26,15 @@ class RunError(Exception):
 
 
 def trace_files(run_dir: Path) -> list[Path]:
-    """The rank traces of a run directory: every *.jsonl[.gz] except the outcomes file."""
+    """The rank traces of a run directory: every *.jsonl, *.hzs (or either .gz) except the outcomes file."""
+    from sanitizer.trace.schema import is_trace_name
+
     if not run_dir.is_dir():
         raise RunError(f"{run_dir}: not a directory (give one run's trace directory)")
     files = sorted(p for p in run_dir.iterdir() if p.is_file() and p.name not in OUTCOME_NAMES
-                   and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl.gz")))
+                   and is_trace_name(p.name))
     if not files:
-        raise RunError(f"{run_dir}: no *.jsonl or *.jsonl.gz trace files")
+        raise RunError(f"{run_dir}: no *.jsonl, *.hzs or .gz trace files")
     return files
 
 

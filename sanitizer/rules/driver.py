@@ -19,8 +19,8 @@ from pathlib import Path
 
 from sanitizer.rules import buildinfo
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
-from sanitizer.trace.events import EventDecoder
-from sanitizer.trace.reader import TraceError, TraceFile, expand_paths, open_trace
+from sanitizer.trace.binary import TO_JSON_CLASS
+from sanitizer.trace.reader import TraceError, TraceFile, TypedEvents, expand_paths, open_trace
 
 ENV = "HAZSAN_ENGINE"
 CHOICES = ("auto", "compiled", "interpreted")
@@ -136,25 +136,34 @@ class Analysis:
 
 
 class RankReader:
-    """One rank's file: raw line batches decoded into typed events."""
+    """One rank's file: batches of typed events (either format) applied to its engine."""
 
     def __init__(self, trace: TraceFile, analyzer):
         self.trace = trace
         self.analyzer = analyzer
-        self.decoder = EventDecoder()
-        self.chunks = trace.line_batches(CHUNK)
+        self.source = TypedEvents(trace, CHUNK)
+        self.decoder = self.source       # .warnings(file)
+        if trace.format == "binary":
+            # the binary format's records are classes of their own (same fields): the engine's
+            # dispatch table gets them beside the JSON Lines ones
+            handlers = analyzer.handlers
+            for cls, json_cls in TO_JSON_CLASS.items():
+                if json_cls in handlers:
+                    handlers[cls] = handlers[json_cls]
 
     def step(self, problems: list) -> None:
-        """Decode and apply the next BATCH lines; StopIteration at the end of the file."""
-        decode, feed, cut = self.decoder.decode, self.analyzer.feed_batch, self.trace.mark_truncated
-        first, raws = next(self.chunks)
-        feed(first, decode(first, raws, problems, on_cut=cut), problems)
-        for _ in range(BATCH // CHUNK - 1):
-            chunk = next(self.chunks, None)
-            if chunk is None:
+        """Decode and apply about BATCH events; StopIteration at the end of the file."""
+        nxt, feed = self.source.next, self.analyzer.feed_batch
+        first, items = nxt(problems)
+        feed(first, items, problems)
+        done = len(items)
+        while done < BATCH:
+            try:
+                first, items = nxt(problems)
+            except StopIteration:
                 return
-            first, raws = chunk
-            feed(first, decode(first, raws, problems, on_cut=cut), problems)
+            feed(first, items, problems)
+            done += len(items)
 
 
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,

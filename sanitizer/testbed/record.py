@@ -62,7 +62,8 @@ class Recorder:
 
 
 class FileRecorder(Recorder):
-    """The testbed's own schema-1 file (`rank<R>.jsonl` in `directory`)."""
+    """The testbed's own schema-1 file (`rank<R>.jsonl` in `directory`: JSON Lines, whatever
+    HAZSAN_TRACE_FORMAT says; the examples and their docs show these files)."""
 
     active = True
 
@@ -71,7 +72,7 @@ class FileRecorder(Recorder):
         super().__init__()
         from sanitizer.capture.sites import SiteFinder
         from sanitizer.trace.writer import TraceWriter
-        self.writer = TraceWriter(os.path.abspath(directory), header_extra=header_extra)
+        self.writer = TraceWriter(os.path.abspath(directory), header_extra=header_extra, trace_format="jsonl")
         self.writer.set_rank(rank, world_size, device=device)
         self.sites = SiteFinder("site")
         torch = sys.modules.get("torch")

@@ -284,6 +284,13 @@ class EventDecoder:
             return f"not JSON: {again}"
         if type(obj) is not dict:
             return "an event must be a JSON object"
+        return self.object(obj, str(exc))
+
+    def object(self, obj: dict, message: str | None = None):
+        """The event an object (a decoded JSON line, or a map item of a binary trace) stands for,
+        None to skip it (an unknown kind, counted), or the problem with it (a str). Unknown fields
+        are counted and dropped. `message`: msgspec's complaint, when the typed decoder already
+        made one."""
         kind = obj.get("ev")
         if kind is None:
             return "missing field 'ev'"
@@ -295,8 +302,8 @@ class EventDecoder:
             return None
         known = FIELDS[kind]
         extra = [k for k in obj if k not in known]
-        if not extra:
-            return describe(kind, str(exc))
+        if not extra and message is not None:
+            return describe(kind, message)
         for k in extra:
             self.unknown_fields[k] = self.unknown_fields.get(k, 0) + 1
             del obj[k]

@@ -1,7 +1,11 @@
-"""Streaming reader for schema-1 traces: one JSON Lines file per rank, plain or gzip.
+"""Streaming reader for schema-1 traces: one file per rank, JSON Lines or binary (frames of
+msgpack arrays, sanitizer.trace.binary), plain or gzip. The format is told by the file's first
+byte, never by its name.
 
-Memory stays flat: lines are parsed one at a time and nothing is kept. Every problem names the
-file and the 1-based line (the header is line 1).
+Memory stays flat: lines (frames) are parsed one at a time and nothing is kept. Every problem
+names the file and the 1-based line (the header is line 1); in a binary trace an event's line is
+its ordinal, the line it has in the JSON Lines `hazsan cat` prints, and problems name the frame
+and its byte offset too.
 """
 from __future__ import annotations
 
@@ -17,15 +21,16 @@ from typing import Iterator
 
 import orjson
 
-from sanitizer.trace.schema import NON_TRACE_FILES, SCHEMA_VERSION
+from sanitizer.trace import binary as B
+from sanitizer.trace.schema import NON_TRACE_FILES, SCHEMA_VERSION, is_trace_name
 
 
 @dataclass
 class ReadLimits:
     """What one trace file may cost to read; 0 turns a limit off.
 
-    `max_line_bytes`: the longest line (its newline not counted). Without it `/dev/zero`, or a
-    line that never ends, is read until memory runs out.
+    `max_line_bytes`: the longest line (its newline not counted), or binary frame (its payload).
+    Without it `/dev/zero`, or a line that never ends, is read until memory runs out.
     `max_gzip_ratio`: decompressed bytes of a `.gz` file per compressed byte read so far (after
     the first `gzip_ratio_floor` bytes). Deflate reaches about 1000x on repeated bytes; hazsan's
     own traces compress 5-20x.
@@ -64,10 +69,17 @@ class TraceFile:
     truncated: bool = False  # set once the last line turned out cut short (a killed writer)
     ended: bool = False      # the writer's end record was read (header "end_record": true)
     compressed: bool = False
+    #: "jsonl" or "binary" (sanitizer.trace.binary)
+    format: str = "jsonl"
+    #: binary: the byte offset of the first frame after the header (for messages)
+    body_offset: int = 0
+    #: the end record's fields, once read (`events`, `dropped`)
+    end: dict | None = None
     #: the file is still being written (a live process: the pytest plugin's own file, a helper
     #: still running): its missing end record, or a last line not yet complete, is no truncation
     live: bool = False
     warnings: list[str] = field(default_factory=list)
+    limits: "ReadLimits" = field(default_factory=lambda: DEFAULT_LIMITS)
     _stream: io.BufferedIOBase | None = None
 
     @property
@@ -75,11 +87,93 @@ class TraceFile:
         return self.header.get("rank", 0)
 
     def events(self) -> Iterator[tuple[int, object]]:
-        """Yield (line_no, parsed event, or a TraceError for a line that is not JSON)."""
-        for first, items in self.batches():
+        """Yield (line_no, parsed event as a dict, or a TraceError for a line that is not JSON or
+        a binary frame that cannot be read), in either format."""
+        batches = self.binary_dicts() if self.format == "binary" else self.batches()
+        for first, items in batches:
             for line_no, item in enumerate(items, first):
                 if item is not None:
                     yield line_no, item
+
+    def binary_dicts(self) -> Iterator[tuple[int, list]]:
+        """A binary trace's events as dicts, the events of a JSON Lines trace (`hazsan cat`)."""
+        def decode(first, payload, frame_no, offset):
+            try:
+                return B.generic_events(payload)
+            except ValueError as exc:
+                return [TraceError(self.path, first, f"{exc} (frame {frame_no} at byte {offset}; counted as one event)")]
+
+        def bad(first, message):
+            return [TraceError(self.path, first, message)]
+
+        return self.frames(decode, bad)
+
+    def frames(self, decode, bad) -> Iterator[tuple[int, list]]:
+        """A binary trace's event frames: yield (line of the first event, decode(first, payload,
+        frame number, byte offset)), the list's length advancing the line. `bad(first, message)`
+        gives the items for a frame that is no event frame (it counts as one event).
+
+        A frame cut short (a killed writer, a gzip stream that ends early) ends the iteration with
+        a truncation warning; a frame longer than the limit is a TraceError.
+        """
+        stream = self._stream
+        if stream is None:
+            raise RuntimeError("trace already consumed")
+        self._stream = None
+        line = 2
+        frame_no = 1
+        offset = self.body_offset
+        wants_end = self.header.get("end_record") is True
+        limit = self.limits.max_line_bytes
+        cut = (EOFError, gzip.BadGzipFile, zlib.error)
+        try:
+            while True:
+                try:
+                    prefix = stream.read(B.PREFIX_SIZE)
+                except cut as exc:
+                    self._truncate(line, f"compressed stream ends early: {exc}: the writer was killed?")
+                    break
+                if not prefix:
+                    break
+                if len(prefix) < B.PREFIX_SIZE:
+                    self._truncate(line, f"last frame cut short: {len(prefix)} of its {B.PREFIX_SIZE} prefix "
+                                   f"bytes at byte {offset}: the writer was killed?")
+                    break
+                kind, length = B.PREFIX.unpack(prefix)
+                if limit and length > limit:
+                    raise TraceError(self.path, line, f"frame {frame_no} at byte {offset}: length {length} is "
+                                     f"more than {limit} bytes (not a hazsan trace? --max-line-bytes raises the limit)")
+                try:
+                    payload = stream.read(length)
+                except cut as exc:
+                    self._truncate(line, f"compressed stream ends early: {exc}: the writer was killed?")
+                    break
+                if len(payload) < length:
+                    self._truncate(line, f"last frame cut short: {len(payload)} of its {length} bytes at byte "
+                                   f"{offset}: the writer was killed?")
+                    break
+                if kind == B.FRAME_EVENTS:
+                    items = decode(line, payload, frame_no, offset)
+                elif kind == B.FRAME_END and wants_end and not _more(stream):
+                    self.ended = True
+                    self.end = B.decode_end(payload)
+                    break
+                elif kind == B.FRAME_END:
+                    items = bad(line, f"frame {frame_no} at byte {offset}: an end frame that is not the last "
+                                "frame of a trace whose header announces one (counted as one event)")
+                else:
+                    items = bad(line, f"frame {frame_no} at byte {offset}: unknown frame kind {kind:#04x} "
+                                "(not a hazsan trace? counted as one event)")
+                if items:
+                    yield line, items
+                line += len(items)
+                frame_no += 1
+                offset += B.PREFIX_SIZE + length
+        except OSError as exc:
+            raise TraceError(self.path, line, f"read error: {exc}") from exc
+        finally:
+            stream.close()
+        self._end_check(wants_end, line)
 
     def line_batches(self, size: int = 4096) -> Iterator[tuple[int, list[bytes]]]:
         """Yield (line_no of the first line, [raw line, ...]) in file order, unparsed.
@@ -99,7 +193,11 @@ class TraceFile:
                 following = list(islice(lines, size)) if wants_end else None
                 if wants_end and not following and raws[-1].startswith(END_RECORD):
                     self.ended = True
-                    raws.pop()      # the writer's closing line: not an event
+                    try:
+                        end = orjson.loads(raws.pop())   # the writer's closing line: not an event
+                        self.end = {k: v for k, v in end.items() if k != "ev"} if type(end) is dict else {}
+                    except orjson.JSONDecodeError:
+                        self.end = {}
                     if not raws:
                         break
                 yield first, raws
@@ -109,6 +207,10 @@ class TraceFile:
             raise TraceError(self.path, first, f"read error: {exc}") from exc
         finally:
             stream.close()
+        self._end_check(wants_end, first)
+
+    def _end_check(self, wants_end: bool, first: int) -> None:
+        """The header announced an end record and none was read: a truncated trace."""
         if wants_end and not self.ended and not self.truncated and not self.live:
             if first == 2:     # the header alone: capture started, no event was ever flushed
                 self._truncate(first, "header only, no end record: the process was killed, or ended "
@@ -161,6 +263,14 @@ class TraceFile:
             self._stream = None
 
 
+def _more(stream) -> bool:
+    """Whether bytes follow (a gzip stream cut right after the last frame: no)."""
+    try:
+        return bool(stream.peek(1))
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+        return False
+
+
 def _tolerant_lines(trace: TraceFile, stream):
     """Lines of a gzip stream; one cut short (killed writer) ends with a truncation warning."""
     line_no = 1
@@ -198,6 +308,7 @@ class _BoundedRaw(io.RawIOBase):
             self.count_lines = not stat.S_ISREG(os.stat(path).st_mode)
         except OSError:
             self.count_lines = True
+        self.lines = True    # check line lengths (a binary trace turns it off: it has frames)
         self.newlines = 0    # newlines so far, when count_lines
         self.run = 0         # bytes of the current line so far
         self.line_start = 0  # offset of the current line
@@ -207,6 +318,8 @@ class _BoundedRaw(io.RawIOBase):
         return True
 
     def readinto(self, buffer) -> int:
+        if not self.lines:
+            return self._readinto_frames(buffer)
         limit = self.limits.max_line_bytes
         want = len(buffer) if not limit else min(len(buffer), limit)  # lines inside one read stay < limit
         if self._readinto is not None:
@@ -252,6 +365,27 @@ class _BoundedRaw(io.RawIOBase):
                                   f"bytes from {packed}): a decompression bomb? (--max-gzip-ratio raises the limit)")
         return n
 
+    def _readinto_frames(self, buffer) -> int:
+        """A binary trace's bytes: frame lengths are checked by the reader; here the gzip ratio."""
+        if self._readinto is not None:
+            n = self._readinto(buffer)
+            if not n:
+                return 0
+        else:
+            data = self._read(len(buffer))
+            n = len(data)
+            if not n:
+                return 0
+            buffer[:n] = data
+        self.produced += n
+        ratio = self.limits.max_gzip_ratio
+        if ratio and self.compressed_source is not None and self.produced > self.limits.gzip_ratio_floor:
+            packed = max(self.compressed_source.tell(), 1)
+            if self.produced > ratio * packed:
+                raise TraceError(self.path, None, f"gzip data expands more than {ratio:g}x ({self.produced} "
+                                 f"bytes from {packed}): a decompression bomb? (--max-gzip-ratio raises the limit)")
+        return n
+
     def _error(self, offset: int, message: str) -> TraceError:
         """A TraceError naming the line that holds byte `offset` (within the line counted so far)."""
         if self.count_lines:
@@ -295,6 +429,8 @@ def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> Tra
     except OSError as exc:
         raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from exc
     try:
+        if stream.peek(1)[:1] == B.MAGIC[:1]:
+            return _open_binary(path, stream, compressed, limits)
         first = stream.readline()
     except (EOFError, OSError, zlib.error) as exc:
         stream.close()
@@ -310,6 +446,54 @@ def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> Tra
     except orjson.JSONDecodeError as exc:
         stream.close()
         raise TraceError(path, 1, f"header is not JSON: {exc}") from exc
+    return _checked(path, header, TraceFile(path=path, header=header, compressed=compressed, _stream=stream,
+                                            limits=limits))
+
+
+def _open_binary(path: Path, stream, compressed: bool, limits: ReadLimits) -> TraceFile:
+    """The signature and the header frame of a binary trace (its first byte was 0x89)."""
+    stream.raw.lines = False
+    try:
+        try:
+            sig = stream.read(len(B.SIGNATURE))
+            if len(sig) < len(B.SIGNATURE) or not sig.startswith(B.MAGIC):
+                raise TraceError(path, 1, "not a hazsan trace: it starts with byte 0x89 but not with the binary "
+                                 "trace signature 89 48 5A 53 0D 0A 1A")
+            if sig[-1] != B.VERSION:
+                raise TraceError(path, 1, f"unsupported binary trace version {sig[-1]} (this hazsan reads {B.VERSION})")
+            prefix = stream.read(B.PREFIX_SIZE)
+            if len(prefix) < B.PREFIX_SIZE:
+                raise TraceError(path, 1, "binary trace cut short in its header frame: the writer was killed "
+                                 "while starting?")
+            kind, length = B.PREFIX.unpack(prefix)
+            if kind != B.FRAME_HEADER:
+                raise TraceError(path, 1, f"not a hazsan trace: the first frame (at byte {len(sig)}) must be the "
+                                 f"header frame 'H', got kind {kind:#04x}")
+            limit = limits.max_line_bytes
+            if limit and length > limit:
+                raise TraceError(path, 1, f"header frame length {length} is more than {limit} bytes (not a hazsan "
+                                 "trace? --max-line-bytes raises the limit)")
+            payload = stream.read(length)
+        except (EOFError, OSError, zlib.error) as exc:
+            raise TraceError(path, 1, f"cannot read header: {exc}") from exc
+        if len(payload) < length:
+            raise TraceError(path, 1, f"binary trace cut short in its header frame ({len(payload)} of {length} "
+                             "bytes): the writer was killed while starting?")
+        try:
+            header = B.decode_header(payload)
+        except ValueError as exc:
+            raise TraceError(path, 1, str(exc)) from None
+    except TraceError:
+        stream.close()
+        raise
+    tf = TraceFile(path=path, header=header, compressed=compressed, format="binary", _stream=stream,
+                   body_offset=len(B.SIGNATURE) + B.PREFIX_SIZE + length, limits=limits)
+    return _checked(path, header, tf)
+
+
+def _checked(path: Path, header, tf: TraceFile) -> TraceFile:
+    """The header's checks, the same in both formats."""
+    stream = tf._stream
     if not isinstance(header, dict) or "hazsan" not in header:
         stream.close()
         raise TraceError(path, 1, 'not a hazsan trace: the header must be {"hazsan": 1, "rank": ...}')
@@ -320,26 +504,77 @@ def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> Tra
     if type(rank) is not int:
         stream.close()
         raise TraceError(path, 1, f"header field 'rank' must be an integer, got {rank!r}")
-    tf = TraceFile(path=path, header=header, compressed=compressed, _stream=stream)
     return tf
 
 
 def expand_paths(paths) -> list[Path]:
-    """Files named, and for a directory every `*.jsonl` and `*.jsonl.gz` in it (sorted)."""
+    """Files named, and for a directory every trace file in it (sorted): `*.jsonl`, `*.hzs`, and
+    those with `.gz` added (schema.TRACE_SUFFIXES)."""
     out: list[Path] = []
     for p in paths:
         p = Path(p)
         if p.is_dir():
             found = sorted(
                 q for q in p.iterdir()
-                if q.is_file() and (q.name.endswith(".jsonl") or q.name.endswith(".jsonl.gz"))
-                and q.name not in NON_TRACE_FILES
+                if q.is_file() and is_trace_name(q.name) and q.name not in NON_TRACE_FILES
             )
             if not found:
-                raise TraceError(p, None, "directory holds no *.jsonl or *.jsonl.gz trace files")
+                raise TraceError(p, None, "directory holds no *.jsonl, *.hzs or .gz trace files")
             out.extend(found)
         elif p.exists():
             out.append(p)
         else:
             raise TraceError(p, None, "no such file or directory")
     return out
+
+
+def read_header(path: str | os.PathLike) -> dict | None:
+    """The header of a trace file in either format, or None when it cannot be read."""
+    try:
+        tf = open_trace(path)
+    except TraceError:
+        return None
+    tf.close()
+    return tf.header
+
+
+class TypedEvents:
+    """One rank file's events as typed records (sanitizer.trace.events, sanitizer.trace.binary),
+    a batch at a time, in either format: what `hazsan check` feeds its engine.
+
+    `next(problems)` returns (line of the first item, [record or None, ...]) and raises
+    StopIteration at the end; problems with events are appended to `problems` as (line, message).
+    JSON Lines come `chunk` lines at a time, a binary trace a frame at a time.
+    """
+
+    def __init__(self, trace: TraceFile, chunk: int = 512):
+        from sanitizer.trace.events import EventDecoder
+
+        self.trace = trace
+        self.problems: list = []
+        if trace.format == "binary":
+            self.decoder = B.BinaryDecoder()
+            self._batches = trace.frames(self._decode_frame, self._bad_frame)
+            self.next = self._next_binary
+        else:
+            self.decoder = EventDecoder()
+            self._batches = trace.line_batches(chunk)
+            self.next = self._next_jsonl
+
+    def _next_jsonl(self, problems: list):
+        first, raws = next(self._batches)
+        return first, self.decoder.decode(first, raws, problems, on_cut=self.trace.mark_truncated)
+
+    def _next_binary(self, problems: list):
+        self.problems = problems
+        return next(self._batches)
+
+    def _decode_frame(self, first, payload, frame_no, offset):
+        return self.decoder.decode(first, payload, frame_no, offset, self.problems)
+
+    def _bad_frame(self, first, message):
+        self.problems.append((first, message))
+        return [None]
+
+    def warnings(self, file: str) -> list[str]:
+        return self.decoder.warnings(file)

@@ -40,6 +40,24 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
 
 ACCESS_CODES = {"r": 1, "w": 2, "rw": 3}
 
+#: Names of trace files a directory argument reads: JSON Lines and the binary format
+#: (docs/trace-format.md), plain or gzip-compressed. The reader tells the formats apart by their
+#: first bytes, not by the name.
+TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".hzs", ".hzs.gz")
+
+
+def is_trace_name(name: str) -> bool:
+    return name.endswith(TRACE_SUFFIXES)
+
+
+def jsonl_name(name: str) -> str:
+    """The name a JSON Lines copy of trace `name` takes: rank0.hzs -> rank0.jsonl (.gz kept)."""
+    for binary, text in ((".hzs.gz", ".jsonl.gz"), (".hzs", ".jsonl")):
+        if name.endswith(binary):
+            return name[:-len(binary)] + text
+    return name
+
+
 #: Files a run directory may hold beside the rank traces (the example's per-request outcomes,
 #: see sanitizer.proof.outcomes); a directory argument skips them.
 NON_TRACE_FILES = frozenset({"outcomes.jsonl", "outcomes.jsonl.gz"})

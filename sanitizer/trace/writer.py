@@ -1,9 +1,14 @@
-"""Trace writer: one schema-1 JSON Lines file per process (docs/trace-format.md; docs/capture.md, "Files").
+"""Trace writer: one schema-1 trace file per process (docs/trace-format.md; docs/capture.md, "Files").
 
-Events are buffered as dicts and serialised with orjson at flush time, so the hot path is one
-list append. A flush writes whole lines with os.write on an O_APPEND descriptor: a process killed
-with SIGKILL leaves every line of every completed flush, and at worst one cut-short last line
-(which the reader treats as "trace truncated", a warning).
+Two formats: binary (the default: length-prefixed frames of msgpack arrays, sanitizer.trace.binary,
+`rank<R>.hzs`) and JSON Lines (`rank<R>.jsonl`); `HAZSAN_TRACE_FORMAT=jsonl` (or
+`TraceWriter(trace_format="jsonl")`) chooses the latter. Everything below holds for both: a "line"
+is a binary frame there, the header line the header frame.
+
+Events are buffered as dicts and serialised at flush time (orjson, or msgspec's msgpack encoder),
+so the hot path is one list append. A flush writes whole lines (frames) with os.write on an
+O_APPEND descriptor: a process killed with SIGKILL leaves every line of every completed flush, and
+at worst one cut-short last line (which the reader treats as "trace truncated", a warning).
 
 Bounds (memory and disk):
   * the buffer holds at most ``buffer_events`` events; reaching it triggers a flush, not a drop;
@@ -50,7 +55,20 @@ import time
 
 import orjson
 
+from sanitizer.trace import binary as B
 from sanitizer.trace.schema import SCHEMA_VERSION
+
+#: HAZSAN_TRACE_FORMAT: what capture writes.
+FORMAT_ENV = "HAZSAN_TRACE_FORMAT"
+FORMATS = ("binary", "jsonl")
+DEFAULT_FORMAT = "binary"
+SUFFIX = {"binary": ".hzs", "jsonl": ".jsonl"}
+
+
+def default_format(environ=os.environ) -> str:
+    """The format HAZSAN_TRACE_FORMAT asks for (binary when unset or not understood)."""
+    value = (environ.get(FORMAT_ENV) or "").strip().lower()
+    return value if value in FORMATS else DEFAULT_FORMAT
 
 
 _ENCODE_SLICE = 1024
@@ -66,8 +84,13 @@ class TraceWriter:
     """Buffered writer for one process's trace. Thread-safe; never raises from emit()."""
 
     def __init__(self, directory: str, *, max_events: int = 20_000_000, buffer_events: int = 65_536,
-                 flush_seconds: float = 2.0, header_extra: dict | None = None):
+                 flush_seconds: float = 2.0, header_extra: dict | None = None,
+                 trace_format: str | None = None):
         self.directory = directory
+        self.format = trace_format or default_format()
+        if self.format not in FORMATS:
+            raise ValueError(f"trace_format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        self.suffix = SUFFIX[self.format]
         self.max_events = max_events
         self.buffer_events = max(1, buffer_events)
         self.flush_seconds = flush_seconds
@@ -161,9 +184,9 @@ class TraceWriter:
             self.hook_failed("writer.header", exc)
             return self._header_state
 
-    def _header_json(self, facts: bool = True) -> tuple[bytes, object]:
-        """The header as JSON (no newline), and the header_key() it was made under (_NO_FACTS when
-        the header_source was not asked: capture just started)."""
+    def _header_json(self, facts: bool = True) -> tuple[dict, object]:
+        """The header (a dict), and the header_key() it was made under (_NO_FACTS when the
+        header_source was not asked: capture just started)."""
         rank = self.rank if self.rank is not None else -os.getpid()
         h = {"hazsan": SCHEMA_VERSION, "rank": rank, "world_size": self.world_size or 1,
              "device": self.device, "pid": os.getpid(), "end_record": True}
@@ -182,26 +205,55 @@ class TraceWriter:
                     h.update(more)
                 except Exception as exc:
                     self.hook_failed("writer.header", exc)
-        return orjson.dumps(h), state
+        return h, state
 
-    def _header(self) -> bytes:
-        return self._header_json()[0] + b"\n"
+    def _header_bytes(self, h: dict, room: int) -> bytes | None:
+        """The file's first bytes, the header padded to `room` bytes (0: to at least HEADER_ROOM,
+        never too short); None when it does not fit in `room`."""
+        if self.format == "binary":
+            if room:
+                return B.signature_and_header(h, room)
+            exact = B.signature_and_header(h)
+            return B.signature_and_header(h, max(HEADER_ROOM, len(exact) + 3))
+        js = orjson.dumps(h)
+        if room:
+            return _padded(js, room) if len(js) + 1 <= room else None
+        return _padded(js, max(HEADER_ROOM, len(js) + 1))
+
+    def _header_grown(self, h: dict) -> bytes:
+        """The header padded for a file rewritten because it outgrew its room."""
+        if self.format == "binary":
+            size = len(B.signature_and_header(h)) + 3 + HEADER_ROOM // 4
+            return B.signature_and_header(h, size)
+        js = orjson.dumps(h)
+        return _padded(js, len(js) + 1 + HEADER_ROOM // 4)
+
+    def _encode(self, part: list) -> bytes:
+        if self.format == "binary":
+            return B.encode_frames(part)
+        return b"".join([_dumps(ev) for ev in part])
+
+    def _end_bytes(self) -> bytes:
+        if self.format == "binary":
+            return B.end_frame(self._written, self.dropped_total)
+        return _dumps({"ev": "end", "events": self._written, "dropped": self.dropped_total})
 
     def _open(self, facts: bool = True) -> None:
         """Create this process's file (O_EXCL, owner-only) and write its header line, padded to
         HEADER_ROOM so that later facts fit in place."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         pid = os.getpid()
+        sfx = self.suffix
         if self.rank is not None:
-            names = [f"rank{self.rank}.jsonl"]
+            names = [f"rank{self.rank}{sfx}"]
             stem = f"rank{self.rank}.pid{pid}"
         else:
             names = []
             stem = f"pid{pid}"
         first = self._next_suffix.get((self.directory, stem), 2)   # a folder this process wrote before
-        names += [f"{stem}.jsonl"] + [f"{stem}.{n}.jsonl" for n in range(first, first + 100)]
-        js, state = self._header_json(facts)
-        header = _padded(js, max(HEADER_ROOM, len(js) + 1))
+        names += [f"{stem}{sfx}"] + [f"{stem}.{n}{sfx}" for n in range(first, first + 100)]
+        h, state = self._header_json(facts)
+        header = self._header_bytes(h, 0)
         last_exc = None
         for i, name in enumerate(names):
             if i >= len(names) - 100:
@@ -268,11 +320,11 @@ class TraceWriter:
         fits its room (pwrite on a second descriptor: the first appends), else with a copy."""
         if self._fd is None or self.path is None:
             return
-        js, state = self._header_json(True)
+        h, state = self._header_json(True)
         self._header_state = state       # tried once per change of the facts, even if it fails
         try:
-            if len(js) + 1 <= self._header_len:
-                data = _padded(js, self._header_len)
+            data = self._header_bytes(h, self._header_len)
+            if data is not None:
                 fd = os.open(self.path, os.O_WRONLY)
                 try:
                     if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
@@ -283,16 +335,16 @@ class TraceWriter:
                 finally:
                     os.close(fd)
             else:
-                self._rewrite_with_header(js)
+                self._rewrite_with_header(h)
         except Exception as exc:
             self.hook_failed("writer.header", exc)
 
-    def _rewrite_with_header(self, js: bytes) -> None:
+    def _rewrite_with_header(self, h: dict) -> None:
         """The header outgrew its room: the file copied under the new header, then renamed over."""
-        tmp = self.path + ".tmp"          # not *.jsonl: never read as a trace
+        tmp = self.path + ".tmp"          # not *.jsonl / *.hzs: never read as a trace
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
-            header = _padded(js, len(js) + 1 + HEADER_ROOM // 4)
+            header = self._header_grown(h)
             _write_all(fd, header)
             _copy_body(self.path, fd)
             os.replace(tmp, self.path)
@@ -435,9 +487,10 @@ class TraceWriter:
                 self._refresh_header()
             # orjson's result keeps its ~4 KiB working buffer: holding a whole batch of them at
             # once would add ~270 MB to the host's peak RSS per 65k events. Slices keep it ~4 MB.
+            encode = self._encode
             for i in range(0, len(batch), _ENCODE_SLICE):
                 part = batch[i:i + _ENCODE_SLICE]
-                _write_all(self._fd, b"".join([_dumps(ev) for ev in part]))
+                _write_all(self._fd, encode(part))
                 done += len(part)
                 self._written += len(part)
                 self._in_file += len(part)
@@ -508,7 +561,7 @@ class TraceWriter:
             fd = self._fd                 # (a header rewritten with a copy is a new descriptor)
             if not self._dropped and not self._hook_errors and os.fstat(fd).st_nlink:
                 # the last line of a complete trace; without it the reader says truncated
-                _write_all(fd, _dumps({"ev": "end", "events": self._written, "dropped": self.dropped_total}))
+                _write_all(fd, self._end_bytes())
         except Exception:
             pass
         finally:
@@ -584,22 +637,48 @@ def _create(path: str) -> int:
 
 
 def _stale_own_header(path: str, pid: int) -> bool:
-    """`path` holds nothing but a header line with this `pid` (and no end record): the trace this
-    very process started before an exec replaced its program (exec runs no exit handler)."""
+    """`path` holds nothing but a header with this `pid` (and no end record): the trace this very
+    process started before an exec replaced its program (exec runs no exit handler)."""
     try:
         with open(path, "rb") as f:
-            first = f.readline(1 << 20)
-            if not first.endswith(b"\n") or f.read(1):
+            skip = _header_size(f)
+            if skip is None:
                 return False
-        return orjson.loads(first).get("pid") == pid
+            f.seek(0)
+            head = f.read(skip)
+            if f.read(1):
+                return False
+        if head.startswith(B.MAGIC):
+            header = B.decode_header(head[len(B.SIGNATURE) + B.PREFIX_SIZE:])
+        else:
+            header = orjson.loads(head)
+        return header.get("pid") == pid
     except Exception:
         return False
 
 
+def _header_size(f) -> int | None:
+    """Bytes of the header (line, or signature and header frame) at the start of open file `f`,
+    or None when it is not whole."""
+    first = f.read(len(B.SIGNATURE))
+    if first.startswith(B.MAGIC):
+        prefix = f.read(B.PREFIX_SIZE)
+        if len(prefix) < B.PREFIX_SIZE:
+            return None
+        _, length = B.PREFIX.unpack(prefix)
+        size = len(B.SIGNATURE) + B.PREFIX_SIZE + length
+        f.seek(0, os.SEEK_END)
+        return size if f.tell() >= size else None
+    f.seek(0)
+    line = f.readline()
+    return len(line) if line.endswith(b"\n") else None
+
+
 def _copy_body(src_path: str, dst_fd: int) -> None:
-    """Everything after the header line of `src_path`, appended to `dst_fd`, a chunk at a time."""
+    """Everything after the header of `src_path`, appended to `dst_fd`, a chunk at a time."""
     with open(src_path, "rb") as f:
-        f.readline()
+        skip = _header_size(f)
+        f.seek(skip or 0)
         while True:
             chunk = f.read(_COPY_CHUNK)
             if not chunk:
