@@ -282,7 +282,8 @@ class LogScanner:
         paired = self._pending.pop((file, s.process), None)
         stats_line, stats = paired if paired is not None else (None, None)
         if s.accept_len is None:  # vLLM 0.8.3-0.8.4: no mean acceptance length
-            self._prefix_stats(vllm_prefix(s.process, stats.engine if stats else None, stats is not None)).decode_lines += 1
+            prefix = vllm_prefix(s.process, stats.engine if stats else None, stats is not None)
+            self._prefix_stats(prefix).decode_lines += 1
             return
         rec = VllmRecord(
             file=file, line=line_no, process=s.process, engine=stats.engine if stats else None,

@@ -26,21 +26,23 @@ cache usage` (the device's name since 0.2x; `GPU KV cache usage` before), option
 hit rate`, `Corrupted`, `External prefix cache hit rate`, `MM cache hit rate`. Only `Running`
 matters here; the other fields are kept by name.
 
-The spec-decode line, in the orders vLLM has written it:
+The spec-decode line, in the orders vLLM has written it (release numbers inferred from the pull
+requests' merge dates; nothing depends on them: fields are read by name, the bonus token by value):
 
-* 0.10.2+ (and 0.32): `Mean acceptance length`, `Accepted throughput`, `Drafted throughput`,
-  `Accepted: N tokens`, `Drafted: N tokens`, `Per-position acceptance rate: r1, r2, ...`,
-  `Avg Draft acceptance rate: P%`;
-* mid 2025 (PR #24127): `Draft acceptance rate: P%`, `Mean acceptance length`, the two
+* 0.32 (the order since PR #24127, Sept 2025): `Mean acceptance length`, `Accepted throughput`,
+  `Drafted throughput`, `Accepted: N tokens`, `Drafted: N tokens`, `Per-position acceptance
+  rate: r1, r2, ...`, `Avg Draft acceptance rate: P%`;
+* PR #24127's posted test output: `Draft acceptance rate: P%`, `Mean acceptance length`, the two
   throughputs, `Accepted`, `Drafted`, `Per-position acceptance rate`;
-* 0.8.5-0.10.1 (PR #16665): `Draft acceptance rate: P%`, `Mean acceptance length`, `Accepted`,
-  `Drafted`, `Per-position acceptance rate`. Until PR #17908 (0.9.0) the mean acceptance length
-  left the bonus token out; such a line is recognised by its value (without the bonus token it
-  equals the sum of the per-position rates, with it one more) and one is added;
-* 0.8.3-0.8.4 (PR #15902): `Draft acceptance rate: P%, Accepted: N tokens, Drafted: N tokens`,
+* PR #16665 (April 2025, 0.8.5) to PR #24127: `Draft acceptance rate: P%`, `Mean acceptance
+  length`, `Accepted`, `Drafted`, `Per-position acceptance rate`. Until PR #17908 (May 2025,
+  0.9.0) the mean acceptance length left the bonus token out; such a line is recognised by its
+  value (without the bonus token it equals the sum of the per-position rates, with it one more)
+  and one is added;
+* PR #15902 (0.8.3-0.8.4): `Draft acceptance rate: P%, Accepted: N tokens, Drafted: N tokens`,
   no mean acceptance length: recognised, not an interval (as an SGLang line without accept len).
 
-`Speculative metrics: ...` (the V0 engine, and V1 up to 0.8.2) carries no per-interval mean
+`Speculative metrics: ...` (the V0 engine, and V1 before PR #15902) carries no per-interval mean
 acceptance length (V0's counts are cumulative since start): counted and reported, not read.
 """
 from __future__ import annotations
