@@ -122,9 +122,11 @@ def notes(r: ScanResult) -> list[str]:
         out.append(f"with {k} draft token(s) per step an accept length is at most {k + 1}, at or below the "
                    f"threshold {r.threshold:.2f}: every interval under load is flagged; lower --threshold")
     if r.unknown_load:
-        out.append(f"{r.unknown_load} vLLM interval(s) had no stats line before them from the same process: "
-                   f"load unknown; {r.unknown_load_below} of them at or below the threshold were not flagged"
-                   + (" (--min-running 0 flags them)" if r.min_running > 0 else " (flagged: --min-running is 0)"))
+        head = (f"{r.unknown_load} vLLM interval(s) had no stats line before them from the same process: "
+                "load unknown; ")
+        out.append(head + (f"{r.unknown_load_below} of them at or below the threshold were not flagged "
+                           "(--min-running 0 flags them)" if r.min_running > 0 else
+                           "judged by accept length alone (--min-running is 0)"))
     if r.bonus_added:
         out.append(f"{r.bonus_added} vLLM interval(s) in 0.8.5's convention (mean acceptance length without the "
                    "bonus token, recognised by its per-position rates): one added, as vLLM >= 0.9 and SGLang count")
