@@ -63,8 +63,15 @@ test-e2e: $(VENV_E2E)/.installed
 test-sanitizers: $(VENV)/.installed
 	VPY=$(VPY) bash .ci/sanitizers.sh
 
+# The mHC reference case at the colliding draft depth and its two neighbours, stock and fixed, under
+# capture: corruption, findings, the log signature, the HTML report (out/demo/). About 2 minutes on 2 cores.
 demo: $(VENV)/.installed
 	$(VPY) examples/demo.py
+
+# The same at all 8 draft depths with the statistics; rewrites reports/mhc-proof/ (about 6 minutes).
+.PHONY: proof
+proof: $(VENV)/.installed
+	$(VPY) -m examples.mhc_decode.proof
 
 bench: $(VENV)/.installed
 	$(VPY) benchmarks/check_throughput.py

@@ -1,27 +1,25 @@
-"""The demo that `make demo` runs on CPU.
+"""The demo that `make demo` runs on CPU: the mHC reference case, found, explained and fixed.
 
-Part 1 checks the example traces in examples/traces/ (one clean, one per rule).
+1. The placement model (examples/mhc_decode/predict.py) replays the window traffic of draft depths
+   1 to 8 and computes which depth collides.
+2. That depth and its two neighbours run stock and fixed (6 runs, each a 2-rank decode on the CPU
+   symmetric-memory testbed under HAZSAN=1, as a server would be captured), one progress line per
+   run. Each run's output is compared bit for bit with a reference decode, its traces checked.
+3. Shown: corrupted requests and `hazsan check`'s verdict per run, the statistics, one finding
+   exactly as `hazsan check` prints it, the log signature (`hazsan logscan` on the run's
+   SGLang-format server log), and the HTML report (`hazsan report`), written under --out.
+4. Only where a CUDA device and CuPy are present: the GPU self-check (examples/mhc_decode/gpu_check.py).
 
-Part 2 is the reference case (issue 5): the mHC decode of examples/mhc_decode/ on the CPU
-symmetric-memory testbed, stock and fixed combine, draft depths 1 to 8, every run under capture
-(HAZSAN=1, a subprocess: capture starts from the environment as in a real server). Each run's
-traces are checked, its output compared bit for bit with a reference decode, and the two variants
-compared with exact statistics; each run's SGLang-format server log is scanned with `hazsan
-logscan` (the log signature, shown next to the proof table), and the placement model's prediction
-of the colliding depth is shown first. The proof table goes to stdout and to reports/mhc-proof/
-(README.md and proof.json), which this script regenerates.
+Every number printed is measured in this run (or computed by the placement model); the exit
+status is 0 only when the story holds: stock corrupted and flagged where predicted, fixed clean.
+The 8-depth proof is `make proof` (python -m examples.mhc_decode.proof; reports/mhc-proof/).
 
-Part 3, only where a CUDA device and CuPy are present: the GPU self-check
-(examples/mhc_decode/gpu_check.py), whose report goes to reports/mhc-proof-gpu/.
-
-    python examples/demo.py                 # all parts (about 10 minutes on 2 cores)
-    python examples/demo.py --traces-only   # part 1 only (seconds)
-    python examples/demo.py --depths 1-3    # fewer depths
+    python examples/demo.py                  # about 2 minutes on 2 quiet cores
+    python examples/demo.py --traces-only    # the hand-written example traces, one per rule (seconds)
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -35,13 +33,38 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "traces"))
 sys.path.insert(1, str(ROOT))   # `examples.mhc_decode` as a package, as the subprocesses (cwd ROOT, -m) see it
 
-from make_traces import SCENARIOS  # noqa: E402
+from examples.mhc_decode import proof as P  # noqa: E402
 
-from sanitizer.report import render  # noqa: E402
-from sanitizer.rules.driver import analyze  # noqa: E402
+SEARCH = range(1, 9)            # the draft depths the placement model looks at
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def shown(path: Path) -> str:
+    """A path as the reader types it: relative to the current folder when below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def hazsan(*args: str) -> subprocess.CompletedProcess:
+    """The real command line (`python -m sanitizer` is the `hazsan` program)."""
+    return subprocess.run([sys.executable, "-m", "sanitizer", *args], capture_output=True, text=True)
+
+
+def neighbours(depth: int, lo: int = 1) -> list[int]:
+    """The colliding depth and the depths either side of it (from `lo` up)."""
+    return [d for d in (depth - 1, depth, depth + 1) if d >= lo]
 
 
 def trace_tour() -> bool:
+    from make_traces import SCENARIOS
+
+    from sanitizer.report import render
+    from sanitizer.rules.driver import analyze
     rows, ok = [], True
     for name, (_, expected) in SCENARIOS.items():
         a = analyze([HERE / "traces" / name])
@@ -50,274 +73,164 @@ def trace_tour() -> bool:
         ok &= match
         rows.append([name, ", ".join(f"{r} x{n}" for r, n in a.summary["by_rule"].items()) or "clean",
                      a.exit_code("error"), "yes" if match else f"NO (expected {sorted(expected) or 'clean'})"])
-    print("Part 1: example traces, one clean and one per rule (hazsan check)\n")
-    print(tabulate(rows, headers=["trace", "findings", "exit", "as expected"]))
-    print("\nThe reference fault in small, as a person sees it (hazsan check examples/traces/reuse-in-flight.jsonl):\n")
-    print(render(analyze([HERE / "traces" / "reuse-in-flight.jsonl"]), "text"))
+    say("The example traces (examples/traces/), one clean and one per rule (hazsan check):\n")
+    say(tabulate(rows, headers=["trace", "findings", "exit", "as expected"]))
+    say("\nThe reference fault in small (hazsan check examples/traces/reuse-in-flight.jsonl):\n")
+    say(render(analyze([HERE / "traces" / "reuse-in-flight.jsonl"]), "text"))
     return ok
 
 
-def run_sweep(depths: str, out: Path) -> float:
-    """Both variants at every depth, captured with HAZSAN=1 like a real server."""
-    env = dict(os.environ, HAZSAN="1", HAZSAN_STACKS="site")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    t = time.monotonic()
-    cmd = [sys.executable, "-m", "examples.mhc_decode.sweep", "--depths", depths, "--out", str(out)]
-    print(f"Part 2: the mHC reference case, {' '.join(cmd[1:])} under HAZSAN=1 ...", flush=True)
-    r = subprocess.run(cmd, cwd=ROOT, env=env)
-    if r.returncode:
-        raise SystemExit(f"demo: the mHC sweep failed (exit {r.returncode})")
-    return time.monotonic() - t
+def check_cell(side) -> str:
+    """What `hazsan check RUN_DIR` says of one run: exit status (--fail-on error), errors, warnings."""
+    from sanitizer.rules.findings import ERROR, RULES
+    errors = sum(n for r, n in side.by_rule.items() if RULES.get(r, (ERROR,))[0] == ERROR)
+    warnings = sum(side.by_rule.values()) - errors
+    text = f"exit {side.analysis.exit_code('error')}: {errors} error(s), {warnings} warning(s)"
+    if side.capture_incomplete:
+        text += " INCOMPLETE: " + "; ".join(side.capture_incomplete)
+    return text
 
 
-def predicted(depths: list[int]) -> dict:
-    """The placement model's prediction per depth for the default configuration (predict.py)."""
-    from examples.mhc_decode.decode import RunConfig
-    from examples.mhc_decode.predict import predict_depths
-    return {p.depth: p for p in predict_depths(RunConfig(), 2, depths)}
+def rules_line(result: dict, label: str) -> str:
+    """Findings per rule in each run of one variant, depth by depth (transient-in-window: frees)."""
+    per = {}
+    for e in result["per_depth"]:
+        side = result["evidence"][(label, e["depth"])]
+        for r, n in side.by_rule.items():
+            per.setdefault(r, {})[e["depth"]] = (side.transient_occurrences()[0] if r == "transient-in-window" else n)
+    depths = [e["depth"] for e in result["per_depth"]]
+    from sanitizer.rules.findings import ERROR, RULES
+    order = sorted(per, key=lambda r: RULES.get(r, (ERROR,))[0] != ERROR)      # errors first
+    return "; ".join(f"{r} " + " / ".join(str(per[r].get(d, 0)) for d in depths)
+                     + (" frees" if r == "transient-in-window" else "") for r in order) or "none"
 
 
-def log_signature(out: Path, depths: list[int]) -> dict:
-    """Per depth and variant, what `hazsan logscan` (threshold 2.0) says of the run's server log."""
-    from sanitizer.logscan.scan import scan
-    rows, per = [], {}
-    for d in depths:
-        row = [d]
-        for v in ("stock", "fixed"):
-            res = scan([str(out / f"{v}-d{d}" / "server.log")])
-            lens = list(res.accept_lens())
-            per[(v, d)] = {"intervals": res.intervals, "flagged": len(res.flagged),
-                           "accept_len_mean": sum(lens) / len(lens), "accept_len_min": min(lens),
-                           "flagged_lines": [f.text for f in res.flagged]}
-            p = per[(v, d)]
-            flagged = "-" if d == 1 else f"{p['flagged']}/{p['intervals']}"   # depth 1 tops out at 2.0
-            row += [f"{p['accept_len_mean']:.2f} / {p['accept_len_min']:.2f}", flagged]
-        rows.append(row)
-    headers = ["depth", "stock accept len (mean / min)", "stock flagged", "fixed accept len (mean / min)", "fixed flagged"]
-    return {"rows": rows, "headers": headers, "per": per}
-
-
-def proof(out: Path, depths: list[int]) -> dict:
-    from sanitizer.proof import Comparison, Rate, fisher, load_run
-
-    rows, per_depth = [], []
-    totals = {"stock": [0, 0], "fixed": [0, 0]}
-    preceded_all = True
-    for d in depths:
-        stock = load_run("stock", out / f"stock-d{d}")
-        fixed = load_run("fixed", out / f"fixed-d{d}")
-        # Realised hazards (errors) and corruption decide; the latent warnings are shown beside.
-        c = Comparison(stock, fixed, primary="corrupted", fail_on="error")
-        entry = {"depth": d}
-        for side in (stock, fixed):
-            by = side.by_rule
-            frees, nbytes, sites = side.transient_occurrences()
-            n_bad, n = len(side.corrupted), len(side.requests)
-            totals[side.label][0] += n_bad
-            totals[side.label][1] += n
-            entry[side.label] = {
-                "corrupted": n_bad, "requests": n, "reuse-in-flight": by.get("reuse-in-flight", 0),
-                "free-in-flight": by.get("free-in-flight", 0), "transient-in-window frees": frees,
-                "transient-in-window bytes": nbytes, "other": {r: v for r, v in by.items() if r not in
-                                                               ("reuse-in-flight", "free-in-flight", "transient-in-window")},
-            }
-        prec = Comparison.precedence(stock)
-        entry["every corrupted request preceded by a finding"] = prec["every_corrupted_preceded"] if prec["corrupted"] else None
-        preceded_all &= prec["every_corrupted_preceded"]
-        m = c.measure("corrupted")
-        entry["fisher p (corrupted, one-sided)"] = m.test.p_one_sided
-        entry["verdict"] = c.verdict_text()
-        per_depth.append(entry)
-        s, f = entry["stock"], entry["fixed"]
-        rows.append([d, f"{s['corrupted']}/{s['requests']}", f"{f['corrupted']}/{f['requests']}",
-                     s["reuse-in-flight"], f["reuse-in-flight"],
-                     f"{s['free-in-flight']} / {s['transient-in-window frees']}",
-                     f"{f['free-in-flight']} / {f['transient-in-window frees']}",
-                     {True: "yes", False: "NO", None: "-"}[entry["every corrupted request preceded by a finding"]],
-                     f"{m.test.p_one_sided:.2g}"])
-    headers = ["depth", "corrupted stock", "corrupted fixed", "realised stock (reuse-in-flight)",
-               "realised fixed", "latent stock (free-in-flight / transient frees)",
-               "latent fixed", "every corruption preceded by a finding", "Fisher p"]
-    s_rate, f_rate = Rate(*totals["stock"]), Rate(*totals["fixed"])
-    test = fisher(s_rate, f_rate)
-    pooled = {
-        "stock corrupted": totals["stock"], "fixed corrupted": totals["fixed"],
-        "fixed upper 95% (Clopper-Pearson)": f_rate.upper_bound(0.95),
-        "fixed rule of three": f_rate.rule_of_three() if f_rate.k == 0 else None,
-        "fisher p one-sided": test.p_one_sided, "fisher p two-sided": test.p_two_sided,
-        "every corrupted request preceded by a finding": preceded_all,
-    }
-    return {"rows": rows, "headers": headers, "per_depth": per_depth, "pooled": pooled}
-
-
-def summary_lines(result: dict) -> list[str]:
-    p = result["pooled"]
-    (sk, sn), (fk, fn) = p["stock corrupted"], p["fixed corrupted"]
-    lines = [f"Pooled over depths: stock {sk} of {sn} requests corrupted, fixed {fk} of {fn}."]
-    if fk == 0:
-        lines.append(f"Fixed: 0 of {fn}, rate < {p['fixed rule of three']:.2%} by the rule of three "
-                     f"(exact one-sided 95% Clopper-Pearson bound {p['fixed upper 95% (Clopper-Pearson)']:.2%}).")
-    else:
-        lines.append(f"Fixed: {fk} of {fn} corrupted: THE FIX DOES NOT HOLD.")
-    lines.append(f"Fisher's exact test, stock rate > fixed rate: p = {p['fisher p one-sided']:.3g} "
-                 f"(two-sided {p['fisher p two-sided']:.3g}).")
-    lines.append("Every corrupted request was preceded by a finding on its rank: "
-                 + ("yes." if p["every corrupted request preceded by a finding"] else "NO."))
-    return lines
-
-
-def prediction_text(pred: dict) -> tuple[str, list[int]]:
-    rows = [[d, d + 1, f"{len(p.corrupted_requests)}/{p.requests}", p.collisions, p.colliding_steps or "-"]
-            for d, p in sorted(pred.items())]
-    table = tabulate(rows, headers=["depth", "tokens per request", "corrupted (predicted)", "collisions",
-                                    "colliding steps"], tablefmt="github")
-    return table, [d for d, p in sorted(pred.items()) if p.corrupted_requests]
-
-
-def write_report(result: dict, depths: str, seconds: float, signature: dict, pred: dict) -> Path:
-    out = ROOT / "reports" / "mhc-proof"
-    out.mkdir(parents=True, exist_ok=True)
-    table = tabulate(result["rows"], headers=result["headers"], tablefmt="github")
-    sig_table = tabulate(signature["rows"], headers=signature["headers"], tablefmt="github")
-    pred_table, colliding = prediction_text(pred)
-    where = ", ".join(map(str, colliding)) or "none"
-    latent_everywhere = all(e["stock"]["free-in-flight"] > 0 and e["stock"]["transient-in-window frees"] > 0
-                            for e in result["per_depth"])
-    measured = [e["depth"] for e in result["per_depth"] if e["stock"]["corrupted"]]
-    example = next((signature["per"][("stock", d)]["flagged_lines"][:3] for d in measured
-                    if signature["per"][("stock", d)]["flagged_lines"]), [])
-    text = f"""# Proof: the mHC fix removes the corruption (regenerated by `make demo`)
-
-Regenerate: `python examples/demo.py --depths {depths}` (this file and `proof.json`; {seconds:.0f} s here).
-
-The reference case on CPU: `examples/mhc_decode/`, a DeepSeek-V4-style speculative decode with mHC
-(4 residual streams) on 2 ranks of the symmetric-memory testbed (`sanitizer/testbed/`: windows in
-shared memory, blocks placed by the caching-allocator model, one-sided collectives on a comm
-thread holding no tensor references). Stock: the combine computes with `einsum` in float32 inside
-the symmetric scope, so its transients are placed in the window. Fixed: the compute runs outside,
-only the output is allocated inside. Every run is captured with `HAZSAN=1` and checked with
-`hazsan check` semantics (`--peer-completion local`); outputs are compared bit for bit with a
-reference decode without symmetric memory, so corruption is counted, not assumed.
-
-The configuration is DeepSeek-V4's where the fault lives: hidden size 7168 and 4 mHC residual
-streams, so every window allocation has the byte size it has in the real model at the same token
-count; the rest is scaled to fit 2 CPU cores (2 layers, 8 experts, vocabulary 2048, 18 batch slots,
-continuous batching, 16 verify steps after warm-up steps at batch 18, 16, 8, 4, 2 and 1, which
-wait for each collective and leave only the pool's segments behind).
-
-{table}
-
-{chr(10).join("- " + l for l in summary_lines(result))}
-- Measured: the stock build corrupts requests at depth(s) {", ".join(map(str, measured)) or "none"}; latent hazards
-  (`free-in-flight` and `transient-in-window`) are present in the stock build at every depth: {"yes" if latent_everywhere else "NO"}.
-
-## Which depth collides, and why
-
-The window's placement depends only on each verify step's token count (running requests x
-(depth + 1)) and the byte sizes per token, never on values. `python -m examples.mhc_decode.predict
---depths 1-8` replays the decode's window traffic through hazsan's caching-allocator model (the
-one the testbed places blocks with; tests/test_mhc_example.py checks it against real runs, request
-for request) and predicts a collision at depth(s) **{where}**:
-
-{pred_table}
-
-Why: the combine's float32 transients take 4 bytes x 4 streams x 7168 = 112 KiB per token, the
-row-parallel partial 14 KiB per token. Up to 73 tokens per step the partial (at most 1 MiB) lives
-in the allocator's small-block pool and the transients (over 1 MiB from 10 tokens on) in the
-large one (from 10 tokens per step, which every step here has), so no transient can land on it:
-depths 1 to 3 (at most 72 tokens with 18 slots) are safe. At depth 4 (5 tokens per request) the steps with 15 or more running
-requests put the partial in the large pool too, and the overlapped mixing's float32 copy takes
-its freed bytes while the all-reduce still reads them. From depth 5 on the partial is in the large
-pool as well, but at those sizes the best fit puts the transients in other free blocks (depth 9
-collides again, once). Which segments the pool already holds matters too: without the warm-up
-steps (`--warmup none`) depths 6 and 7 also collide, once each. The hazard is the same at every depth; only the allocator's fit decides
-whether it realises, which is why the original fault showed at one draft depth only.
-`python -m examples.mhc_decode.predict --search` lists other configurations with one colliding depth.
-
-## The log signature
-
-The example's rank 0 writes SGLang-format `Decode batch` lines (`server.log` in each run
-directory, one line per verify step): its verify step compares the drafts with the greedy tokens of
-its own logits, so a corrupted verify rejects drafts. `hazsan logscan` (threshold 2.0, as for the
-original fault) on each run's log:
-
-{sig_table}
-
-(At depth 1 a verify step gains at most 2 tokens, so the 2.0 threshold does not apply.) Flagged
-lines from the stock run, as the seed's operators saw them:
-
-```
-{chr(10).join(example) or "(none)"}
-```
-
-How to read it. *Realised* is `reuse-in-flight` (an allocation landed on a buffer of an
-all-reduce still in flight); *latent* is `free-in-flight` (a collective's buffer released before
-its wait) and `transient-in-window` (blocks placed in the window that no collective uses). The
-stock build shows latent hazards at every depth and realised collisions only at the depths whose
-batch shapes make the allocator hand the transients the freed bytes: the hazard does not depend
-on the shape, the collision does. The fixed build has no realised collision, no transient in the
-window and no corrupted request at any depth. It still shows `free-in-flight`: the example drops
-its row-parallel partial right after starting the out-of-place all-reduce (as code written for
-c10d does, which keeps a reference in its Work; the testbed, like NCCL symmetric kernels, keeps
-none). That early release is in both builds and is harmless in the fixed one only because nothing
-else is placed in the window while the all-reduce runs; `hazsan check` rightly keeps warning about
-it (`python -m examples.mhc_decode --hold-partial` removes it). Hence the verdict here is taken
-at `--fail-on error` on corrupted requests: `hazsan compare STOCK FIXED --fail-on error --primary corrupted`.
-"""
-    (out / "README.md").write_text(text)
-    (out / "proof.json").write_text(json.dumps({k: result[k] for k in ("per_depth", "pooled")}, indent=2, default=str))
-    return out
-
-
-def parse_depths(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
+def first_finding(run_dir: Path) -> tuple[str, str, int]:
+    """`hazsan check RUN_DIR` run for real: its first finding block as printed, its last line, its exit."""
+    r = hazsan("check", shown(run_dir))
+    lines = r.stdout.rstrip("\n").splitlines()
+    seps = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    block = lines[:seps[1]] if len(seps) > 1 else lines[:-1]
+    return "\n".join(block), lines[-1] if lines else r.stderr.strip(), r.returncode
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--traces-only", action="store_true", help="part 1 only")
-    p.add_argument("--depths", default="1-8", help="draft depths for part 2 (default 1-8)")
-    p.add_argument("--out", default=str(ROOT / "out" / "demo"), help="where the runs' traces go")
-    p.add_argument("--no-report", action="store_true", help="do not rewrite reports/mhc-proof/")
+    p.add_argument("--traces-only", action="store_true", help="only the hand-written example traces (seconds)")
+    p.add_argument("--out", default=str(ROOT / "out" / "demo"), help="where the runs and the HTML report go (default out/demo)")
+    p.add_argument("--no-runs", action="store_true", help="show the runs already in --out again (no new runs)")
     args = p.parse_args(argv)
-    ok = trace_tour()
     if args.traces_only:
-        return 0 if ok else 1
+        return 0 if trace_tour() else 1
+    t0, cpu0 = time.monotonic(), _cpu()
     out = Path(args.out)
-    depths = parse_depths(args.depths)
-    pred = predicted(depths)
-    table, colliding = prediction_text(pred)
-    print(f"\nThe placement model predicts collisions at depth(s) {colliding or 'none'}:\n\n{table}\n")
-    seconds = run_sweep(args.depths, out)
-    result = proof(out, depths)
-    signature = log_signature(out, depths)
-    print("\nThe proof table (corrupted requests from the output check; findings from the captured traces):\n")
-    print(tabulate(result["rows"], headers=result["headers"]))
-    print("\nNext to it, the log signature (hazsan logscan on each run's SGLang-format server.log):\n")
-    print(tabulate(signature["rows"], headers=signature["headers"]))
-    print()
-    for line in summary_lines(result):
-        print(line)
-    if not args.no_report:
-        print(f"\nwritten: {write_report(result, args.depths, seconds, signature, pred)}/README.md and proof.json")
-    gpu_ok = run_gpu_check(args.no_report)
-    fixed_ok = result["pooled"]["fixed corrupted"][0] == 0
-    return 0 if ok and fixed_ok and gpu_ok else 1
+
+    say("hazsan demo: the mHC reference case (examples/mhc_decode/). A DeepSeek-V4-style speculative decode\n"
+        "with mHC on 2 ranks of the CPU symmetric-memory testbed; the stock build computes inside the\n"
+        "symmetric window, the fixed build only allocates its output there.\n")
+    pred = P.predicted(SEARCH)
+    hit = P.colliding(pred)
+    if not hit:
+        say("The placement model predicts no colliding depth for this configuration: nothing to show.")
+        return 1
+    depth = hit[0]
+    depths = neighbours(depth)
+    say(f"1. Which draft depth collides? The placement model (examples/mhc_decode/predict.py) replays the window\n"
+        f"   traffic of depths {SEARCH.start}-{SEARCH.stop - 1}: predicted corrupted requests per depth "
+        + ", ".join(f"{d}: {len(q.corrupted_requests)}/{q.requests}" for d, q in sorted(pred.items())) + ".")
+    say(f"   Colliding: depth {', '.join(map(str, hit))}. Running depth {depth} and its neighbours "
+        f"({', '.join(map(str, depths))}), stock and fixed, each under HAZSAN=1:")
+    sweep_s = 0.0 if args.no_runs else P.run_sweep(depths, out)
+    result = P.proof(out, depths)
+    ev, signature = result["evidence"], P.log_signature(out, depths)
+
+    rows = []
+    for e in result["per_depth"]:
+        d = e["depth"]
+        sig = signature["per"]
+        rows.append([d, f"{len(pred[d].corrupted_requests)}/{pred[d].requests}",
+                     f"{e['stock']['corrupted']}/{e['stock']['requests']}", check_cell(ev[("stock", d)]),
+                     f"{e['fixed']['corrupted']}/{e['fixed']['requests']}", check_cell(ev[("fixed", d)]),
+                     f"{sig[('stock', d)]['flagged']}/{sig[('stock', d)]['intervals']} / "
+                     f"{sig[('fixed', d)]['flagged']}/{sig[('fixed', d)]['intervals']}"])
+    say(f"\n2. What happened (corrupted: output compared bit for bit with a reference decode; hazsan check on the\n"
+        f"   captured traces; log: decode intervals hazsan logscan flags in the run's server.log):\n")
+    say(tabulate(rows, headers=["depth", "predicted", "stock corrupted", "stock: hazsan check", "fixed corrupted",
+                                "fixed: hazsan check", "log flagged stock / fixed"]))
+    at = next(e for e in result["per_depth"] if e["depth"] == depth)
+    measured = [e["depth"] for e in result["per_depth"] if e["stock"]["corrupted"]]
+    say(f"\n   Measured colliding depth(s): {', '.join(map(str, measured)) or 'none'} "
+        f"(predicted: {', '.join(str(d) for d in depths if d in hit)}). "
+        f"At depth {depth}: Fisher's exact test, stock rate > fixed rate, p = {at['fisher p (corrupted, one-sided)']:.2g}.")
+    for line in P.summary_lines(result, over=f"depths {P.depths_text(depths)}"):
+        say("   " + line)
+    latent = [e["depth"] for e in result["per_depth"]
+              if e["stock"]["free-in-flight"] and e["stock"]["transient-in-window frees"]]
+    say(f"\n   Findings per rule at depths {' / '.join(map(str, depths))}:\n"
+        f"     stock: {rules_line(result, 'stock')}\n     fixed: {rules_line(result, 'fixed')}")
+    say(f"   reuse-in-flight (error) is the realised collision. The latent hazard, free-in-flight with\n"
+        f"   transient-in-window (warnings), is in the stock build at depth(s) {', '.join(map(str, latent)) or 'none'}: "
+        f"hazsan flags it at every shape,\n   the allocator's fit decides where it corrupts. The fixed build keeps "
+        f"free-in-flight: the example drops\n   its all-reduce input early in both builds, harmless once nothing "
+        f"else is placed in the window\n   (python -m examples.mhc_decode --hold-partial removes it).")
+
+    stock_dir, fixed_dir = out / f"stock-d{depth}", out / f"fixed-d{depth}"
+    block, last, code = first_finding(stock_dir)
+    say(f"\n3. The first finding, exactly as `hazsan check {shown(stock_dir)}` prints it (exit {code}):\n")
+    say(block)
+    say("   [... the other findings ...]")
+    say(last)
+    _, fixed_last, fixed_code = first_finding(fixed_dir)
+    say(f"\n   hazsan check {shown(fixed_dir)}: exit {fixed_code}; {fixed_last}")
+
+    s_sig, f_sig = signature["per"][("stock", depth)], signature["per"][("fixed", depth)]
+    say(f"\n4. The log signature: `hazsan logscan {shown(stock_dir / 'server.log')}` flags {s_sig['flagged']} of "
+        f"{s_sig['intervals']} decode intervals\n   (accept len <= 2.0 under load; mean {s_sig['accept_len_mean']:.2f}, "
+        f"fixed build {f_sig['accept_len_mean']:.2f} with {f_sig['flagged']} flagged):\n")
+    for line in s_sig["flagged_lines"]:
+        say("   " + line)
+
+    report = out / "report.html"
+    r = hazsan("report", shown(stock_dir), "-o", shown(report))
+    fixed_report = out / "report-fixed.html"
+    r2 = hazsan("report", shown(fixed_dir), "-o", shown(fixed_report))
+    if r.returncode not in (0, 1) or not report.exists():
+        say(f"\n5. hazsan report failed (exit {r.returncode}): {r.stderr.strip()}")
+    else:
+        say(f"\n5. The HTML report (hazsan report {shown(stock_dir)} -o {shown(report)}), one self-contained file:\n"
+            f"   {report.resolve().as_uri()}\n"
+            f"   window timelines per rank (collective buffers in flight, transients, the collisions), findings per\n"
+            f"   step and call site. The fixed build's: {shown(fixed_report)}"
+            + ("" if r2.returncode in (0, 1) else f" (failed, exit {r2.returncode})") + ".")
+
+    ok = (measured == [d for d in depths if d in hit] and at["stock"]["corrupted"] > 0
+          and ev[("stock", depth)].analysis.exit_code("error") == 1 and code == 1 and fixed_code == 0
+          and result["pooled"]["fixed corrupted"][0] == 0
+          and result["pooled"]["every corrupted request preceded by a finding"]
+          and all(ev[("fixed", d)].analysis.exit_code("error") == 0 for d in depths)
+          and s_sig["flagged"] > 0 and all(signature["per"][("fixed", d)]["flagged"] == 0 for d in depths if d > 1))
+    say(f"\nVerdict: {'as predicted: stock corrupted and flagged, fixed clean' if ok else 'THE STORY DID NOT HOLD (see above)'}. "
+        f"{time.monotonic() - t0:.0f} s wall ({sweep_s:.0f} s in the runs), {_cpu() - cpu0:.0f} s CPU, "
+        f"load average {os.getloadavg()[0]:.2f}.\nAll 8 depths with the statistics: make proof (reports/mhc-proof/README.md).")
+    gpu_ok = run_gpu_check()
+    return 0 if ok and gpu_ok else 1
 
 
-def run_gpu_check(no_report: bool) -> bool:
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the rank processes included)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def run_gpu_check() -> bool:
     """On a machine with a GPU and CuPy: the GPU self-check, and its report under reports/."""
     from examples.mhc_decode.gpu_check import gpu_ready
     why = gpu_ready()
     if why is not None:
-        print(f"\nPart 3 (the GPU self-check) skipped: {why}.")
+        say(f"(The GPU self-check is skipped: {why}.)")
         return True
-    print("\nPart 3: the reference case on the GPU (python -m examples.mhc_decode.gpu_check) ...", flush=True)
-    cmd = [sys.executable, "-m", "examples.mhc_decode.gpu_check"] + ([] if no_report else ["--report"])
+    say("\n6. The reference case on the GPU (python -m examples.mhc_decode.gpu_check --report) ...")
+    cmd = [sys.executable, "-m", "examples.mhc_decode.gpu_check", "--report"]
     return subprocess.run(cmd, cwd=ROOT).returncode == 0
 
 

@@ -113,12 +113,14 @@ def _prepare(out: str) -> str:
     return out
 
 
-def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
+def execute(plan, ranks: int, reference_cache: str | None = None, progress=None) -> list[dict]:
     """Run each (RunConfig, out_dir) of the plan; write outcomes.jsonl and summary.json into each
     out_dir; return the summaries. Without capture the whole plan runs in one world of rank
     processes; with capture (HAZSAN=1) each run gets its own world, with HAZSAN_DIR set to its
     out_dir, so that each run's trace files hold that run only (capture writes one file per
-    process); the reference decodes then run in worlds of their own, without capture."""
+    process); the reference decodes then run in worlds of their own, without capture.
+    `progress(text)`, if given, is called with one line per run as it ends (per world without
+    capture)."""
     from sanitizer.testbed import RankFailed, spawn
 
     from .decode import free_port, reference_rank, sanitised_rank, trace_env_dir, world_rank
@@ -139,12 +141,15 @@ def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
             summaries.append(_write(run, out, ranks, results,
                                     {"sanitised": round(sanitised, 2), "world_total": round(elapsed, 2),
                                      "total": round(elapsed / len(plan), 2)}))
+            if progress:
+                progress(_progress_line(i + 1, len(plan), run, summaries[-1]))
         return summaries
     for run, out in plan:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="mhc-ref-") as tmp:
             ref_path = os.path.join(reference_cache or tmp, f"reference-{run.reference_key(ranks)}.pt")
-            if not os.path.exists(ref_path):
+            ref_ran = not os.path.exists(ref_path)
+            if ref_ran:
                 if reference_cache:
                     os.makedirs(reference_cache, exist_ok=True)
                 saved = os.environ.pop("HAZSAN", None)       # the reference is not under capture
@@ -172,7 +177,17 @@ def execute(plan, ranks: int, reference_cache: str | None = None) -> list[dict]:
         t2 = time.monotonic()
         summaries.append(_write(run, out, ranks, results, {"reference": round(t1 - t0, 2),
                                                             "sanitised": round(t2 - t1, 2), "total": round(t2 - t0, 2)}))
+        if progress:
+            progress(_progress_line(len(summaries), len(plan), run, summaries[-1], ref_ran))
     return summaries
+
+
+def _progress_line(i: int, n: int, run, s: dict, ref_ran: bool = False) -> str:
+    sec = s["seconds"]
+    how = (f"{sec['total']:.1f} s: reference decode {sec['reference']:.1f} s + captured run {sec['sanitised']:.1f} s"
+           if ref_ran else f"{sec['total']:.1f} s")
+    return (f"  run {i}/{n}: {run.variant:5} depth {run.depth}: {s['corrupted']:3d} of {s['requests']} requests "
+            f"corrupted ({how})")
 
 
 def _write(run, out, ranks, results, seconds) -> dict:

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--depths", default="1-8")
     p.add_argument("--variants", default="stock,fixed")
     p.add_argument("--out", required=True)
+    p.add_argument("--quiet", action="store_true", help="only the progress line of each run, no table")
     args, rest = p.parse_known_args(argv)
     from tabulate import tabulate
 
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
              os.path.join(args.out, f"{v}-d{d}")) for d in depths for v in variants]
     t = time.monotonic()
     try:
-        summaries = execute(plan, base.ranks, os.path.join(args.out, "reference-cache"))
+        summaries = execute(plan, base.ranks, os.path.join(args.out, "reference-cache"),
+                            progress=lambda line: print(line, flush=True))
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -60,8 +62,9 @@ def main(argv=None) -> int:
                                                   if log else f"{s['accept_len']['observed']:.2f}")
         row[f"{run.variant} flagged"] = f"{log.get('flagged', 0)}/{log.get('intervals', 0)}"
         row[f"{run.variant} s"] = s["seconds"]["sanitised"]
-    print(tabulate(list(rows.values()), headers="keys"))
-    print(f"total {time.monotonic() - t:.1f} s")
+    if not args.quiet:
+        print(tabulate(list(rows.values()), headers="keys"))
+        print(f"total {time.monotonic() - t:.1f} s")
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump({"rows": list(rows.values()), "summaries": summaries}, f, indent=1)
     return 0
