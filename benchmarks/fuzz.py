@@ -1,5 +1,5 @@
-"""Longer fuzz run of hazsan's readers: mutated traces through check, place and sweep, hostile
-logs through logscan (issue 14). Not a test: the suite runs bounded versions of the same inputs.
+"""Longer fuzz run of hazsan's readers: mutated traces (JSON Lines and binary, alternating) through
+check, place, sweep and cat, hostile logs through logscan (issues 14, 21). Not a test: the suite runs bounded versions of the same inputs.
 
     .venv/bin/python benchmarks/fuzz.py --inputs 2000 --seed 1
     .venv/bin/python benchmarks/fuzz.py --inputs 500 --seed 7 --commands check --ranks 2 --subprocess-every 50
@@ -30,14 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from hostile_inputs import log_lines, trace_lines  # noqa: E402
+from hostile_inputs import log_lines, trace_binary, trace_lines  # noqa: E402
 
 from sanitizer.cli import RAISE_ENV, main as hazsan  # noqa: E402
 
 # an internal error must escape (and show in a subprocess's stderr), not end as a quiet exit 2
 os.environ[RAISE_ENV] = "1"
 
-COMMANDS = ("check", "place", "sweep", "logscan")
+COMMANDS = ("check", "place", "sweep", "cat", "logscan")
 
 
 def _argv(cmd: str, d: Path, files: list[Path]) -> list[str]:
@@ -47,18 +47,25 @@ def _argv(cmd: str, d: Path, files: list[Path]) -> list[str]:
         return ["place", str(files[0]), "--out", str(d / "placed"), "--quiet"]
     if cmd == "sweep":
         return ["sweep", str(files[0]), "--scale", "1,2", "--repeat", "1"]
+    if cmd == "cat":
+        return ["cat", *map(str, files)]
     return ["logscan", str(files[0]), "--format", "json"]
 
 
-def _inputs(cmd: str, rng: random.Random, d: Path, ranks: int) -> list[Path]:
+def _inputs(cmd: str, rng: random.Random, d: Path, ranks: int, fmt: str = "jsonl") -> list[Path]:
     if cmd == "logscan":
         p = d / "server.log"
         p.write_text(log_lines(rng, 40), encoding="utf-8")
         return [p]
     files = []
-    for r in range(ranks if cmd == "check" else 1):
-        p = d / f"rank{r}.jsonl"
-        p.write_bytes(trace_lines(rng, rank=r, events=80, mutation_rate=rng.choice((0.0, 0.0, 0.01, 0.05, 0.2))))
+    for r in range(ranks if cmd in ("check", "cat") else 1):
+        rate = rng.choice((0.0, 0.0, 0.01, 0.05, 0.2))
+        if fmt == "binary":
+            p = d / f"rank{r}.hzs"
+            p.write_bytes(trace_binary(rng, rank=r, events=80, mutation_rate=rate))
+        else:
+            p = d / f"rank{r}.jsonl"
+            p.write_bytes(trace_lines(rng, rank=r, events=80, mutation_rate=rate))
         files.append(p)
     return files
 
@@ -72,8 +79,12 @@ def main(argv=None) -> int:
     ap.add_argument("--subprocess-every", type=int, default=100, metavar="K",
                     help="also run every K-th input as a real process (0: never)")
     ap.add_argument("--slow", type=float, default=10.0, help="seconds after which an input counts as a hang")
+    ap.add_argument("--formats", default="jsonl,binary",
+                    help="trace formats, inputs alternate between them (default jsonl,binary; "
+                         "binary: tests/hostile_inputs.trace_binary)")
     args = ap.parse_args(argv)
     commands = [c for c in args.commands.split(",") if c]
+    formats = [f for f in args.formats.split(",") if f in ("jsonl", "binary")] or ["jsonl"]
     crashes: dict[tuple, list] = {}
     codes: dict[str, Counter] = {c: Counter() for c in commands}
     slowest = (0.0, None)
@@ -85,7 +96,8 @@ def main(argv=None) -> int:
                 rng = random.Random(f"{cmd}:{seed}")
                 d = Path(tmp) / f"{cmd}-{k}"
                 d.mkdir()
-                argv = _argv(cmd, d, _inputs(cmd, rng, d, args.ranks))
+                fmt = formats[k % len(formats)]
+                argv = _argv(cmd, d, _inputs(cmd, rng, d, args.ranks, fmt))
                 t0 = time.monotonic()
                 try:
                     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -169,3 +169,80 @@ def log_lines(rng: random.Random, count: int = 30) -> str:
             line += "," * rng.randrange(0, 5000) + "[" * rng.randrange(0, 50)
         out.append(line if rng.random() > 0.1 else "INFO some other line")
     return "\n".join(out) + rng.choice(("\n", ""))
+
+
+def _fits(value):
+    """`value` with integers msgpack cannot hold (past 64 bits) clamped: msgpack has no bigger ones."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return min(max(value, -(2**63)), 2**64 - 1)
+    if isinstance(value, list):
+        return [_fits(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fits(v) for k, v in value.items()}
+    return value
+
+
+def trace_binary(rng: random.Random, *, rank: int = 0, events: int = 40, mutation_rate: float = 0.15) -> bytes:
+    """One rank file's bytes in the binary format (sanitizer/trace/binary.py): the grammar's events,
+    some mutated as in trace_lines, then items of the wrong shape, trailing elements, map items;
+    frames of random sizes, some with their payload garbled, their kind or length wrong, an end
+    frame in the middle; now and then a bad signature or header, a file cut anywhere."""
+    import msgspec
+
+    from sanitizer.trace import binary as B
+
+    encode = msgspec.msgpack.encode
+    state = {"live": [], "next_id": 0, "cid": 0, "step": 0, "recorded": set(), "pending_done": [],
+             "pending_cids": [], "graph": None, "graphs": [], "scopes": [], "windows": [], "streams": {}}
+    hostile = mutation_rate > 0
+    header = {"hazsan": 1, "rank": rank, "world_size": 2, "end_record": rng.random() < 0.5}
+    if hostile and rng.random() < 0.05:
+        header = rng.choice(({"hazsan": 2}, {"hazsan": 1, "rank": [0]}, [1], {"rank": 0}, "x", {1: 2}))
+    items = [B.to_item({"ev": "step", "n": 0, "tokens": 16})]
+    for _ in range(rng.randrange(0, events + 1)):
+        ev = _event(rng, state)
+        if rng.random() < mutation_rate:
+            ev = _mutate(rng, ev)
+        item = _fits(B.to_item(ev) if isinstance(ev.get("ev"), str) else ev)
+        r = rng.random() if hostile else 1.0
+        if r < 0.02:
+            item = rng.choice(([], [999, 1], "str", 5, [5], [None, 1], ["alloc", 1], [1.5], {"ev": 5},
+                               {1: 2}, [10, 1, "tp", 0, "ar", 0, [[1, 2]]], [10, 1, "tp", 0, "ar", 0, [{"a": 1}]],
+                               [9, 0, [[1, -2]]], [9, 0, [1, 2]], b"bytes"))
+        elif r < 0.04 and isinstance(item, list):
+            item = item + [rng.choice(HOSTILE_VALUES)] * rng.randrange(1, 12)     # fields of a newer writer
+        items.append(item)
+    room = rng.choice((0, 0, 4096))
+    if isinstance(header, dict) and all(isinstance(k, str) for k in header):
+        data = B.signature_and_header(header, room) or B.signature_and_header(header)
+    else:
+        data = B.SIGNATURE + B.frame(B.FRAME_HEADER, encode([_fits(header), b""]))
+    if hostile and rng.random() < 0.03:
+        data = rng.choice((b"\x89HZS\r\n\x1a\x02", b"\x89HZS\n\x1a\x01", b"\x89", b"\x89PNG\r\n\x1a\n")) + data[8:]
+    i = 0
+    while i < len(items):
+        n = rng.randrange(1, 65)
+        payload = encode(items[i:i + n])
+        i += n
+        kind = B.FRAME_EVENTS
+        r = rng.random() if hostile else 1.0
+        if r < 0.02:
+            payload = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))     # not msgpack
+        elif r < 0.03:
+            kind = rng.choice((B.FRAME_HEADER, B.FRAME_END, 0, 0xFF))
+        elif r < 0.04:
+            payload = encode(rng.choice(({"a": 1}, 5, "x", None)))                        # not an array
+        elif r < 0.05 and payload:
+            k = rng.randrange(len(payload))
+            payload = payload[:k] + bytes([rng.randrange(256)]) + payload[k + 1:]         # a flipped byte
+        prefix = B.PREFIX.pack(kind, len(payload))
+        if r > 0.995:
+            prefix = B.PREFIX.pack(kind, rng.choice((2**32 - 1, len(payload) + 1000, 9 << 20)))  # past the file
+        data += prefix + payload
+    if rng.random() < 0.7:
+        data += B.end_frame(len(items), 0)
+    if hostile and rng.random() < 0.05:
+        data = data[: rng.randrange(1, len(data))]  # cut anywhere: a killed writer, a half copy
+    return data

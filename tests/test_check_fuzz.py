@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hostile_inputs import trace_lines
+from hostile_inputs import trace_binary, trace_lines
 from sanitizer.cli import main
 from sanitizer.rules.driver import compiled_available
 
@@ -50,3 +50,44 @@ def test_fuzz_check_in_process(tmp_path_factory, monkeypatch, engine, seed, rank
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["check", str(d), "--format", "json"] + (["--lenient"] if lenient else []))
     assert code in (0, 1, 2)
+
+
+# ------------------------------------------------------------------ the binary format
+def _write_binary(d, seed, ranks, rate, gz=False):
+    import gzip
+
+    rng = random.Random(seed)
+    for r in range(ranks):
+        data = trace_binary(rng, rank=r, events=60, mutation_rate=rate)
+        if gz:
+            (d / f"rank{r}.hzs.gz").write_bytes(gzip.compress(data, 1))
+        else:
+            (d / f"rank{r}.hzs").write_bytes(data)
+
+
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 2), rate=st.sampled_from([0.0, 0.02, 0.2]))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_binary_command_line(tmp_path_factory, seed, ranks, rate):
+    d = tmp_path_factory.mktemp("fuzzb")
+    _write_binary(d, seed, ranks, rate)
+    for argv in (["check", str(d), "--format", "json"], ["cat", str(d)]):
+        r = subprocess.run([sys.executable, "-m", "sanitizer", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode in (0, 1, 2), r.stderr
+        assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 3), rate=st.sampled_from([0.0, 0.01, 0.05, 0.3]),
+       lenient=st.booleans(), gz=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_binary_in_process(tmp_path_factory, monkeypatch, engine, seed, ranks, rate, lenient, gz):
+    """Binary traces (tests/hostile_inputs.trace_binary): garbled frames, wrong lengths and kinds,
+    items of the wrong shape, cut files; check, check --jobs and cat end in 0, 1 or 2."""
+    monkeypatch.setenv("HAZSAN_ENGINE", engine)
+    d = tmp_path_factory.mktemp("fuzzb")
+    _write_binary(d, seed, ranks, rate, gz)
+    for argv in (["check", str(d), "--format", "json"] + (["--lenient"] if lenient else []), ["cat", str(d)]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        assert code in (0, 1, 2)

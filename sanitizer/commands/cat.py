@@ -24,6 +24,19 @@ def _default(obj):
     return repr(obj)
 
 
+class _TextOut:
+    """stdout without a byte buffer (replaced by a StringIO): bytes written as text."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode("utf-8", "replace"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def run(args) -> int:
     import orjson
 
@@ -31,7 +44,7 @@ def run(args) -> int:
     from sanitizer.trace.reader import TraceError, expand_paths, open_trace
 
     apply_limits(args)
-    out = sys.stdout.buffer
+    out = getattr(sys.stdout, "buffer", None) or _TextOut(sys.stdout)
     options = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
 
     def dumps(obj) -> bytes:

@@ -266,45 +266,43 @@ def decode_end(payload: bytes) -> dict:
     return obj if type(obj) is dict else {}
 
 
-_PATH = re.compile(r"(.*) - at `\$((?:\[\d+\])*)(.*)`$")
+_PATH = re.compile(r"(.*?)(?: - at `\$((?:\[\d+\])*)(.*)`)?$", re.S)
 _LENGTH = re.compile(r"Expected `array` of at least length (\d+), got (\d+)")
 _INDEX = re.compile(r"\[(\d+)\]")
+_GOT_LENGTH = re.compile(r"(of (?:at (?:least|most) )?length \d+), got \d+")
 
 
 def _named(kind: str, message: str) -> str:
     """msgspec's message about one item (path `$[k]...`) with the path in field names, as the JSON
     decoder would have said it (`$.bufs[0].size`), then worded by events.describe."""
-    m = _LENGTH.match(message)
-    if m and message.endswith("`$`"):
-        names = ORDER[kind][1]
-        got = int(m.group(2))
-        missing = names[got - 1] if 0 < got <= len(names) else "?"
-        return describe(kind, f"Object missing required field `{missing}`")
     m = _PATH.match(message)
-    if not m:
-        return describe(kind, message)
-    text, indices, rest = m.groups()
-    idx = [int(i) for i in _INDEX.findall(indices)]
-    if not idx:
-        return describe(kind, message)
+    text, indices, rest = m.groups() if m else (message, None, "")
+    idx = [int(i) for i in _INDEX.findall(indices or "")]
     names = ORDER[kind][1]
-    k = idx[0]
-    if k == 0:
-        return f"{kind}: kind number: {text}"
-    name = names[k - 1] if k - 1 < len(names) else f"[{k}]"
-    path = "." + name
-    tail = idx[1:]
-    if name == "bufs" and tail:
-        path += f"[{tail[0]}]"
-        if len(tail) > 1:
-            path += "." + (BUF_FIELDS[tail[1]] if tail[1] < 3 else f"[{tail[1]}]")
-            tail = tail[2:]
-        else:
-            tail = []
-        if tail:
-            path += "".join(f"[{i}]" for i in tail)
-    else:
-        path += "".join(f"[{i}]" for i in tail)
+    path, container = "", names               # the field named so far, and the names inside it
+    if idx:
+        k = idx.pop(0)
+        if k == 0:
+            return f"{kind}: kind number: {text}"
+        name = names[k - 1] if k - 1 < len(names) else f"[{k}]"
+        path, container = "." + name, None
+        if name == "bufs" and idx:
+            path += f"[{idx.pop(0)}]"
+            container = BUF_FIELDS
+            if idx:
+                j = idx.pop(0)
+                path += "." + (BUF_FIELDS[j] if j < len(BUF_FIELDS) else f"[{j}]")
+                container = None
+        path += "".join(f"[{i}]" for i in idx)
+    short = _LENGTH.match(text)
+    if short and container is not None and not rest:
+        got = int(short.group(2)) - (1 if container is names else 0)   # the kind number is no field
+        missing = container[got] if 0 <= got < len(container) else "?"
+        where = f" - at `${path}`" if path else ""
+        return describe(kind, f"Object missing required field `{missing}`{where}")
+    text = _GOT_LENGTH.sub(r"\1", text)     # msgpack knows an array's length, JSON's decoder does not say it
+    if not path:
+        return describe(kind, text)
     return describe(kind, f"{text} - at `${path}{rest}`")
 
 
