@@ -5,10 +5,13 @@ cimport cython
 @cython.locals(changed=bint)
 cpdef bint merge_into(dict target, dict other)
 
+cpdef object merge_changed(dict target, dict other, object changed)
+
 
 cdef class StreamClocks:
     cdef public dict streams, host, events
     cdef public Py_ssize_t max_streams, max_events
+    cdef public set dirty
 
     cdef dict _new_stream(self, object stream)
     cpdef dict stream_clock(self, object stream)
@@ -18,5 +21,8 @@ cdef class StreamClocks:
 
     cpdef record(self, object event, object stream)
     cpdef bint wait(self, object stream, object event)
-    cpdef host_learns(self, dict clock)
+    cpdef object host_learns(self, dict clock)
+    cpdef object sync_stream(self, object stream)
+    @cython.locals(streams=dict)
+    cpdef object sync_device(self)
     cpdef dict snapshot(self, object stream)

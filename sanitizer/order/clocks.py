@@ -16,6 +16,12 @@ a record, a wait that is later queried, a sync that the host learns), which is a
 clock at the time of the copy. So stored clocks hold only what their stream learned through
 `wait` (and its own count), and memory grows with the streams that actually synchronise, not
 with (streams x streams known to the host).
+
+Nothing here walks every stream ever seen: the host learns only what changed. `dirty` holds the
+streams whose clock may hold more than the host knows (work enqueued, or a `wait`, since the host
+last took that clock in); a device-wide sync takes in those alone, a sync of a stream not in it
+learns nothing. Every merge into the host returns the streams whose entry grew, so that the engine
+retires in-flight work of those streams only.
 """
 from __future__ import annotations
 
@@ -40,15 +46,29 @@ def merge_into(target: Clock, other: Clock) -> bool:
     return changed
 
 
+def merge_changed(target: Clock, other: Clock, changed):
+    """target = max(target, other); returns `changed` (a list, or None for a new one) with the
+    keys whose entry grew appended, None when none did and none was given."""
+    for key, value in other.items():
+        if value > target.get(key, 0):
+            target[key] = value
+            if changed is None:
+                changed = []
+            changed.append(key)
+    return changed
+
+
 class StreamClocks:
     """The ordering state of one rank. Knows nothing of memory; the engine asks it questions."""
 
-    __slots__ = ("streams", "host", "events", "max_streams", "max_events")
+    __slots__ = ("streams", "host", "events", "max_streams", "max_events", "dirty")
 
     def __init__(self, max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS) -> None:
         self.streams: dict[object, Clock] = {}
         self.host: Clock = {}
         self.events: dict[object, Clock] = {}
+        # streams whose clock may exceed the host's (enqueue or wait since the host took it in)
+        self.dirty: set = set()
         self.max_streams = max_streams
         self.max_events = max_events
 
@@ -75,6 +95,7 @@ class StreamClocks:
             clock = self._new_stream(stream)
         epoch = clock.get(stream, 0) + 1
         clock[stream] = epoch
+        self.dirty.add(stream)
         return epoch
 
     def record(self, event, stream) -> None:
@@ -89,17 +110,21 @@ class StreamClocks:
         clock = self.events.get(event)
         if clock is None:
             return False
-        if clock:
-            merge_into(self.stream_clock(stream), clock)
+        if clock and merge_into(self.stream_clock(stream), clock):
+            self.dirty.add(stream)
         return True
 
-    def host_learns(self, clock: Clock) -> None:
-        merge_into(self.host, clock)
+    def host_learns(self, clock: Clock):
+        """VC_H = max(VC_H, clock); the streams whose host entry grew (None: none)."""
+        return merge_changed(self.host, clock, None)
 
-    def sync_stream(self, stream) -> None:
-        clock = self.streams.get(stream)
-        if clock:
-            merge_into(self.host, clock)
+    def sync_stream(self, stream):
+        """VC_H = max(VC_H, VC_stream); the streams whose host entry grew (None: none). A stream
+        not dirty has nothing the host lacks: O(1)."""
+        if stream not in self.dirty:
+            return None
+        self.dirty.discard(stream)
+        return merge_changed(self.host, self.streams[stream], None)
 
     def sync_event(self, event) -> bool:
         clock = self.events.get(event)
@@ -108,9 +133,15 @@ class StreamClocks:
         merge_into(self.host, clock)
         return True
 
-    def sync_device(self) -> None:
-        for clock in self.streams.values():
-            merge_into(self.host, clock)
+    def sync_device(self):
+        """VC_H = max over every stream: only the dirty ones can add anything. The streams whose
+        host entry grew (None: none)."""
+        changed = None
+        streams = self.streams
+        for stream in self.dirty:
+            changed = merge_changed(self.host, streams[stream], changed)
+        self.dirty.clear()
+        return changed
 
     def snapshot(self, stream) -> Clock:
         """A copy of what `stream` knows now, beyond the host (for coll_done and free_done)."""

@@ -14,7 +14,7 @@ cdef class Block:
 
 cdef class Op:
     cdef public object kind, stream, bufs, step, ev, cid, comm, seq, clock, captured, window_bufs, index_keys
-    cdef public long long epoch
+    cdef public long long epoch, wide_serial
     cdef public Py_ssize_t line
 
 
@@ -63,11 +63,21 @@ cdef class BufferIndex:
     cdef public dict classes, longest
     cdef public long long serial
 
-    @cython.locals(keys=list, key=tuple, i=Py_ssize_t)
     cpdef add(self, object op)
 
-    @cython.locals(key=tuple, i=Py_ssize_t)
+    @cython.locals(keys=list, key=tuple, i=Py_ssize_t)
+    cpdef list add_keys(self, object bufs, object op)
+
     cpdef remove(self, object op)
+
+    @cython.locals(key=tuple, i=Py_ssize_t)
+    cpdef remove_keys(self, object keys)
+
+    @cython.locals(first=cython.longlong)
+    cpdef long long add_serial(self, object bufs, object op)
+
+    @cython.locals(serial=cython.longlong, key=tuple)
+    cpdef remove_serial(self, object bufs, long long first)
 
     @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
     cpdef list overlapping(self, object lo, object hi)
@@ -75,7 +85,7 @@ cdef class BufferIndex:
 
 cdef class InFlight:
     cdef public list ops, epochs, cuts
-    cdef public long long last, pushed, base, tracked
+    cdef public long long last, pushed, base, tracked, order
     cdef public Py_ssize_t start, indexed
     cdef public BufferIndex index
     cdef public dict classes
@@ -123,6 +133,8 @@ cdef class RankAnalyzer:
     cdef public object file, rank, sink, matcher, step, transients, settled
     cdef public StreamClocks clocks
     cdef public bint successor
+    cdef public BufferIndex wide
+    cdef public long long entered
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
     cdef public RangeIndex live_ranges
     cdef public WindowTable windows
@@ -144,6 +156,16 @@ cdef class RankAnalyzer:
 
     @cython.locals(unfinished=list, vh=dict, vx=dict, fl=InFlight, known=cython.longlong, h=cython.longlong)
     cpdef list _unfinished(self, object stream, object protected=*)
+
+    @cython.locals(vh=dict, vx=dict, found=dict, key=tuple, op=Op, known=cython.longlong, h=cython.longlong,
+                   unfinished=list)
+    cpdef list _wide_unfinished(self, object stream, long long lo, long long hi, int access, object protected)
+
+    @cython.locals(fl=InFlight, ops=list, op=Op, wide=BufferIndex, i=Py_ssize_t)
+    cpdef _widen_index(self)
+
+    @cython.locals(fl=InFlight, ops=list, i=Py_ssize_t)
+    cpdef _narrow_index(self)
 
     @cython.locals(hits=dict, key=tuple, op=Op, fl=InFlight, known=cython.longlong,
                    blo=cython.longlong, bhi=cython.longlong, bacc=int, write=int)
@@ -174,5 +196,5 @@ cdef class RankAnalyzer:
     @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int, unfinished=list)
     cpdef _enqueue(self, Op op)
 
-    @cython.locals(vh=dict, inflight=dict, fl=InFlight, known=cython.longlong)
+    @cython.locals(vh=dict, inflight=dict, fl=InFlight, known=cython.longlong, op=Op)
     cpdef _retire(self, object learned=*)

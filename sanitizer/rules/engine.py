@@ -41,7 +41,7 @@ record_stream streams were its own is accepted and changes nothing.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 from sortedcontainers import SortedList
 
@@ -59,6 +59,10 @@ ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
 #: free inside a window reads that log before marking it all instead (RankAnalyzer._coll_touched).
 TOUCH_LOG = 4096
 TOUCH_SCAN = 64
+#: Streams with work in flight past which every in-flight buffer is also indexed by address in one
+#: index for all streams (RankAnalyzer.wide), so that an access costs O(log n + overlaps) however
+#: many streams are unfinished for it; the index is dropped again at a quarter of that.
+CROWD = 32
 
 
 class Malformed(Exception):
@@ -108,7 +112,7 @@ class Op:
     """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
 
     __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "ev", "cid", "comm", "seq",
-                 "clock", "captured", "window_bufs", "index_keys")
+                 "clock", "captured", "window_bufs", "index_keys", "wide_serial")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -123,6 +127,7 @@ class Op:
         self.captured = None  # replays: the captured op they re-run
         self.window_bufs = ()  # successor mode: bufs in a window of the op's own communicator
         self.index_keys = None  # its entries in the BufferIndex while in flight
+        self.wide_serial = 0  # the serial of its first entry in RankAnalyzer.wide while there (0: none)
 
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
@@ -132,6 +137,7 @@ class Op:
         op.epoch, op.clock, op.window_bufs = 0, None, self.window_bufs
         op.captured = self
         op.index_keys = None
+        op.wide_serial = 0
         return op
 
     @property
@@ -341,20 +347,23 @@ class InFlight:
     """
 
     __slots__ = ("ops", "epochs", "last", "start", "index", "indexed", "classes", "pushed", "base",
-                 "tracked", "cuts")
+                 "tracked", "cuts", "order")
 
-    def __init__(self):
+    def __init__(self, order=0):
         self.ops: list = []
         self.epochs: list = []
         self.last = 0  # epochs[-1]
         self.start = 0
-        self.index = BufferIndex()
+        self.index = None  # BufferIndex, made at the first query
         self.indexed = 0
         self.classes: dict = {}
         self.pushed = 0
         self.base = 0  # ops compacted away: ops[i] is op number base + i + 1
         self.tracked = 0
         self.cuts: list = []
+        # when the stream entered the table (RankAnalyzer.inflight, whose order it is): the wide
+        # index sorts by it, so that findings come out in the order a walk of the table gives
+        self.order = order
 
     def push(self, op) -> None:
         self.ops.append(op)
@@ -411,6 +420,8 @@ class InFlight:
     def by_address(self) -> "BufferIndex":
         """The index, holding every op in flight."""
         index = self.index
+        if index is None:
+            index = self.index = BufferIndex()
         ops = self.ops
         n = len(ops)
         i = self.indexed if self.indexed > self.start else self.start
@@ -447,10 +458,14 @@ class BufferIndex:
         self.serial = 0
 
     def add(self, op) -> None:
-        """Index op.bufs; each entry is (lo, serial, hi, access, op), the serial making it unique
-        (comparisons never reach the op)."""
+        """Index op.bufs (its entries kept in op.index_keys)."""
+        op.index_keys = self.add_keys(op.bufs, op)
+
+    def add_keys(self, bufs, op) -> list:
+        """Index `bufs` of `op`; each entry is (lo, serial, hi, access, op), the serial making it
+        unique (comparisons never reach the op). Returns [(class, entry)] for remove_keys."""
         keys = []
-        for lo, hi, acc in op.bufs:
+        for lo, hi, acc in bufs:
             n = hi - lo
             c = n.bit_length()
             self.serial += 1
@@ -472,10 +487,37 @@ class BufferIndex:
                 else:
                     entries.add(key)
             keys.append((c, key))
-        op.index_keys = keys
+        return keys
 
     def remove(self, op) -> None:
-        for c, key in op.index_keys:
+        self.remove_keys(op.index_keys)
+        op.index_keys = None
+
+    def add_serial(self, bufs, op) -> int:
+        """Index `bufs` of `op`; returns the serial of the first entry (the others follow it), by
+        which remove_serial finds them again. Nothing of the index is kept on the op: no
+        reference cycle between op and entry."""
+        first = self.serial + 1
+        self.add_keys(bufs, op)
+        return first
+
+    def remove_serial(self, bufs, first) -> None:
+        serial = first
+        for lo, hi, _ in bufs:
+            c = (hi - lo).bit_length()
+            entries = self.classes[c]
+            key = (lo, serial)  # sorts just before the entry (lo, serial, hi, access, op)
+            if type(entries) is list:
+                del entries[bisect_left(entries, key)]
+            else:
+                del entries[entries.bisect_left(key)]
+            if not entries:
+                del self.classes[c]
+                del self.longest[c]
+            serial += 1
+
+    def remove_keys(self, keys) -> None:
+        for c, key in keys:
             entries = self.classes[c]
             if type(entries) is list:
                 i = bisect_right(entries, key) - 1
@@ -485,7 +527,6 @@ class BufferIndex:
             if not entries:
                 del self.classes[c]
                 del self.longest[c]
-        op.index_keys = None
 
     def overlapping(self, lo, hi) -> list:
         """Entries (lo, serial, hi, access, op) whose [lo, hi) overlaps the given range."""
@@ -714,6 +755,10 @@ class RankAnalyzer:
         self.comms = set()  # communicators this rank used (windows, collectives)
         self.max_comms = max_comms
         self.inflight = {}  # stream -> InFlight
+        self.entered = 0  # streams that entered `inflight` so far (InFlight.order)
+        # past CROWD streams in flight: every in-flight buffer of every stream by address (see
+        # _wide_unfinished); None while few streams have work in flight
+        self.wide = None
         # a stream for which no op in flight was unfinished, and no other stream has pushed an op
         # since: the answer stands (clocks only grow, retiring only removes), see _unfinished
         self.settled = None
@@ -802,9 +847,14 @@ class RankAnalyzer:
 
     def _unfinished(self, stream, protected=None):
         """[(InFlight, how far `stream` knows its stream)] of the streams with an op in flight that
-        is not done for `stream` (none of `protected`); None when there is none (the usual case)."""
+        is not done for `stream` (none of `protected`); None when there is none (the usual case).
+
+        With more than CROWD streams in flight this walk would cost O(streams) per access: an
+        empty list is returned instead, which tells _not_done to ask the wide index, per range."""
         if not protected and self.settled is not None and self.settled == stream:
             return None  # nothing in flight was unfinished for it, and only it has pushed since
+        if self.wide is not None:
+            return []
         unfinished = None
         vh = self.clocks.host
         vx = self.clocks.streams.get(stream) or vh
@@ -831,6 +881,9 @@ class RankAnalyzer:
         hits = None
         clocks = self.clocks
         if unfinished is not None:
+            if self.wide is not None:
+                unfinished = self._wide_unfinished(stream, lo, hi, access, protected)
+        if unfinished is not None:
             for fl, known in unfinished:
                 for key in fl.by_address().overlapping(lo, hi):
                     bacc = key[3]
@@ -851,6 +904,54 @@ class RankAnalyzer:
             for sc in self.successor_waits.values():
                 hits = sc.not_done(clocks, stream, lo, hi, access, protected, hits)
         return hits
+
+    def _wide_unfinished(self, stream, lo, hi, access, protected):
+        """What _unfinished would list, restricted to the streams that have a buffer overlapping
+        [lo, hi) that conflicts with `access` and is not done for `stream`: found through the wide
+        index in O(log n + overlaps), not by walking every stream in flight. They come in the
+        table's order (InFlight.order), and each is then queried as _unfinished's list would be,
+        so the findings and their order are the same as the walk's. None when there is none."""
+        clocks = self.clocks
+        vh = clocks.host
+        vx = clocks.streams.get(stream) or vh
+        found = None
+        for key in self.wide.overlapping(lo, hi):
+            if not (key[3] | access) & WRITE:
+                continue
+            op = key[4]
+            s = op.stream
+            known = vx.get(s, 0)
+            h = vh.get(s, 0)
+            if h > known:
+                known = h
+            if op.epoch <= known or (protected and s in protected):
+                continue
+            if found is None:
+                found = {}
+            found[self.inflight[s]] = known
+        if found is None:
+            return None
+        unfinished = list(found.items())
+        if len(unfinished) > 1:
+            unfinished.sort(key=_entered)
+        return unfinished
+
+    def _widen_index(self) -> None:
+        """More than CROWD streams have work in flight: index all of it in one place."""
+        wide = self.wide = BufferIndex()
+        for fl in self.inflight.values():
+            ops = fl.ops
+            for i in range(fl.start, len(ops)):
+                op = ops[i]
+                op.wide_serial = wide.add_serial(op.bufs, op)
+
+    def _narrow_index(self) -> None:
+        """Few streams left with work in flight: the walk is cheaper than the wide index."""
+        for fl in self.inflight.values():
+            ops = fl.ops
+            for i in range(fl.start, len(ops)):
+                ops[i].wide_serial = 0
+        self.wide = None
 
     def _live_ranges(self) -> RangeIndex:
         """Every live block by address. A block enters the index at the first query after its
@@ -948,8 +1049,9 @@ class RankAnalyzer:
             raise Malformed(f"free_done with no pending free for id {bid!r} (free_done only follows a free of a block with record_stream streams)")
         if snaps:
             for clock in snaps:
-                self.clocks.host_learns(clock)
-                self._retire(clock)
+                changed = self.clocks.host_learns(clock)
+                if changed is not None:
+                    self._retire(changed)
 
     def on_record_stream(self, ev, line):
         bid = ev.id
@@ -1120,8 +1222,17 @@ class RankAnalyzer:
         if op.bufs:
             fl = self.inflight.get(stream)
             if fl is None:
-                fl = self.inflight[stream] = InFlight()
-            fl.push(op)
+                self.entered += 1
+                fl = self.inflight[stream] = InFlight(self.entered)
+                fl.push(op)
+                if self.wide is None and len(self.inflight) > CROWD:
+                    self._widen_index()
+                elif self.wide is not None:
+                    op.wide_serial = self.wide.add_serial(op.bufs, op)
+            else:
+                fl.push(op)
+                if self.wide is not None:
+                    op.wide_serial = self.wide.add_serial(op.bufs, op)
             if self.settled is not None and self.settled != stream:
                 self.settled = None  # an op of another stream may be unfinished for it
         if self.successor and op.kind == "coll" and op.captured is None:
@@ -1137,8 +1248,9 @@ class RankAnalyzer:
             if cid in self.cids:
                 return  # already retired (done for the host) or captured in a graph
             raise Malformed(f"coll_done of unknown cid {cid!r}")
-        self.clocks.host_learns(op.clock)
-        self._retire(op.clock)
+        changed = self.clocks.host_learns(op.clock)
+        if changed is not None:
+            self._retire(changed)
 
     def on_record(self, ev, line):
         event = ev.event
@@ -1156,16 +1268,20 @@ class RankAnalyzer:
         stream = ev.stream
         event = ev.event
         clocks = self.clocks
+        # The host learns only what changed, and only streams whose host entry grew can retire
+        # anything (every in-flight op has an epoch above what the host knows of its stream).
         if stream is not None:
-            clocks.sync_stream(stream)
-            self._retire(clocks.streams.get(stream) or {})
+            changed = clocks.sync_stream(stream)
         elif event is not None:
-            if not clocks.sync_event(event):
+            clock = clocks.events.get(event)
+            if clock is None:
                 self.unrecorded_waits += 1
-            self._retire(clocks.events.get(event) or {})
+                return
+            changed = clocks.host_learns(clock)
         else:
-            clocks.sync_device()
-            self._retire()
+            changed = clocks.sync_device()
+        if changed is not None:
+            self._retire(changed)
 
     def _retire(self, learned=None) -> None:
         """Drop ops done for the host: no stream can ever see them unfinished again. `learned`:
@@ -1183,6 +1299,9 @@ class RankAnalyzer:
                 for op in fl.retire_upto(known):
                     if op.clock is not None:
                         self.colls_in_flight.pop(op.cid, None)
+                    if op.wide_serial:
+                        self.wide.remove_serial(op.bufs, op.wide_serial)
+                        op.wide_serial = 0
                 if fl.start == len(fl.epochs):
                     if emptied is None:
                         emptied = []
@@ -1191,6 +1310,8 @@ class RankAnalyzer:
             # only streams with ops in flight stay: queries walk them
             for s in emptied:
                 del inflight[s]
+            if self.wide is not None and len(inflight) <= CROWD // 4:
+                self._narrow_index()
         if self.successor_waits:
             # A collective leaves once it is done for the host itself: locally complete and a
             # later one done.
@@ -1320,6 +1441,10 @@ def _reported_or_ended(entry: dict, members: set, finished: set) -> bool:
 
 def _position(entry):
     return entry[0]
+
+
+def _entered(item):
+    return item[0].order
 
 
 def _widen(hits: dict, op, lo, hi) -> None:
