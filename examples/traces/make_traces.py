@@ -3,7 +3,7 @@
 Each scenario is a few decode layers of a tensor-parallel model as a serving stack records it
 (schema 1, docs/trace-format.md): a compute stream (7), a communication stream (9), an NCCL
 symmetric window for communicator "tp", and the ordering edges between them. Regenerate with
-`python examples/traces/make_traces.py`; `examples/demo.py` checks that each file gives exactly
+`python examples/traces/make_traces.py`; `examples/demo.py --traces-only` checks that each file gives exactly
 the findings its name says.
 """
 from __future__ import annotations
