@@ -157,21 +157,25 @@ def end_frame(events: int, dropped: int) -> bytes:
     return frame(FRAME_END, _encode({"events": events, "dropped": dropped}))
 
 
-_ORDER_GET = ORDER.get
+#: kind -> ("ev", every field in array order), and kind -> its number: to_item's tables
+_KEYS = {kind: ("ev",) + names for kind, (_, names) in ORDER.items()}
+_KEYS_GET = _KEYS.get
+_TAG = {kind: tag for kind, (tag, _) in ORDER.items()}
 
 
 def to_item(ev: dict):
     """One capture event (a dict) as a binary item: its array, or, for an event this layout cannot
     hold exactly (an unknown kind or field, a field set to None), the dict itself: a map item,
     which the reader treats as it treats a JSON Lines event."""
-    spec = _ORDER_GET(ev.get("ev"))
-    if spec is None:
+    kind = ev.get("ev")
+    keys = _KEYS_GET(kind)
+    if keys is None:
         return ev
-    tag, names = spec
-    item = [tag, *map(ev.get, names)]
-    # every key but "ev" among `names`, none of them None: then the array holds the whole event
-    if len(ev) - 1 + item.count(None) != len(names):
+    item = list(map(ev.get, keys))        # [kind name, fields...]: the loop in C
+    # every key of the event among `keys`, none of them None: then the array holds the whole event
+    if len(ev) + item.count(None) != len(keys):
         return ev
+    tag = item[0] = _TAG[kind]
     if tag == _COLL:
         bufs = item[_BUFS]
         if type(bufs) is list:
