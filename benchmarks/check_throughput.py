@@ -76,7 +76,8 @@ def git_head() -> str:
 # -- the trace -----------------------------------------------------------------------------------
 def trace_dir(args) -> Path:
     name = (f"decode-e{args.events}-r{args.ranks}-i{args.inject}-s{args.seed}"
-            + ("-gz" if args.gzip else "") + ("-lean" if args.lean else ""))
+            + ("-gz" if args.gzip else "") + ("-lean" if args.lean else "")
+            + ("-binary" if args.format == "binary" else ""))
     return args.trace_dir / name
 
 
@@ -90,7 +91,7 @@ def ensure_trace(args) -> tuple[Path, dict]:
                 and all((out / f["file"]).exists() for f in meta["files"])):
             return out, {**meta, "reused": True}
     meta = gen.generate(out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject,
-                        gzip_level=1 if args.gzip else None, lean=args.lean)
+                        gzip_level=1 if args.gzip else None, lean=args.lean, fmt=args.format)
     return out, {**meta, "reused": False}
 
 
@@ -142,7 +143,9 @@ def startup_seconds(core: int) -> float:
 
 # -- the sample ----------------------------------------------------------------------------------
 def write_sample(trace: Path, count: int, dest: Path) -> tuple[list, int]:
-    """The header and first `count` events of rank 0, parsed, and written to `dest` as a trace."""
+    """The header and first `count` events of rank 0, parsed, and written to `dest` as a trace,
+    in the trace's own format."""
+    from sanitizer.trace import binary
     from sanitizer.trace.reader import expand_paths, open_trace
 
     first = expand_paths([trace])[0]
@@ -154,8 +157,11 @@ def write_sample(trace: Path, count: int, dest: Path) -> tuple[list, int]:
             break
     tf.close()
     with open(dest, "wb") as fh:
-        fh.write(orjson.dumps(tf.header) + b"\n")
-        fh.write(b"".join(orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE) for ev in events))
+        if tf.format == "binary":
+            fh.write(binary.jsonl_to_binary(tf.header, events))
+        else:
+            fh.write(orjson.dumps(tf.header) + b"\n")
+            fh.write(b"".join(orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE) for ev in events))
     return events, len(events)
 
 
@@ -197,16 +203,19 @@ def time_hazsan_sample(sample: Path, peer_completion: str, repeats: int) -> tupl
 
 
 def time_parse_floor(sample: Path, repeats: int) -> Timing:
-    """Reading the sample's lines and decoding each into its typed event (msgspec, what analyze()
-    does), nothing else: what hazsan pays before the engine does any work."""
-    from sanitizer.trace.events import EventDecoder
+    """Reading the sample and decoding it into typed events (msgspec, what analyze() does:
+    sanitizer.trace.reader.TypedEvents), nothing else: what hazsan pays before the engine does any
+    work."""
+    from sanitizer.trace.reader import TypedEvents, open_trace
 
     def parse():
-        decode = EventDecoder._decoder.decode
-        with open(sample, "rb", buffering=1 << 20) as fh:
-            fh.readline()
-            for line in fh:
-                decode(line)
+        src = TypedEvents(open_trace(sample))
+        problems: list = []
+        try:
+            while True:
+                src.next(problems)
+        except StopIteration:
+            pass
 
     return Timing.best([timed(parse)[0] for _ in range(repeats)])
 
@@ -371,6 +380,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inject", type=int, default=0, metavar="N", help="plant N hazards and check they are found")
     ap.add_argument("--gzip", action="store_true", help="use a .jsonl.gz trace")
     ap.add_argument("--lean", action="store_true", help="a trace without the optional fields (t, site, op, shape, dtype)")
+    ap.add_argument("--format", choices=("jsonl", "binary"), default="jsonl",
+                    help="the trace's format: jsonl (default) or binary (rank0.hzs, what capture writes; "
+                         "benchmarks/trace_formats.py compares the two)")
     ap.add_argument("--sample", type=int, default=200_000, help="events of rank 0 for the CSAN comparison (default 200,000)")
     ap.add_argument("--trace-dir", type=Path, default=Path(tempfile.gettempdir()) / "hazsan-bench",
                     help="where generated traces are kept and reused (default: %(default)s)")
@@ -400,7 +412,7 @@ def main(argv=None) -> int:
     total_bytes = sum(f["bytes"] for f in meta["files"])
     how = "reused" if meta["reused"] else f"generated in {meta['seconds']:.1f} s"
     print(f"trace: {trace} ({how}): {args.ranks} rank file(s), {total_events:,} events, "
-          f"{total_bytes / 2**20:,.0f} MiB{', gzip' if args.gzip else ''}{', lean' if args.lean else ''}, "
+          f"{total_bytes / 2**20:,.0f} MiB, {args.format}{', gzip' if args.gzip else ''}{', lean' if args.lean else ''}, "
           f"{args.inject} planted hazard(s)")
 
     # 1. the CLI on the whole trace
@@ -439,7 +451,7 @@ def main(argv=None) -> int:
 
     # 2. the same sample through hazsan and CSAN
     with tempfile.TemporaryDirectory() as tmp:
-        sample_path = Path(tmp) / "sample.jsonl"
+        sample_path = Path(tmp) / ("sample.hzs" if args.format == "binary" else "sample.jsonl")
         sample_events, n = write_sample(trace, args.sample, sample_path)
         hz, hz_result = time_hazsan_sample(sample_path, args.peer_completion, args.repeats)
         print()
