@@ -149,3 +149,50 @@ def test_allocator_settings_change_the_outcome(tmp_path):
                                         config=AllocatorConfig.parse("roundup_power2_divisions:2"))]
     assert default == ["latent hazard", "latent hazard", "COLLIDES"]
     assert all(v in ("latent hazard", "COLLIDES") for v in rounded)
+
+
+def test_schedule_replays_the_step_once_per_token_count_in_order(tmp_path):
+    """--schedule: a server's consecutive steps; the collision is found at the steps whose token
+    count collides (3x and 4x the recorded count do, 1x and 2x do not: the test above)."""
+    trace = write(tmp_path / "t.jsonl", mhc_step_trace())
+    (r,) = sweep([trace], [99.0], schedule=[4, 12, 8, 16, 4])
+    assert r.recorded_step == 1 and r.tokens == 4
+    colliding = sorted({f.step - r.recorded_step for f in r.findings if f.rule == "reuse-in-flight"})
+    assert colliding and set(colliding) <= {1, 3}             # the 12- and 16-token steps only
+    assert r.by_rule.get("free-in-flight", 0) >= 5            # the hazard at every step
+    sc = _Scaler(*split_step([(i, e) for i, e in enumerate(mhc_step_trace()[1:], 2)], None), 1.0, 2, [4, 12])
+    evs = sc.build()
+    tokens = [e["tokens"] for e in evs if e.get("ev") == "step" and "tokens" in e]
+    assert tokens == [4, 12]                                  # one marker per scheduled count
+    big = [e for e in evs if e.get("ev") == "alloc" and e.get("id") == "t@1"]
+    assert big and big[0]["size"] == 12 * 4 * H * 4          # sized for its own token count
+
+
+def test_schedule_cli(tmp_path, capsys):
+    trace = write(tmp_path / "t.jsonl", mhc_step_trace())
+    assert main(["sweep", str(trace), "--schedule", "4,8"]) == 0
+    assert "no step of the schedule collides" in capsys.readouterr().out
+    (tmp_path / "s.txt").write_text("4\n12\n4\n")
+    assert main(["sweep", str(trace), "--schedule", f"@{tmp_path / 's.txt'}", "--format", "json"]) == 1
+    doc = orjson.loads(capsys.readouterr().out)
+    assert doc["schedule"] == [4, 12, 4] and {"index": 1, "tokens": 12} in doc["colliding_steps"]
+    with pytest.raises(SystemExit):
+        main(["sweep", str(trace), "--schedule", "4,0"])
+    assert "token counts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", str(trace), "--schedule", f"@{tmp_path / 'missing.txt'}"])
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_files_without_steps_are_skipped(tmp_path):
+    """A server's front-end process records no step: the sweep replays the ranks that have one."""
+    d = tmp_path / "run"
+    d.mkdir()
+    write(d / "rank0.jsonl", mhc_step_trace())
+    write(d / "pid123.jsonl", [{"hazsan": 1, "rank": -123, "world_size": 1, "device": "cpu"},
+                               {"ev": "alloc", "id": 1, "addr": 4096, "size": 64, "stream": 0}])
+    (r,) = sweep([d], [3.0])
+    assert r.realised
+    write(d / "rank0.jsonl", mhc_step_trace()[:10])            # no step marker left anywhere
+    with pytest.raises(SweepError, match="no trace file has a step marker"):
+        sweep([d], [1.0])

@@ -64,5 +64,19 @@ def test_testbed_events_go_into_capture_traces(tmp_path):
         inside = [e for e in evs if e["ev"] == "alloc" and win["addr"] <= e["addr"] < win["addr"] + win["size"]]
         assert len(inside) == 3                                  # x, y, t: once each, by the testbed
         assert all(e["pool"] == "symm" and e["op"] != "adopted" for e in inside)
+        # an op's own output inside the scope is a CPU allocation that the testbed then copies
+        # into the window: the trace closes the scope around the op, so a replay (hazsan place /
+        # sweep) puts only the window blocks in the pool
+        depth, outside_in_scope, window_in_scope = 0, [], 0
+        for e in evs:
+            if e["ev"] == "scope":
+                depth += 1 if e["enter"] else -1
+            elif e["ev"] == "alloc":
+                in_window = win["addr"] <= e["addr"] < win["addr"] + win["size"]
+                if in_window:
+                    window_in_scope += depth > 0
+                elif depth > 0:
+                    outside_in_scope.append(e)
+        assert depth == 0 and window_in_scope == 3 and outside_in_scope == [], outside_in_scope
     rules = analyze([str(traces)]).summary["by_rule"]
     assert rules.get("free-in-flight") == 2 and rules.get("reuse-in-flight") == 2, rules

@@ -44,7 +44,8 @@ MODEL = dict(hidden_size=7168, num_hidden_layers=1, num_attention_heads=8, num_k
              bos_token_id=0, eos_token_id=1, seed=1234, cycle=16, head_margin=9.0)
 REQUESTS = 48          # requests per run, all submitted at once
 MAX_SEQS = 16          # vLLM's max_num_seqs: continuous batching as requests finish
-MAX_BATCHED = 512      # vLLM's max_num_batched_tokens (chunked prefill)
+MAX_BATCHED = 1024     # vLLM's max_num_batched_tokens: a whole batch's prompts fit one step
+LOG_INTERVAL = 0.5     # VLLM_LOG_STATS_INTERVAL (s): vLLM's stats and SpecDecoding metrics lines
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -111,8 +112,10 @@ def successor_table():
 
 def prompts() -> list[tuple[list[int], int]]:
     """(prompt, max_tokens) per request: each prompt walks one successor cycle twice and a bit,
-    so its continuation (the cycle again) is what the ngram proposer finds; lengths and output
-    lengths vary, so requests finish at different steps and new ones join (continuous batching)."""
+    so its continuation (the cycle again) is what the ngram proposer finds. Prompt lengths vary;
+    half the requests stop after 32 tokens, half after 48, so half a batch finishes early and new
+    requests join the other half (continuous batching), and no step is left with only one or two
+    requests (a tail of tiny steps)."""
     succ = successor_table().tolist()
     import torch
     perm = torch.randperm(MODEL["vocab_size"], generator=torch.Generator().manual_seed(MODEL["seed"] + 1)).tolist()
@@ -123,7 +126,7 @@ def prompts() -> list[tuple[list[int], int]]:
         walk = [t]
         for _ in range(2 * C + r % 7):
             walk.append(succ[walk[-1]])
-        out.append((walk, 16 + 8 * ((7 * r) % 5)))
+        out.append((walk, 32 if r % 2 else 48))
     return out
 
 
@@ -163,7 +166,7 @@ def run_one(variant: str, depth: int, out: Path, model: Path, capture: str | Non
             p.unlink()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_NO_USAGE_STATS="1",
-               VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", VLLM_LOG_STATS_INTERVAL="1",
+               VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", VLLM_LOG_STATS_INTERVAL=str(LOG_INTERVAL),
                VLLM_CACHE_ROOT=str(out.parent / "vllm-cache"),
                HAZSAN_MHC_VARIANT=variant, HAZSAN_MHC_OUT=str(out))
     if capture:

@@ -29,6 +29,28 @@ def _scales(text: str) -> list[float]:
     return vals
 
 
+MAX_SCHEDULE = 1_000_000   # steps
+
+
+def _schedule(text: str) -> list[int]:
+    where = "--schedule"
+    if text.startswith("@"):
+        where = text[1:]
+        try:
+            with open(where) as f:
+                text = f.read()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"--schedule: cannot read {where}: {exc.strerror}") from None
+    parts = text.replace(",", " ").split()
+    try:
+        vals = [int(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{where}: token counts must be integers") from None
+    if not vals or len(vals) > MAX_SCHEDULE or not all(0 < v <= 1 << 24 for v in vals):
+        raise argparse.ArgumentTypeError(f"{where}: 1 to {MAX_SCHEDULE:,} token counts, each from 1 to {1 << 24}")
+    return vals
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
@@ -39,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the step to replay (default: the first step marker with tokens)")
     p.add_argument("--repeat", type=int, default=2, metavar="R",
                    help="replay the step R times in a row, as consecutive decode steps (default 2)")
+    p.add_argument("--schedule", type=_schedule, default=None, metavar="T1,T2,...|@FILE",
+                   help="instead of --scale/--repeat: replay the step once per token count, in order, "
+                        "as a server's consecutive steps (e.g. the tokens of each step vLLM's scheduler "
+                        "made); @FILE reads the counts from a file (commas or whitespace)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--alloc-conf", metavar="CONF", default=None,
                    help="allocator settings (default: $PYTORCH_ALLOC_CONF / $PYTORCH_CUDA_ALLOC_CONF)")
@@ -74,11 +100,13 @@ def run(args) -> int:
                   else AllocatorConfig.from_env())
         results = sweep([args.trace], args.scale, step=args.step, repeat=args.repeat, config=config,
                         peer_completion=args.peer_completion, workdir=args.keep,
-                        no_split_pools=args.no_split)
+                        no_split_pools=args.no_split, schedule=args.schedule)
     except (ConfigError, SweepError, TraceError, PlaceError) as exc:
         print(f"hazsan sweep: {exc}", file=sys.stderr)
         return 2
 
+    if args.schedule:
+        return _report_schedule(args, config, results[0])
     other_rules = sorted({r for res in results for r in res.by_rule}
                          - set(REALISED_RULES) - set(LATENT_RULES))
     if args.format == "json":
@@ -115,3 +143,32 @@ def run(args) -> int:
             print("The hazard is present at every shape; only the shapes marked COLLIDES corrupt data "
                   "with this allocator state.")
     return 1 if any(r.realised for r in results) else 0
+
+
+def _report_schedule(args, config, r) -> int:
+    """One replay along a schedule: which of its steps collide (index in the schedule, tokens)."""
+    import orjson
+
+    from sanitizer.place.sweep import REALISED_RULES
+    first = r.recorded_step
+    colliding = sorted({f.step - first for f in r.findings
+                        if f.rule in REALISED_RULES and isinstance(f.step, int)})
+    if args.format == "json":
+        doc = {"trace": args.trace, "allocator": config.describe(), "schedule": args.schedule,
+               "by_rule": r.by_rule, "realised": r.realised, "latent": r.latent,
+               "colliding_steps": [{"index": i, "tokens": args.schedule[i]} for i in colliding
+                                   if 0 <= i < len(args.schedule)],
+               "collisions": [{"rank": f.rank, "index": f.step - first, "line": f.line, "site": _site(f)}
+                              for f in r.findings if f.rule in REALISED_RULES]}
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(f"hazsan sweep {args.trace}: step replayed along a schedule of {len(args.schedule)} steps "
+              f"({min(args.schedule)} to {max(args.schedule)} tokens), allocator {config.describe()}")
+        print(f"findings: {dict(sorted(r.by_rule.items())) or 'none'}")
+        if colliding:
+            print("COLLIDES at step(s) " + ", ".join(f"{i} ({args.schedule[i]} tokens)" for i in colliding
+                                                     if 0 <= i < len(args.schedule)))
+        else:
+            print("no step of the schedule collides")
+    return 1 if r.realised else 0
+

@@ -50,6 +50,7 @@ class ScaleResult:
     dropped: int = 0
     segments: int = 0
     warnings: list = field(default_factory=list)
+    recorded_step: int = 0      # n of the replayed step (a finding's step minus it: its repetition)
 
     @property
     def realised(self) -> int:
@@ -152,11 +153,14 @@ def split_step(events, step: int | None):
 class _Scaler:
     """Builds the scaled event list for one rank and one scale."""
 
-    def __init__(self, prologue, marker, body, scale: float, repeat: int):
+    def __init__(self, prologue, marker, body, scale: float, repeat: int, schedule=None):
         self.prologue, self.marker, self.body = prologue, marker, body
-        self.scale, self.repeat = scale, repeat
         self.tokens = marker["tokens"]
-        self.new_tokens = max(1, round(self.tokens * scale))
+        # schedule: one token count per repetition (a server's steps, in order); else `repeat`
+        # repetitions at one scale
+        self.schedule = list(schedule) if schedule else [max(1, round(self.tokens * scale))] * repeat
+        self.repeat = len(self.schedule)
+        self._at(0)
         self.prologue_ids = {e.get("id") for e in prologue if e.get("ev") == "alloc"}
         self.step_ids = {e.get("id") for e in body if e.get("ev") == "alloc"}
         self.step_graphs = {e.get("graph") for e in body if e.get("ev") == "graph_begin"}
@@ -187,10 +191,17 @@ class _Scaler:
             return 1.0, None
         return new_n / old_n, new
 
+    def _at(self, k: int) -> None:
+        """Repetition k's token count and scale."""
+        self.new_tokens = self.schedule[k]
+        self.scale = self.new_tokens / self.tokens
+
     def build(self) -> list[dict]:
         out = list(self.prologue)
         for k in range(self.repeat):
+            self._at(k)
             out.extend(self._repetition(k))
+        self._at(0)
         return out
 
     def _repetition(self, k: int) -> list[dict]:
@@ -278,20 +289,37 @@ class _Scaler:
 
 
 def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig | None = None,
-          peer_completion: str = "local", workdir=None, no_split_pools=()) -> list[ScaleResult]:
-    """Run the sweep; returns one ScaleResult per scale (in the order given)."""
+          peer_completion: str = "local", workdir=None, no_split_pools=(), schedule=None) -> list[ScaleResult]:
+    """Run the sweep; returns one ScaleResult per scale (in the order given).
+
+    With `schedule` (token counts), `scales` is ignored: the step is replayed once per listed
+    token count, in order, as a server's consecutive steps, and one ScaleResult comes back
+    (scale 1.0, `tokens` the first count); a finding's `step` minus the recorded step's `n` is
+    its index in the schedule."""
+    if schedule:
+        schedule = [int(t) for t in schedule]
+        if not all(t > 0 for t in schedule):
+            raise SweepError("every token count of the schedule must be positive")
+        scales = [1.0]
     from sanitizer.rules.driver import analyze
     from sanitizer.trace.reader import expand_paths
 
     config = config or AllocatorConfig()
     files = expand_paths(paths)
     ranks = []
+    skipped = []
     for f in files:
         header, events = _read(f)
+        if not any(isinstance(ev, dict) and ev.get("ev") == "step" for _, ev in events):
+            # a process that ran no step (a server's front end, an engine core without the model)
+            skipped.append(f)
+            continue
         try:
             ranks.append((f, header, *split_step(events, step)))
         except SweepError as exc:
             raise SweepError(f"{f}: {exc}") from None
+    if not ranks:
+        raise SweepError(f"no trace file has a step marker ({len(skipped)} file(s) without one)")
     tmp = tempfile.TemporaryDirectory(prefix="hazsan-sweep-") if workdir is None else None
     root = Path(workdir or tmp.name)
     results = []
@@ -304,13 +332,14 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
             res = None
             segments = 0
             for f, header, prologue, marker, body in ranks:
-                sc = _Scaler(prologue, marker, body, scale, repeat)
+                sc = _Scaler(prologue, marker, body, scale, repeat, schedule)
                 evs = sc.build()
                 name = f.name[:-3] if f.name.endswith(".gz") else f.name
                 with open(raw_dir / name, "wb") as fh:
                     head = {**{k: v for k, v in header.items() if k != "end_record"}, "sweep": {
                         "scale": scale, "source": str(f), "step": marker.get("n"),
-                        "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens, "repeat": repeat}}
+                        "recorded_tokens": marker["tokens"], "tokens": sc.new_tokens, "repeat": sc.repeat,
+                        **({"schedule": schedule} if schedule else {})}}
                     for e in (head, *evs):
                         try:
                             fh.write(orjson.dumps(e) + b"\n")
@@ -322,7 +351,7 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                 stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools)
                 segments += stats.segments
                 if res is None:
-                    res = ScaleResult(scale, sc.new_tokens, {}, [])
+                    res = ScaleResult(scale, sc.new_tokens, {}, [], recorded_step=marker.get("n") or 0)
                 res.allocs_scaled += sc.scaled
                 res.allocs_unscaled += sc.unscaled
                 res.dropped += sc.dropped

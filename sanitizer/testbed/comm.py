@@ -219,10 +219,10 @@ class WindowAllocationMode:
     _cls = None
 
     @classmethod
-    def create(cls, pool: WindowPool):
+    def create(cls, pool: WindowPool, scope_event: dict | None = None):
         if cls._cls is None:
             cls._cls = _build_mode_class()
-        return cls._cls(pool)
+        return cls._cls(pool, scope_event)
 
 
 def _build_mode_class():
@@ -233,16 +233,29 @@ def _build_mode_class():
     Tensor = torch.Tensor
 
     class _Mode(TorchDispatchMode):
-        def __init__(self, pool: WindowPool):
+        def __init__(self, pool: WindowPool, scope_event: dict | None = None):
             super().__init__()
             self.pool = pool
+            # Under capture the op's own output is a CPU allocation that capture records before
+            # it is copied into the window: the scope is closed around the op in the trace, so
+            # that a replay (hazsan place / sweep) places only the window block in the pool.
+            rec = pool.comm.recorder
+            self.rec = rec if scope_event is not None and isinstance(rec, _record.CaptureRecorder) else None
+            self.scope_event = scope_event
             self.lo = pool.mapping.base
             self.hi = pool.mapping.base + pool.mapping.size
             self.device_type = getattr(pool.mapping, "device_type", "cpu")
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            out = func(*args, **kwargs)
+            if self.rec is None:
+                out = func(*args, **kwargs)
+            else:
+                self.rec.emit({**self.scope_event, "enter": False})
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    self.rec.emit({**self.scope_event, "enter": True})
             given = set()
             for a in tree_flatten((args, kwargs))[0]:
                 if isinstance(a, Tensor) and a.layout == torch.strided:
@@ -334,8 +347,9 @@ class SymmetricCommunicator:
     def scope(self, name: str = "symm"):
         """Allocations made in here (on this thread) are placed in the window."""
         rec = self.recorder
-        rec.emit({"ev": "scope", "name": name, "enter": True, "pool": self.pool.pool, "comm": self.name}, site=True)
-        mode = WindowAllocationMode.create(self.pool)
+        event = {"ev": "scope", "name": name, "enter": True, "pool": self.pool.pool, "comm": self.name}
+        rec.emit(event, site=True)
+        mode = WindowAllocationMode.create(self.pool, event)
         mode.__enter__()
         try:
             yield self

@@ -164,7 +164,9 @@ class MHCBlock(nn.Module):
             y_sum = tensor_model_parallel_all_reduce(partial)
             mixed = mhc.mix(x, comb)
         else:
-            with tb.overlap():               # the all-reduce stays in flight during the mixing
+            # The all-reduce stays in flight during the mixing, and writes the sum into y (the
+            # combine's output, dead after the block's first norm), as examples/mhc_decode does.
+            with tb.overlap(into=y):
                 y_sum = tensor_model_parallel_all_reduce(partial)
                 del partial                  # a temporary: nothing keeps it alive (see module doc)
                 mixed = mhc.mix(x, comb)

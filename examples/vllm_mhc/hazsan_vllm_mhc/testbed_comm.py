@@ -38,13 +38,16 @@ class TestbedTP:
     def __init__(self, comm: SymmetricCommunicator, files: WindowFiles, is_owner: bool):
         self.comm, self.files, self.is_owner = comm, files, is_owner
         self._deferred: list | None = None
+        self._into: list = []
         self.collectives = 0
 
     # ---- what vLLM's GroupCoordinator calls --------------------------------------------------
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """Out of place, as vLLM's all_reduce is: the sum lands in a fresh window block."""
         src, staged = self._in_window(input_)
-        out = self.comm.empty(src.shape, src.dtype)
+        out = self._into.pop() if self._into else None
+        if out is None or out.dtype != src.dtype or out.numel() != src.numel():
+            out = self.comm.empty(src.shape, src.dtype)
         work = self.comm.all_reduce(src, out=out)
         # The collective holds no reference to the caller's tensor (an NCCL symmetric kernel
         # neither); a staging copy is the communicator's own, held until the wait.
@@ -73,12 +76,16 @@ class TestbedTP:
         return self.comm.scope()
 
     @contextlib.contextmanager
-    def overlap(self):
-        """All-reduces issued in here stay in flight until the block ends (then are waited for)."""
+    def overlap(self, into: torch.Tensor | None = None):
+        """All-reduces issued in here stay in flight until the block ends (then are waited for).
+        `into`: a window buffer the first one writes its sum into (instead of a fresh block), as
+        SGLang's mHC path reuses the combine's output, dead after the block's first norm."""
         outer, self._deferred = self._deferred, []
+        outer_into, self._into = self._into, ([into] if into is not None else [])
         try:
             yield
         finally:
+            self._into = outer_into
             pending, self._deferred = self._deferred, outer
             for work, _hold in pending:
                 work.wait()
