@@ -29,6 +29,12 @@ def add_arguments(p) -> None:
     p.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
                    help="analyse rank files in N processes, then join them (default 1); "
                         "a progress bar shows on a terminal")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="analyse each rank file on a Dask distributed worker that can read it "
+                        "(tcp://host:8786; the paths are the workers'), join the results here; "
+                        "needs hazsan[dask]")
+    p.add_argument("--scheduler-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the scheduler and its first worker (default 10)")
 
 
 def _size(text: str) -> int:
@@ -113,7 +119,20 @@ def run(args) -> int:
     from sanitizer.rules.driver import analyze
 
     started = time.perf_counter()
-    if args.jobs > 1:
+    if args.scheduler:
+        if args.jobs > 1:
+            print("hazsan check: --jobs and --scheduler: give one of them", file=sys.stderr)
+            return 2
+        from sanitizer.rules.dask_check import SchedulerError, analyze_on_cluster
+
+        try:
+            analysis = analyze_on_cluster(args.paths, scheduler=args.scheduler, peer_completion=args.peer_completion,
+                                          lenient=args.lenient, max_per_group=args.max_per_group,
+                                          timeout=args.scheduler_timeout)
+        except SchedulerError as exc:
+            print(f"hazsan check: error: {exc}", file=sys.stderr)
+            return 2
+    elif args.jobs > 1:
         from sanitizer.rules.parallel import analyze_parallel
         analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
                                     lenient=args.lenient, max_per_group=args.max_per_group)
