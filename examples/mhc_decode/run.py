@@ -2,7 +2,7 @@
 
     python -m examples.mhc_decode --variant stock --depth 4 --ranks 2 --steps 24 --out runs/stock-d4
 
-Writes into --out: the rank traces (rank<R>.jsonl, from the testbed, or from hazsan capture when
+Writes into --out: the rank traces (rank<R>.jsonl from the testbed, or rank<R>.hzs from hazsan capture when
 HAZSAN=1: the rank processes get HAZSAN_DIR=--out), outcomes.jsonl (one line per request, the format of
 sanitizer/proof/outcomes.py) and summary.json (configuration, counts, timings).
 Exit status 0 whether or not requests were corrupted (corruption is the measurement), 2 on errors.
@@ -106,7 +106,8 @@ class RunFailed(RuntimeError):
 def _prepare(out: str) -> str:
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    for old in glob.glob(os.path.join(out, "rank*.jsonl*")) + glob.glob(os.path.join(out, "pid*.jsonl*")) + \
+    for old in [p for stem in ("rank*", "pid*") for ext in (".jsonl*", ".hzs*")     # traces of either format
+                for p in glob.glob(os.path.join(out, stem + ext))] + \
             [os.path.join(out, n) for n in ("outcomes.jsonl", "summary.json", "server.log")]:
         if os.path.exists(old):
             os.unlink(old)

@@ -177,8 +177,11 @@ def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
 
 
 def read_trace(path: Path) -> tuple[dict, list[dict]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return lines[0], lines[1:]
+    """Header and events (dicts) of a trace in either format (capture writes binary by default)."""
+    from sanitizer.trace.reader import open_trace
+
+    tf = open_trace(path)
+    return tf.header, [ev for _, ev in tf.events() if isinstance(ev, dict)]
 
 
 def by_step(events: list[dict]) -> list[dict]:
@@ -203,7 +206,8 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
     facts: dict = {}
     ranks = {}
     for r in (0, 1):
-        f = folder / f"rank{r}.jsonl"
+        f = next((folder / f"rank{r}{ext}" for ext in (".hzs", ".jsonl") if (folder / f"rank{r}{ext}").exists()),
+                 folder / f"rank{r}.hzs")
         if not f.exists():
             fail(f"no trace for rank {r}")
             return facts
@@ -275,7 +279,7 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
     facts.update(steps=len(marks[0]), phases=dict(phases), model_steps=len(work_steps),
                  all_reduce=dict(ar_ops), all_gather=dict(ag_ops),
                  per_step={f"{a}ar+{g}ag": n for (a, g), n in per_step.items()},
-                 files=len(list(folder.glob("*.jsonl"))), events=summary.get("events"),
+                 files=len([p for p in folder.iterdir() if p.name.endswith((".jsonl", ".hzs"))]), events=summary.get("events"),
                  check=f"exit {chk.returncode}, {summary.get('findings')} findings, "
                        f"{'complete' if summary.get('complete') else 'INCOMPLETE'}")
     return facts
