@@ -80,7 +80,7 @@ def add_limit_arguments(p) -> None:
     DEFAULT_LIMITS = ReadLimits()  # the built-in defaults, not whatever an earlier run set
 
     p.add_argument("--max-line-bytes", type=_size, default=DEFAULT_LIMITS.max_line_bytes, metavar="N",
-                   help=f"longest trace line read (default {DEFAULT_LIMITS.max_line_bytes >> 20}MiB; "
+                   help=f"longest trace line (or binary frame) read (default {DEFAULT_LIMITS.max_line_bytes >> 20}MiB; "
                         "0: no limit); a longer one is an error")
     p.add_argument("--max-gzip-ratio", type=_ratio, default=DEFAULT_LIMITS.max_gzip_ratio, metavar="R",
                    help=f"a .gz trace may expand at most R times (default {DEFAULT_LIMITS.max_gzip_ratio:g}; "
