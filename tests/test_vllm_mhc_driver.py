@@ -84,3 +84,42 @@ def test_prompts_walk_the_successor_cycles(run):
 
 def test_base_id(run):
     assert run.base_id("17-a1b2c3d4") == "17" and run.base_id("3") == "3"
+
+
+# ---- the plugin's testbed endpoint (what vLLM's GroupCoordinator calls), on a real 2-rank testbed
+def _endpoint_worker(rank, files, plugin_dir):
+    import sys
+    import torch
+    sys.path.insert(0, plugin_dir)
+    from hazsan_vllm_mhc.testbed_comm import TestbedTP
+    from sanitizer.testbed import SymmetricCommunicator
+    out = {}
+    with SymmetricCommunicator(files, rank, read_delay=0.2) as comm:
+        tb = TestbedTP(comm, files, is_owner=False)
+        x = torch.full((4, 8), float(rank + 1))                 # not a window tensor: staged
+        out["sum"] = tb.all_reduce(x).tolist()
+        g = tb.all_gather(torch.full((2, 3), float(rank)), dim=-1)
+        out["gather"] = g.tolist()
+        with tb.scope():
+            part = torch.full((4, 8), float(10 * (rank + 1)))
+            into = torch.empty((4, 8))
+        with tb.overlap(into=into):
+            y = tb.all_reduce(part)
+            out["in_flight_inside"] = comm.completed < comm.enqueued   # deferred, not waited
+            out["same_buffer"] = y.data_ptr() == into.data_ptr()
+        out["done_after"] = comm.completed == comm.enqueued
+        out["overlap_sum"] = float(y[0, 0])
+    return out
+
+
+def test_the_plugin_endpoint_reduces_gathers_and_defers_inside_overlap():
+    pytest.importorskip("torch")
+    from sanitizer.testbed import spawn
+    plugin = str(ROOT / "examples" / "vllm_mhc")
+    res = spawn(_endpoint_worker, 2, args=(plugin,), window_bytes=8 << 20, timeout=120)
+    for r in res:
+        assert r["sum"] == [[3.0] * 8] * 4                       # 1 + 2
+        # vLLM's all_gather semantics: concatenation along dim (CpuCommunicator.all_gather)
+        assert r["gather"] == [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]] * 2
+        assert r["in_flight_inside"] and r["done_after"]
+        assert r["same_buffer"] and r["overlap_sum"] == 30.0

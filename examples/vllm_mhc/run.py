@@ -237,14 +237,22 @@ def hazsan(*args: str) -> tuple[int, dict]:
         raise RuntimeError(f"hazsan {' '.join(args)}: exit {proc.returncode}\n{proc.stderr[-2000:]}") from None
 
 
-def analyse(run_dir: Path, reference: dict, result: dict) -> dict:
+def logscan_options(depth: int) -> list[str]:
+    """The log signature's criterion per depth: an interval whose mean acceptance length is at most
+    half the clean one (depth + 1: every draft accepted, as this model's prompts make it), with at
+    least half the batch slots running (under load)."""
+    return ["--threshold", f"{(depth + 1) / 2:g}", "--min-running", str(MAX_SEQS // 2)]
+
+
+def analyse(run_dir: Path, reference: dict, result: dict, depth: int) -> dict:
     rows = write_outcomes(run_dir, reference, result)
     code, check = hazsan("check", str(run_dir))
     by_rule = check["summary"]["by_rule"]
     realised = sorted({f["step"] for f in check["findings"] if f["rule"] == "reuse-in-flight"})
-    _, scan = hazsan("logscan", str(run_dir / "server.log"))
+    _, scan = hazsan("logscan", str(run_dir / "server.log"), *logscan_options(depth))
     tokens = step_tokens(run_dir)
     return {
+        "depth": depth, "full_batch_tokens": MAX_SEQS * (depth + 1),
         "requests": len(rows), "corrupted": sum(r["corrupted"] for r in rows),
         "corrupted_ids": [r["request"] for r in rows if r["corrupted"]],
         "findings": by_rule, "check_exit": code, "complete": check["summary"].get("complete"),
@@ -254,10 +262,22 @@ def analyse(run_dir: Path, reference: dict, result: dict) -> dict:
     }
 
 
-def logscan_facts(scan: dict) -> dict:
-    """Accept length and flags from `hazsan logscan --format json` (one log)."""
-    f = (scan.get("files") or [scan])[0] if isinstance(scan, dict) else {}
-    return f
+def predict(stock_dir: Path, clean_dir: Path) -> dict:
+    """Which steps of the clean schedule collide, by replay: the stock run's first decode step (its
+    window traffic, recorded) replayed along the clean run's step token counts through the
+    caching-allocator model (`hazsan sweep --schedule`), before any corruption changes the shapes."""
+    marks = [json.loads(line) for line in (stock_dir / "schedule.ndjson").read_text().splitlines()]
+    template = next((m["step"] for m in marks if m["reqs"] and all(
+        c is not None and c > 0 for c, _ in m["reqs"].values())), None)
+    schedule = [t for t in step_tokens(clean_dir) if t > 0]
+    if template is None or not schedule:
+        return {}
+    code, out = hazsan("sweep", str(stock_dir), "--step", str(template),
+                       "--schedule", ",".join(map(str, schedule)))
+    return {"template_step": template, "schedule": schedule,
+            "colliding": [c["index"] for c in out.get("colliding_steps", [])],
+            "colliding_tokens": [c["tokens"] for c in out.get("colliding_steps", [])],
+            "by_rule": out.get("by_rule", {})}
 
 
 def parse_depths(text: str) -> list[int]:
@@ -305,10 +325,15 @@ def main(argv=None) -> int:
         for v in args.variants.split(","):
             out = args.out / f"{v}-d{d}"
             res = run_one(v, d, out, model, args.capture, args.timeout)
-            s = analyse(out, reference, res)
+            s = analyse(out, reference, res, d)
             runs[f"{v}-d{d}"] = s
             print(f"[vllm-mhc] {v:5s} depth {d}: {s['corrupted']}/{s['requests']} corrupted, "
                   f"findings {s['findings']}, {s['steps']} steps, {res['wall_s']} s", flush=True)
+        if f"stock-d{d}" in runs and f"fixed-d{d}" in runs:
+            pred = predict(args.out / f"stock-d{d}", args.out / f"fixed-d{d}")
+            runs[f"stock-d{d}"]["predicted"] = pred
+            print(f"[vllm-mhc] depth {d}: replay of the clean schedule predicts collisions at steps "
+                  f"{pred.get('colliding') or 'none'}", flush=True)
     comparisons = {}
     for d in parse_depths(args.depths):
         if "stock" in args.variants and "fixed" in args.variants:
@@ -322,6 +347,7 @@ def main(argv=None) -> int:
     (args.out / "sweep.json").write_text(json.dumps(sweep, indent=1))
     print(f"[vllm-mhc] done in {sweep['seconds']} s: {args.out / 'sweep.json'}", flush=True)
     if args.report:
+        sys.path.insert(0, str(HERE))
         from report import write_report
         write_report(sweep, args.report)
         print(f"[vllm-mhc] report: {args.report / 'README.md'}", flush=True)
