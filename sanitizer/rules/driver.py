@@ -19,7 +19,6 @@ from pathlib import Path
 
 from sanitizer.rules import buildinfo
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
-from sanitizer.trace.binary import TO_JSON_CLASS
 from sanitizer.trace.reader import TraceError, TraceFile, TypedEvents, expand_paths, open_trace
 
 ENV = "HAZSAN_ENGINE"
@@ -146,6 +145,8 @@ class RankReader:
         if trace.format == "binary":
             # the binary format's records are classes of their own (same fields): the engine's
             # dispatch table gets them beside the JSON Lines ones
+            from sanitizer.trace.binary import TO_JSON_CLASS
+
             handlers = analyzer.handlers
             for cls, json_cls in TO_JSON_CLASS.items():
                 if json_cls in handlers:

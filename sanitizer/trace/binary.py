@@ -25,8 +25,6 @@ from typing import Union
 
 import msgspec
 
-from sanitizer.trace import events as E
-from sanitizer.trace.events import describe
 
 #: The first 7 bytes of every binary trace: a byte that is not ASCII (no JSON, no gzip file starts
 #: so), "HZS", and CR LF SUB, which a text-mode copy would alter (as PNG's signature does).
@@ -81,22 +79,21 @@ ORDER: dict[str, tuple[int, tuple[str, ...]]] = {
 KIND_OF_TAG: dict[int, str] = {tag: kind for kind, (tag, _) in LAYOUT.items()}
 #: A collective's buffer: [addr, size, access].
 BUF_FIELDS = ("addr", "size", "access")
-#: kind -> the fields it requires (written out as null too when None: `pool` may be null)
-REQUIRED: dict[str, frozenset[str]] = {
-    kind: frozenset(f.name for f in msgspec.structs.fields(E.BY_KIND[kind]) if f.required) for kind in LAYOUT
-}
 
 
-#: One buffer of a collective, as [addr, size, access] (the types of events.Buf).
-Buf = msgspec.defstruct("Buf", [(f.name, f.type) for f in msgspec.structs.fields(E.Buf)],
-                        array_like=True, gc=False, module=__name__)
-assert Buf.__struct_fields__ == BUF_FIELDS
-
-
-def _make_kinds() -> dict[str, type]:
+def _make_kinds() -> dict:
     """The typed records of the binary format: per kind an array_like struct with the fields and
-    types of sanitizer.trace.events' class, in ORDER."""
-    out = {}
+    types of sanitizer.trace.events' class, in ORDER; and the decoders. Built at the first use
+    (reading a binary trace), not at import: capture (the writer) and JSON Lines need none of it."""
+    import msgspec
+
+    from sanitizer.trace import events as E
+
+    # One buffer of a collective, as [addr, size, access] (the types of events.Buf).
+    buf = msgspec.defstruct("Buf", [(f.name, f.type) for f in msgspec.structs.fields(E.Buf)],
+                            array_like=True, gc=False, module=__name__)
+    assert buf.__struct_fields__ == BUF_FIELDS
+    by_kind = {}
     for kind, (tag, names) in ORDER.items():
         cls = E.BY_KIND[kind]
         info = {f.name: f for f in msgspec.structs.fields(cls)}
@@ -104,20 +101,41 @@ def _make_kinds() -> dict[str, type]:
         fields = []
         for name in names:
             f = info[name]
-            typ = list[Buf] if (kind == "coll" and name == "bufs") else f.type
+            typ = list[buf] if (kind == "coll" and name == "bufs") else f.type
             fields.append((name, typ) if f.required else (name, typ, f.default))
-        out[kind] = msgspec.defstruct("Bin" + cls.__name__, fields, array_like=True, tag=tag, gc=False,
-                                      module=__name__)
-    return out
+        by_kind[kind] = msgspec.defstruct("Bin" + cls.__name__, fields, array_like=True, tag=tag, gc=False,
+                                          module=__name__)
+    kinds = tuple(by_kind.values())
+    return {
+        "Buf": buf,
+        "BY_KIND": by_kind,
+        "KINDS": kinds,
+        # binary record class -> the JSON Lines class of the same kind (the engine's dispatch table)
+        "TO_JSON_CLASS": {by_kind[k]: E.BY_KIND[k] for k in by_kind},
+        "REQUIRED": {kind: frozenset(f.name for f in msgspec.structs.fields(E.BY_KIND[kind]) if f.required)
+                     for kind in LAYOUT},
+        "_frame_decoder": msgspec.msgpack.Decoder(list[Union[kinds]]),  # type: ignore[valid-type]
+    }
 
 
-BY_KIND: dict[str, type] = _make_kinds()
-KINDS: tuple[type, ...] = tuple(BY_KIND.values())
-#: binary record class -> the JSON Lines class of the same kind (the engine's dispatch table).
-TO_JSON_CLASS: dict[type, type] = {BY_KIND[k]: E.BY_KIND[k] for k in BY_KIND}
+_LAZY = ("Buf", "BY_KIND", "KINDS", "TO_JSON_CLASS", "REQUIRED", "_frame_decoder")
 
-_frame_decoder = msgspec.msgpack.Decoder(list[Union[KINDS]])  # type: ignore[valid-type]
-_event_type = Union[KINDS]  # type: ignore[valid-type]
+
+def __getattr__(name: str):
+    """BY_KIND, KINDS, TO_JSON_CLASS, Buf, REQUIRED: made at the first use (PEP 562)."""
+    if name in _LAZY or name.startswith("Bin"):
+        made = globals().get("BY_KIND") and {k: globals()[k] for k in _LAZY}
+        if not made:
+            made = _make_kinds()
+            globals().update(made)
+            globals().update({cls.__name__: cls for cls in made["KINDS"]})   # pickle finds them by name
+        if name in made:
+            return made[name]
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _generic = msgspec.msgpack.Decoder()
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -279,6 +297,8 @@ _GOT_LENGTH = re.compile(r"(of (?:at (?:least|most) )?length \d+), got \d+")
 def _named(kind: str, message: str) -> str:
     """msgspec's message about one item (path `$[k]...`) with the path in field names, as the JSON
     decoder would have said it (`$.bufs[0].size`), then worded by events.describe."""
+    from sanitizer.trace.events import describe
+
     m = _PATH.match(message)
     text, indices, rest = m.groups() if m else (message, None, "")
     idx = [int(i) for i in _INDEX.findall(indices or "")]
@@ -310,6 +330,18 @@ def _named(kind: str, message: str) -> str:
     return describe(kind, f"{text} - at `${path}{rest}`")
 
 
+def _frame():
+    return globals().get("_frame_decoder") or __getattr__("_frame_decoder")
+
+
+def _kinds():
+    return globals().get("BY_KIND") or __getattr__("BY_KIND")
+
+
+def _required():
+    return globals().get("REQUIRED") or __getattr__("REQUIRED")
+
+
 class BinaryDecoder:
     """Event frames -> typed records, one rank file's worth; counts what it ignored.
 
@@ -320,14 +352,16 @@ class BinaryDecoder:
     """
 
     def __init__(self) -> None:
-        self.json = E.EventDecoder()        # map items: the JSON Lines rules, counts included
+        from sanitizer.trace.events import EventDecoder
+
+        self.json = EventDecoder()        # map items: the JSON Lines rules, counts included
         self.unknown_kinds: dict[str, int] = {}
 
     def decode(self, first: int, payload: bytes, frame_no: int, offset: int, problems: list) -> list:
         """Records for the events of one frame numbered from `first`; None where an item gives no
         event. Problems are appended as (line, message)."""
         try:
-            return _frame_decoder.decode(payload)
+            return _frame().decode(payload)
         except msgspec.DecodeError:
             pass
         where = f"frame {frame_no} at byte {offset}"
@@ -366,7 +400,7 @@ class BinaryDecoder:
             self.unknown_kinds[name] = self.unknown_kinds.get(name, 0) + 1
             return None
         try:
-            return msgspec.convert(item, BY_KIND[kind])
+            return msgspec.convert(item, _kinds()[kind])
         except msgspec.ValidationError as exc:
             return _named(kind, str(exc))
 
@@ -399,7 +433,7 @@ def to_dict(item):
     if kind is None:
         return {"ev": f"#{item[0]}", "fields": item[1:]}
     names = ORDER[kind][1]
-    required = REQUIRED[kind]
+    required = _required()[kind]
     ev = {"ev": kind}
     for name, value in zip(names, item[1:]):
         if value is None and name not in required:
