@@ -45,6 +45,7 @@ MODEL = dict(hidden_size=7168, num_hidden_layers=1, num_attention_heads=8, num_k
 REQUESTS = 48          # requests per run, all submitted at once
 MAX_SEQS = 16          # vLLM's max_num_seqs: continuous batching as requests finish
 MAX_BATCHED = 1024     # vLLM's max_num_batched_tokens: a whole batch's prompts fit one step
+OUTPUT_TOKENS = 40     # per request
 LOG_INTERVAL = 0.5     # VLLM_LOG_STATS_INTERVAL (s): vLLM's stats and SpecDecoding metrics lines
 
 
@@ -112,10 +113,11 @@ def successor_table():
 
 def prompts() -> list[tuple[list[int], int]]:
     """(prompt, max_tokens) per request: each prompt walks one successor cycle twice and a bit,
-    so its continuation (the cycle again) is what the ngram proposer finds. Prompt lengths vary;
-    half the requests stop after 32 tokens, half after 48, so half a batch finishes early and new
-    requests join the other half (continuous batching), and no step is left with only one or two
-    requests (a tail of tiny steps)."""
+    so its continuation (the cycle again) is what the ngram proposer finds. Prompt lengths vary
+    (33 to 39 tokens); every request stops after OUTPUT_TOKENS, so a batch of requests admitted
+    together finishes together and the next ones join (continuous batching) without leaving a tail
+    of steps with one or two requests: in such tiny steps every buffer of the step is in the
+    allocator's small pool, where any depth can collide (see the report)."""
     succ = successor_table().tolist()
     import torch
     perm = torch.randperm(MODEL["vocab_size"], generator=torch.Generator().manual_seed(MODEL["seed"] + 1)).tolist()
@@ -126,7 +128,7 @@ def prompts() -> list[tuple[list[int], int]]:
         walk = [t]
         for _ in range(2 * C + r % 7):
             walk.append(succ[walk[-1]])
-        out.append((walk, 32 if r % 2 else 48))
+        out.append((walk, OUTPUT_TOKENS))
     return out
 
 
