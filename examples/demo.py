@@ -135,11 +135,13 @@ def main(argv=None) -> int:
         return 1
     depth = hit[0]
     depths = neighbours(depth)
-    say(f"1. Which draft depth collides? The placement model (examples/mhc_decode/predict.py) replays the window\n"
-        f"   traffic of depths {SEARCH.start}-{SEARCH.stop - 1}: predicted corrupted requests per depth "
-        + ", ".join(f"{d}: {len(q.corrupted_requests)}/{q.requests}" for d, q in sorted(pred.items())) + ".")
-    say(f"   Colliding: depth {', '.join(map(str, hit))}. Running depth {depth} and its neighbours "
-        f"({', '.join(map(str, depths))}), stock and fixed, each under HAZSAN=1:")
+    say("1. Which draft depth collides? The placement model (examples/mhc_decode/predict.py) replays each\n"
+        "   depth's window traffic through the caching-allocator model (no model run). Predicted:\n")
+    table = [["depth"] + sorted(pred), ["corrupted requests"]
+             + [f"{len(q.corrupted_requests)}/{q.requests}" for _, q in sorted(pred.items())]]
+    say("\n".join("     " + line for line in tabulate(table, tablefmt="plain").splitlines()))
+    say(f"\n   Colliding: depth {', '.join(map(str, hit))}. Running depths {', '.join(map(str, depths))}, "
+        f"stock and fixed, each under HAZSAN=1 ({2 * len(depths)} runs):")
     sweep_s = 0.0 if args.no_runs else P.run_sweep(depths, out)
     result = P.proof(out, depths)
     ev, signature = result["evidence"], P.log_signature(out, depths)
@@ -159,9 +161,12 @@ def main(argv=None) -> int:
                                 "fixed: hazsan check", "log flagged stock / fixed"]))
     at = next(e for e in result["per_depth"] if e["depth"] == depth)
     measured = [e["depth"] for e in result["per_depth"] if e["stock"]["corrupted"]]
+    real = {r.outcome.request for r in ev[("stock", depth)].corrupted}
+    same = "the very requests predicted" if real == pred[depth].corrupted_requests else \
+        f"{len(real & pred[depth].corrupted_requests)} of them among the {len(pred[depth].corrupted_requests)} predicted"
     say(f"\n   Measured colliding depth(s): {', '.join(map(str, measured)) or 'none'} "
-        f"(predicted: {', '.join(str(d) for d in depths if d in hit)}). "
-        f"At depth {depth}: Fisher's exact test, stock rate > fixed rate, p = {at['fisher p (corrupted, one-sided)']:.2g}.")
+        f"(predicted: {', '.join(str(d) for d in depths if d in hit)}); at depth {depth}, {len(real)} corrupted: {same}.\n"
+        f"   At depth {depth}, Fisher's exact test, stock rate > fixed rate: p = {at['fisher p (corrupted, one-sided)']:.2g}.")
     for line in P.summary_lines(result, over=f"depths {P.depths_text(depths)}"):
         say("   " + line)
     latent = [e["depth"] for e in result["per_depth"]

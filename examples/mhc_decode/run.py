@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-margin", type=float, default=None,
                    help="how far the target's successor logit stands above the random head's (default 9)")
     p.add_argument("--draft-match", type=float, default=None, help="share of tokens the draft model predicts right")
-    p.add_argument("--comm-latency-ms", type=float, default=1.0,
+    p.add_argument("--comm-latency-ms", type=float, default=5.0,
                    help="delay before a collective's loads (the time a real one is in flight)")
     p.add_argument("--hold-partial", action="store_true",
                    help="keep each all-reduce input referenced until its wait (removes the latent early free)")
