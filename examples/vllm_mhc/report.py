@@ -43,12 +43,9 @@ def write_report(sweep: dict, out: Path) -> None:
             colliding.append(d)
         latent_everywhere &= bool(s["findings"].get("free-in-flight")) and bool(s["findings"].get("transient-in-window"))
         c = cmp_.get(str(d)) or cmp_.get(d) or {}
-        prec = (c.get("stock") or {}).get("precedence") or c.get("precedence") or {}
-        stats = c.get("statistics") or c.get("stats") or {}
-        p = None
-        for key in ("fisher_p", "p_value", "p"):
-            if isinstance(stats.get(key), (int, float)):
-                p = stats[key]
+        prec = (c.get("stock") or {}).get("requests") or {}
+        primary = next((m for m in c.get("measures", []) if m.get("name") == "corrupted"), {})
+        p = (primary.get("fisher") or {}).get("p_one_sided")
         pred = s.get("predicted") or {}
         rows.append([
             d, s["full_batch_tokens"],
@@ -92,7 +89,8 @@ def write_report(sweep: dict, out: Path) -> None:
         f"- Colliding depth(s): {', '.join(map(str, colliding)) or 'none'}; latent hazards "
         f"(`free-in-flight` and `transient-in-window`) in the stock build at every depth: "
         f"{'yes' if latent_everywhere else 'NO'}.",
-        f"- Whole sweep: {sweep['seconds']} s on this machine (bare run {sweep['bare']['wall_s']} s).",
+        f"- vLLM runs: {sweep.get('vllm_seconds', sweep['seconds'])} s of wall time on this 2-core machine, shared "
+        f"with other work (bare run {sweep['bare']['wall_s']} s); the analysis {sweep['seconds']} s.",
         "",
     ]
     lines += sweep.get("why", [])

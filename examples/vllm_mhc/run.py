@@ -167,6 +167,11 @@ def run_one(variant: str, depth: int, out: Path, model: Path, capture: str | Non
         if p.is_file():
             p.unlink()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
+    # The engine core in this process: LLM.generate queues every request before the first
+    # schedule, so the schedule is the same in every run (with the engine core in a process of
+    # its own, how many requests the first step admits depends on timing). The workers are
+    # still the mp executor's processes.
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_NO_USAGE_STATS="1",
                VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", VLLM_LOG_STATS_INTERVAL=str(LOG_INTERVAL),
                VLLM_CACHE_ROOT=str(out.parent / "vllm-cache"),
@@ -185,6 +190,7 @@ def run_one(variant: str, depth: int, out: Path, model: Path, capture: str | Non
         raise RuntimeError(f"{out.name}: exit {proc.returncode}\n{tail}")
     res = json.loads(result.read_text())
     res["wall_s"] = round(wall, 1)
+    result.write_text(json.dumps(res))          # --reuse finds the run's wall time too
     return res
 
 
@@ -253,8 +259,17 @@ def analyse(run_dir: Path, reference: dict, result: dict, depth: int) -> dict:
     realised = sorted({f["step"] for f in check["findings"] if f["rule"] == "reuse-in-flight"})
     _, scan = hazsan("logscan", str(run_dir / "server.log"), *logscan_options(depth))
     tokens = step_tokens(run_dir)
+    first = None
+    reuse = [f for f in check["findings"] if f["rule"] == "reuse-in-flight"]
+    if reuse:
+        f = min(reuse, key=lambda f: (f["step"] if f["step"] is not None else 1 << 30, f["line"]))
+        ov = f.get("overlap") or [0, 0]
+        first = {"step": f["step"], "tokens": tokens[f["step"]] if f["step"] is not None and f["step"] < len(tokens) else None,
+                 "site": (f["block"].get("site") or "?").rsplit("/", 1)[-1], "block_size": f["block"]["size"],
+                 "seq": (f.get("op") or {}).get("seq"), "overlap": ov[1] - ov[0],
+                 "rank": f["rank"]}
     return {
-        "depth": depth, "full_batch_tokens": MAX_SEQS * (depth + 1),
+        "depth": depth, "full_batch_tokens": MAX_SEQS * (depth + 1), "first_collision": first,
         "requests": len(rows), "corrupted": sum(r["corrupted"] for r in rows),
         "corrupted_ids": [r["request"] for r in rows if r["corrupted"]],
         "findings": by_rule, "check_exit": code, "complete": check["summary"].get("complete"),
@@ -282,6 +297,121 @@ def predict(stock_dir: Path, clean_dir: Path) -> dict:
             "by_rule": out.get("by_rule", {})}
 
 
+def template_step(stock_dir: Path) -> int | None:
+    """The first step that only decodes (every request has computed tokens): the window traffic
+    of one model step, to replay at other token counts."""
+    for line in (stock_dir / "schedule.ndjson").read_text().splitlines():
+        m = json.loads(line)
+        if m["reqs"] and all(c is not None and c > 0 for c, _ in m["reqs"].values()):
+            return m["step"]
+    return None
+
+
+def shape_sweep(stock_dir: Path, counts: list[int]) -> dict:
+    """Which token counts collide when every step has that count: the recorded step replayed 4
+    times at each count (after the run's set-up: weights, vLLM's profile run), one replay each."""
+    step = template_step(stock_dir)
+    out = {"template": str(stock_dir.name), "template_step": step, "colliding": [], "clean": []}
+    if step is None:
+        return out
+    for m in counts:
+        code, res = hazsan("sweep", str(stock_dir), "--step", str(step), "--schedule", ",".join([str(m)] * 4))
+        (out["colliding"] if res.get("colliding_steps") else out["clean"]).append(m)
+    return out
+
+
+def why_lines(sweep_: dict) -> list[str]:
+    """The report's explanation, from the model's sizes, the shape sweep and the first collision."""
+    m = MODEL
+    h, n = m["hidden_size"], m["hc_streams"]
+    partial, transient = 2 * h, 4 * n * h                  # bytes per token: bfloat16 partial, float32 mixing
+    small, large = 1 << 20, 10 << 20                       # the CUDA caching allocator's pool / segment limits
+    lo, hi = small // partial + 1, (large - 1) // transient
+    shapes = sweep_.get("shapes", {})
+    lines = ["## Which depth collides, and why", "",
+             f"The placement of a step's window blocks depends only on its token count and on what earlier "
+             f"steps left in the pool, never on values. Per token, the row-parallel partial is {partial:,} bytes "
+             f"(bfloat16, hidden {h}) and each float32 mixing transient {transient:,} bytes ({n} streams). The "
+             f"caching allocator (the model the testbed places with) serves blocks up to 1 MiB from the small "
+             f"pool and blocks under 10 MiB from 20 MiB segments of the large pool: the partial joins the large "
+             f"pool above {lo - 1} tokens, and the transient stays in the 20 MiB-segment class up to {hi} tokens. "
+             f"In steps of {lo} to {hi} tokens the mixing transient, allocated while the all-reduce still loads "
+             f"the freed partial, can be given the partial's bytes; in larger steps the transient needs a "
+             f"segment of its own, in smaller ones the two are in different pools (below about 9 tokens both are in "
+             f"the small pool again).", ""]
+    if shapes:
+        lines += [f"`hazsan sweep --schedule` on a recorded step of `{shapes['template']}` (step "
+                  f"{shapes['template_step']}), each token count replayed 4 times after the run's set-up: "
+                  f"collides at {_ranges(shapes['colliding']) or 'none'} tokens; clean at "
+                  f"{_ranges(shapes['clean'])}.", ""]
+    lines += ["vLLM's full decode step at depth d has 16 x (d + 1) tokens (16 running requests, each its last "
+              "token and d drafts). Per depth, the first realised collision of the stock run and the replay of "
+              "the fixed run's schedule (the clean shapes) through the allocator model:", ""]
+    rows = []
+    for key, r in sweep_["runs"].items():
+        if not key.startswith("stock-"):
+            continue
+        first = r.get("first_collision")
+        pred = r.get("predicted") or {}
+        rows.append([r["depth"], r["full_batch_tokens"],
+                     f"step {first['step']} ({first['tokens']} tokens): a {first['block_size']:,}-byte block from "
+                     f"{first['site']} placed over {first['overlap']:,} bytes that all_reduce seq {first['seq']} "
+                     f"still loads" if first else "-",
+                     ", ".join(f"{i} ({t})" for i, t in zip(pred.get("colliding", []), pred.get("colliding_tokens", [])))
+                     or "none"])
+    lines += [tabulate_rows(rows, ["depth", "tokens per full decode step", "first realised collision (stock)",
+                                   "predicted colliding steps (tokens) on the clean schedule"]), ""]
+    return lines
+
+
+def tabulate_rows(rows, headers) -> str:
+    from tabulate import tabulate
+    return tabulate(rows, headers=headers, tablefmt="github")
+
+
+def _ranges(vals: list[int]) -> str:
+    if not vals:
+        return ""
+    vals = sorted(vals)
+    out, start, prev = [], vals[0], vals[0]
+    for v in vals[1:] + [None]:
+        if v is not None and v - prev <= 4:
+            prev = v
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(out)
+
+
+def signature_lines(out: Path, runs: dict) -> list[str]:
+    """vLLM's own log at the depth with the most corrupted requests: its SpecDecoding lines around
+    the drop, and `hazsan logscan`'s verdict on the stock and the fixed log."""
+    stock = [(r["corrupted"], r["depth"]) for k, r in runs.items() if k.startswith("stock-")]
+    if not stock or max(stock)[0] == 0:
+        return []
+    depth = max(stock)[1]
+    lines = ["## The log signature", "",
+             f"Depth {depth}, vLLM's own `SpecDecoding metrics` lines (every {LOG_INTERVAL} s, "
+             "`VLLM_LOG_STATS_INTERVAL`), stock then fixed, as vLLM wrote them (timestamps and "
+             "throughputs cut):", ""]
+    for variant in ("stock", "fixed"):
+        log = out / f"{variant}-d{depth}" / "server.log"
+        spec = [ln.split("SpecDecoding metrics: ", 1)[1].split(", Accepted throughput")[0]
+                for ln in log.read_text(errors="replace").splitlines() if "SpecDecoding metrics: " in ln]
+        lines.append(f"    {variant}: " + "; ".join(x.replace("Mean acceptance length: ", "") for x in spec))
+    lines.append("")
+    for variant in ("stock", "fixed"):
+        proc = subprocess.run([sys.executable, "-m", "sanitizer", "logscan",
+                               str(out / f"{variant}-d{depth}" / "server.log"), *logscan_options(depth)],
+                              capture_output=True, text=True, cwd=ROOT)
+        verdict = next((ln for ln in proc.stdout.splitlines() if ln.startswith("verdict")), "?")
+        lines.append(f"- `hazsan logscan {variant}-d{depth}/server.log {' '.join(logscan_options(depth))}` "
+                     f"(exit {proc.returncode}): {verdict}")
+    lines.append("")
+    return lines
+
+
 def parse_depths(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -303,6 +433,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capture", default="alloc", help="HAZSAN_LEVEL of the runs (alloc or full)")
     ap.add_argument("--report", type=Path, help="write README.md and sweep.json here (reports/vllm-mhc)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--reuse", action="store_true",
+                    help="analyse the runs already in OUT (their tokens.json) instead of running vLLM again")
     ap.add_argument("--child")
     ap.add_argument("--one", help="VARIANT:DEPTH, one run (debugging)")
     args = ap.parse_args(argv)
@@ -318,15 +450,28 @@ def main(argv=None) -> int:
         print(json.dumps({k: r[k] for k in ("startup_s", "generate_s", "wall_s")}))
         return 0
     t0 = time.monotonic()
-    print(f"[vllm-mhc] bare reference run (vLLM's own communicator, no speculative decoding) ...", flush=True)
-    bare = run_one("bare", 0, args.out / "bare", model, None, args.timeout)
+    earlier = {}
+    if args.reuse and (args.out / "sweep.json").exists():      # wall times of the runs reused
+        old = json.loads((args.out / "sweep.json").read_text())
+        earlier = {k: r.get("wall_s") for k, r in old.get("runs", {}).items()}
+        earlier["bare"] = old.get("bare", {}).get("wall_s")
+
+    def run_or_reuse(variant, depth, out, capture):
+        if args.reuse and (out / "tokens.json").exists():
+            res = json.loads((out / "tokens.json").read_text())
+            res.setdefault("wall_s", earlier.get(out.name))
+            return res
+        return run_one(variant, depth, out, model, capture, args.timeout)
+
+    print("[vllm-mhc] bare reference run (vLLM's own communicator, no speculative decoding) ...", flush=True)
+    bare = run_or_reuse("bare", 0, args.out / "bare", None)
     reference = {r["id"]: r["tokens"] for r in bare["requests"]}
     print(f"[vllm-mhc] bare: {len(reference)} requests, {bare['wall_s']} s", flush=True)
     runs = {}
     for d in parse_depths(args.depths):
         for v in args.variants.split(","):
             out = args.out / f"{v}-d{d}"
-            res = run_one(v, d, out, model, args.capture, args.timeout)
+            res = run_or_reuse(v, d, out, args.capture)
             s = analyse(out, reference, res, d)
             runs[f"{v}-d{d}"] = s
             print(f"[vllm-mhc] {v:5s} depth {d}: {s['corrupted']}/{s['requests']} corrupted, "
@@ -339,13 +484,20 @@ def main(argv=None) -> int:
     comparisons = {}
     for d in parse_depths(args.depths):
         if "stock" in args.variants and "fixed" in args.variants:
+            # --fail-on error: the fixed build keeps the latent early free of the partial (a
+            # warning, in both builds); the fix removes the realised collisions and corruption
             code, cmp = hazsan("compare", str(args.out / f"stock-d{d}"), str(args.out / f"fixed-d{d}"),
-                               "--primary", "corrupted")
+                               "--primary", "corrupted", "--fail-on", "error")
             comparisons[d] = {"exit": code, **cmp}
-    sweep = {"model": MODEL, "requests": REQUESTS, "max_num_seqs": MAX_SEQS,
+    first_stock = next((args.out / k for k in runs if k.startswith("stock-")), None)
+    shapes = shape_sweep(first_stock, list(range(8, 161, 4))) if first_stock else {}
+    sweep = {"model": MODEL, "requests": REQUESTS, "max_num_seqs": MAX_SEQS, "shapes": shapes,
              "max_num_batched_tokens": MAX_BATCHED, "capture": args.capture, "vllm": bare["vllm"],
              "bare": {k: bare[k] for k in ("startup_s", "generate_s", "wall_s")},
              "runs": runs, "compare": comparisons, "seconds": round(time.monotonic() - t0, 1)}
+    sweep["why"] = why_lines(sweep)
+    sweep["signature"] = signature_lines(args.out, runs)
+    sweep["vllm_seconds"] = round(sum(r.get("wall_s") or 0 for r in runs.values()) + (bare.get("wall_s") or 0), 1)
     (args.out / "sweep.json").write_text(json.dumps(sweep, indent=1))
     print(f"[vllm-mhc] done in {sweep['seconds']} s: {args.out / 'sweep.json'}", flush=True)
     if args.report:
