@@ -272,7 +272,7 @@ def test_history_source_in_a_captured_cpu_program(tmp_path):
         print(allocator_history.stats())
     ''')
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
-    env.update(HAZSAN="1", HAZSAN_DIR=str(tmp_path), HAZSAN_ALLOC_SOURCE="history")
+    env.update(HAZSAN="1", HAZSAN_DIR=str(tmp_path), HAZSAN_ALLOC_SOURCE="history", HAZSAN_TRACE_FORMAT="jsonl")
     out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"           # no CUDA: no history, dispatch path untouched

@@ -81,7 +81,8 @@ def run(tmp_path, program=PROGRAM, capture=True, **env_extra):
     traces = tmp_path / "traces"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HAZSAN", "SPY_", "CUDA_VISIBLE_DEVICES"))}
-    env.update(SPY_OUT=str(out), SPY_TESTS=HERE, HAZSAN="1" if capture else "0", HAZSAN_DIR=str(traces))
+    env.update(SPY_OUT=str(out), SPY_TESTS=HERE, HAZSAN="1" if capture else "0", HAZSAN_DIR=str(traces),
+               HAZSAN_TRACE_FORMAT="jsonl")
     env.update({k: str(v) for k, v in env_extra.items()})
     prog = tmp_path / "prog.py"
     prog.write_text(program)

@@ -185,7 +185,7 @@ def _run(d, mode):
     env["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")       # shared: later runs compile from cache
     env["OMP_NUM_THREADS"] = "1"
     if mode != "bare":
-        env.update(HAZSAN="1", HAZSAN_LEVEL=mode, HAZSAN_DIR=str(out_dir / "traces"))
+        env.update(HAZSAN="1", HAZSAN_LEVEL=mode, HAZSAN_DIR=str(out_dir / "traces"), HAZSAN_TRACE_FORMAT="jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(d / "prog.py"), str(out_dir)]
     p = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True, timeout=400)
