@@ -16,8 +16,8 @@ cdef class StreamClocks:
     cdef dict _new_stream(self, object stream)
     cpdef dict stream_clock(self, object stream)
 
-    @cython.locals(clock=dict, epoch=cython.longlong)
-    cpdef long long enqueue(self, object stream)
+    @cython.locals(clock=dict)
+    cpdef object enqueue(self, object stream)
 
     cpdef record(self, object event, object stream)
     cpdef bint wait(self, object stream, object event)

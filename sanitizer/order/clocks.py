@@ -86,7 +86,8 @@ class StreamClocks:
         return clock
 
     def enqueue(self, stream) -> int:
-        """Work enqueued on `stream`; returns its epoch (the op's own component).
+        """Work enqueued on `stream`; returns its epoch (the op's own component), the int the
+        clock holds.
 
         VC_H[S] never exceeds VC_S[S] (the host learns S's count only from copies of VC_S), so
         the max with the host leaves the own component as it is."""

@@ -17,6 +17,8 @@ cdef class Op:
     cdef public long long epoch, wide_serial
     cdef public Py_ssize_t line
 
+    cpdef list buffers(self)
+
 
 cdef class Window:
     cdef public long long addr, end
@@ -90,16 +92,16 @@ cdef class InFlight:
     cdef public BufferIndex index
     cdef public dict classes
 
-    cpdef push(self, Op op)
+    cpdef push(self, Op op, object epoch=*)
 
     @cython.locals(epochs=list, start=Py_ssize_t, n=Py_ssize_t, stop=Py_ssize_t, gone=list, op=Op)
     cpdef list retire_upto(self, long long known)
 
     @cython.locals(classes=dict, ops=list, base=cython.longlong, i=cython.longlong, pushed=cython.longlong,
-                   retired=cython.longlong, last=cython.longlong, op=Op)
+                   retired=cython.longlong, last=cython.longlong)
     cpdef _track(self)
 
-    @cython.locals(index=BufferIndex, ops=list, n=Py_ssize_t, i=Py_ssize_t, held=dict)
+    @cython.locals(index=BufferIndex, ops=list, n=Py_ssize_t, i=Py_ssize_t, held=dict, op=Op)
     cpdef BufferIndex by_address(self)
 
 
@@ -136,7 +138,7 @@ cdef class RankAnalyzer:
     cdef public BufferIndex wide
     cdef public long long entered
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
-    cdef public RangeIndex live_ranges
+    cdef public RangeIndex live_ranges, window_blocks
     cdef public WindowTable windows
     cdef public list capturing, live_graphs, touches
     cdef public SeenIds cids
@@ -146,8 +148,12 @@ cdef class RankAnalyzer:
     cdef public long long allocs, ranges_upto
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
-    @cython.locals(line=Py_ssize_t, kind=type)
+    @cython.locals(line=Py_ssize_t, code=int, codes=dict)
     cpdef feed_batch(self, Py_ssize_t first, list items, list problems)
+    cpdef on_coll(self, object ev, Py_ssize_t line)
+    cpdef on_sync(self, object ev, Py_ssize_t line)
+    cpdef on_coll_done(self, object ev, Py_ssize_t line)
+    cpdef on_step(self, object ev, Py_ssize_t line)
     cpdef on_record(self, object ev, Py_ssize_t line)
     cpdef on_wait(self, object ev, Py_ssize_t line)
     cpdef on_scope(self, object ev, Py_ssize_t line)
@@ -180,15 +186,12 @@ cdef class RankAnalyzer:
     @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
     cpdef on_free(self, object ev, Py_ssize_t line)
 
-    @cython.locals(t=cython.longlong, touches=list)
+    @cython.locals(t=cython.longlong, touches=list, window_blocks=RangeIndex, windows=WindowTable, blk=Block,
+                   w=Window, lo=cython.longlong, hi=cython.longlong)
     cpdef _mark_coll_touched(self, object bufs)
 
     @cython.locals(ranges=RangeIndex, t=cython.longlong, blk=Block)
-    cpdef _apply_touches(self, object extra)
-
-    @cython.locals(touches=list, serial=cython.longlong, addr=cython.longlong, end=cython.longlong,
-                   n=Py_ssize_t, i=Py_ssize_t, entry=tuple)
-    cpdef bint _coll_touched(self, Block block)
+    cpdef _apply_touches(self)
 
     @cython.locals(bufs=list, op=Op)
     cpdef on_launch(self, object ev, Py_ssize_t line)
@@ -198,3 +201,14 @@ cdef class RankAnalyzer:
 
     @cython.locals(vh=dict, inflight=dict, fl=InFlight, known=cython.longlong, op=Op)
     cpdef _retire(self, object learned=*)
+
+
+@cython.locals(block=Block)
+cdef Block _new_block(object bid, long long addr, long long size, object stream, object pool, Py_ssize_t line,
+                      object step, object ev)
+
+@cython.locals(op=Op)
+cdef Op _new_op(object kind, object stream, object bufs, Py_ssize_t line, object step, object ev)
+
+cpdef _track_op(dict classes, Op op, long long number)
+cpdef int _kind_number(object kind) except? -2

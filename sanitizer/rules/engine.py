@@ -48,21 +48,44 @@ from sortedcontainers import SortedList
 from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
 from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.trace import events as E
-from sanitizer.trace.events import Alloc, Free, Launch, Record, Scope, Wait
 
 READ, WRITE = 1, 2
 #: Distinct communicators one rank may use (`hazsan check --max-comms`).
 MAX_COMMS = 100_000
 LOCAL, SUCCESSOR = "local", "successor"
 ACCESS = {"r": READ, "w": WRITE, "rw": READ | WRITE}
-#: Collective buffers logged before they are marked on the blocks they touch, and how far back a
-#: free inside a window reads that log before marking it all instead (RankAnalyzer._coll_touched).
+#: Collective buffers outside windows logged before they are marked on the blocks they touch
+#: (RankAnalyzer._mark_coll_touched).
 TOUCH_LOG = 4096
-TOUCH_SCAN = 64
 #: Streams with work in flight past which every in-flight buffer is also indexed by address in one
 #: index for all streams (RankAnalyzer.wide), so that an access costs O(log n + overlaps) however
 #: many streams are unfinished for it; the index is dropped again at a quarter of that.
 CROWD = 32
+
+
+#: Event kind -> its number in RankAnalyzer.feed_batch's dispatch (a switch when compiled: no
+#: Python call per event); kinds without one go through RankAnalyzer.handlers.
+_KIND_NUMBER = {"launch": 1, "alloc": 2, "free": 3, "record": 4, "wait": 5, "scope": 6, "coll": 7,
+                "free_done": 8, "record_stream": 9, "sync": 10, "coll_done": 11, "step": 12}
+#: Event class -> its number (-1: none). The JSON Lines classes from the start; the binary format's
+#: records, classes of their own with the same fields, at their first event (_kind_number).
+KIND_CODES = {cls: _KIND_NUMBER[kind] for kind, cls in E.BY_KIND.items() if kind in _KIND_NUMBER}
+
+
+def _kind_number(kind) -> int:
+    """The dispatch number of an event class not met before: a binary record's is its JSON Lines
+    class's (the binary module, loaded by then, pairs them); -1 for any other class."""
+    number = -1
+    try:
+        from sanitizer.trace import binary
+
+        json_cls = binary.TO_JSON_CLASS.get(kind)
+    except (ImportError, AttributeError):  # pragma: no cover - an install without the binary format
+        json_cls = None
+    if json_cls is not None:
+        number = KIND_CODES.get(json_cls, -1)
+    KIND_CODES[kind] = number
+    return number
 
 
 class Malformed(Exception):
@@ -108,8 +131,47 @@ class Block:
         return self.ev.op
 
 
+def _new_block(bid, addr, size, stream, pool, line, step, ev):
+    """Block(...) without the call through the type (its __init__'s argument parsing)."""
+    block = Block.__new__(Block)
+    block.id = bid
+    block.addr = addr
+    block.end = addr + size
+    block.stream = stream
+    block.pool = pool
+    block.line = line
+    block.step = step
+    block.ev = ev
+    block.record_streams = None
+    block.window = None
+    block.coll_touched = False
+    block.serial = 0
+    return block
+
+
+def _new_op(kind, stream, bufs, line, step, ev):
+    """Op(...) without the call through the type (its __init__'s argument parsing)."""
+    op = Op.__new__(Op)
+    op.kind = kind
+    op.stream = stream
+    op.epoch = 0
+    op.bufs = bufs
+    op.line = line
+    op.step = step
+    op.ev = ev
+    op.cid = op.comm = op.seq = None
+    op.clock = None
+    op.captured = None
+    op.window_bufs = ()
+    op.index_keys = None
+    op.wide_serial = 0
+    return op
+
+
 class Op:
-    """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask."""
+    """Device work with declared buffers: (lo, hi, access) triples, access READ/WRITE bitmask.
+    `bufs` is None for a launch whose buffers are still only in its event (it has at least one):
+    `buffers()` makes them."""
 
     __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "ev", "cid", "comm", "seq",
                  "clock", "captured", "window_bufs", "index_keys", "wide_serial")
@@ -128,6 +190,20 @@ class Op:
         self.window_bufs = ()  # successor mode: bufs in a window of the op's own communicator
         self.index_keys = None  # its entries in the BufferIndex while in flight
         self.wide_serial = 0  # the serial of its first entry in RankAnalyzer.wide while there (0: none)
+
+    def buffers(self) -> list:
+        """(lo, hi, access) of every buffer. A launch's are made from its event at the first
+        need: most launches retire without anyone asking (no stream unfinished for theirs)."""
+        bufs = self.bufs
+        if bufs is None:
+            ev = self.ev
+            reads = ev.reads
+            writes = ev.writes
+            bufs = [(a, a + n, READ) for a, n in reads] if reads else []
+            if writes:
+                bufs += [(a, a + n, WRITE) for a, n in writes]
+            self.bufs = bufs
+        return bufs
 
     def replay(self, stream, line, step) -> "Op":
         op = Op.__new__(Op)
@@ -365,9 +441,10 @@ class InFlight:
         # index sorts by it, so that findings come out in the order a walk of the table gives
         self.order = order
 
-    def push(self, op) -> None:
+    def push(self, op, epoch=None) -> None:
+        """`epoch`: op.epoch as the int object the clock holds, if at hand (not made again)."""
         self.ops.append(op)
-        self.epochs.append(op.epoch)
+        self.epochs.append(op.epoch if epoch is None else epoch)
         self.last = op.epoch
         self.pushed += 1
 
@@ -402,19 +479,15 @@ class InFlight:
         i = self.tracked
         for pushed, retired in self.cuts:
             while i < pushed:
-                op = ops[i - base]
+                _track_op(classes, ops[i - base], i + 1)
                 i += 1
-                for lo, hi, _ in op.bufs:
-                    classes[(hi - lo).bit_length()] = i
             for c in [c for c, last in classes.items() if last <= retired]:
                 del classes[c]
         self.cuts = []
         pushed = self.pushed
         while i < pushed:
-            op = ops[i - base]
+            _track_op(classes, ops[i - base], i + 1)
             i += 1
-            for lo, hi, _ in op.bufs:
-                classes[(hi - lo).bit_length()] = i
         self.tracked = i
 
     def by_address(self) -> "BufferIndex":
@@ -427,7 +500,9 @@ class InFlight:
         i = self.indexed if self.indexed > self.start else self.start
         if i < n:
             while i < n:
-                index.add(ops[i])
+                op = ops[i]
+                op.buffers()
+                index.add(op)
                 i += 1
             self.indexed = n
             self._track()
@@ -771,6 +846,8 @@ class RankAnalyzer:
         self.ranges_upto = 0
         # collective buffers not yet marked on the blocks they touch: (lo, hi, allocs by then)
         self.touches = []
+        # the live window blocks by address: a collective marks those it touches at once
+        self.window_blocks = RangeIndex()
         self.windows = WindowTable()
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
@@ -815,29 +892,44 @@ class RankAnalyzer:
         (lines that gave no event). Events that break the contract are appended to `problems`
         as (line, message) and otherwise skipped."""
         handlers = self.handlers
+        codes = KIND_CODES
         line = first - 1
         for ev in items:
             line += 1
             if ev is None:
                 continue
             self.line = line
-            kind = type(ev)
+            code = codes.get(type(ev), 0)
+            if code == 0:
+                code = _kind_number(type(ev))
             try:
-                # the frequent kinds first (a direct call when compiled), the others by table
-                if kind is Launch:
+                # by number (KIND_CODES), the frequent kinds first: a direct call when compiled
+                if code == 1:
                     self.on_launch(ev, line)
-                elif kind is Alloc:
+                elif code == 2:
                     self.on_alloc(ev, line)
-                elif kind is Free:
+                elif code == 3:
                     self.on_free(ev, line)
-                elif kind is Record:
+                elif code == 4:
                     self.on_record(ev, line)
-                elif kind is Wait:
+                elif code == 5:
                     self.on_wait(ev, line)
-                elif kind is Scope:
-                    pass
+                elif code == 6:
+                    pass  # scope: placement context only
+                elif code == 7:
+                    self.on_coll(ev, line)
+                elif code == 8:
+                    self.on_free_done(ev, line)
+                elif code == 9:
+                    self.on_record_stream(ev, line)
+                elif code == 10:
+                    self.on_sync(ev, line)
+                elif code == 11:
+                    self.on_coll_done(ev, line)
+                elif code == 12:
+                    self.on_step(ev, line)
                 else:
-                    handlers[kind](ev, line)
+                    handlers[type(ev)](ev, line)
             except (Malformed, TooMany) as exc:
                 problems.append((line, str(exc)))
                 continue
@@ -943,7 +1035,7 @@ class RankAnalyzer:
             ops = fl.ops
             for i in range(fl.start, len(ops)):
                 op = ops[i]
-                op.wide_serial = wide.add_serial(op.bufs, op)
+                op.wide_serial = wide.add_serial(op.buffers(), op)
 
     def _narrow_index(self) -> None:
         """Few streams left with work in flight: the walk is cheaper than the wide index."""
@@ -989,9 +1081,11 @@ class RankAnalyzer:
         pool = ev.pool
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
-        block = Block(bid, addr, size, stream, pool, line, self.step, ev)
+        block = _new_block(bid, addr, size, stream, pool, line, self.step, ev)
         if self.windows.count:
             block.window = self.windows.first_at(addr, block.end)
+            if block.window is not None:
+                self.window_blocks.add(addr, block.end, block)
         end = block.end
         graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
         if graph_ops:
@@ -1037,7 +1131,8 @@ class RankAnalyzer:
         if block.serial <= self.ranges_upto:
             self.live_ranges.remove(addr, end, block)
         if block.window is not None:
-            if not self._coll_touched(block):
+            self.window_blocks.remove(addr, end, block)
+            if not block.coll_touched:
                 self._transient(block, line)
 
     def on_free_done(self, ev, line):
@@ -1075,10 +1170,14 @@ class RankAnalyzer:
         w = Window(addr, size, comm, ordinal)
         self.windows.add(w)
         # SGLang registers a segment as a window when the scope exits, after the allocations
-        # inside it: blocks already live there count as window blocks too.
+        # inside it: blocks already live there count as window blocks too, and the collectives
+        # that touched them before (logged, see _mark_coll_touched) are marked on them first.
+        if self.touches:
+            self._apply_touches()
         for _, _, block in self._live_ranges().overlapping(w.addr, w.end):
             if block.window is None:
                 block.window = w
+                self.window_blocks.add(block.addr, block.end, block)
 
     def on_window_free(self, ev, line):
         addr = ev.addr
@@ -1102,10 +1201,7 @@ class RankAnalyzer:
             if not self.capturing:
                 self.clocks.enqueue(stream)
             return
-        bufs = [(a, a + n, READ) for a, n in reads] if reads else []
-        if writes:
-            bufs += [(a, a + n, WRITE) for a, n in writes]
-        op = Op("launch", stream, bufs, line, self.step, ev)
+        op = _new_op("launch", stream, None, line, self.step, ev)  # buffers made when needed
         if self.capturing:
             self._capture(op, stream)
             return
@@ -1121,7 +1217,7 @@ class RankAnalyzer:
         if not self.cids.add(cid):
             raise Malformed(f"duplicate cid {cid!r}")
         bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
-        op = Op("coll", stream, bufs, line, self.step, ev)
+        op = _new_op("coll", stream, bufs, line, self.step, ev)
         op.cid, op.comm, op.seq = cid, comm, seq
         self._mark_coll_touched(bufs)
         # Window buffers: for asymmetric-offset and successor mode.
@@ -1136,8 +1232,10 @@ class RankAnalyzer:
         self.matcher.submit(self, comm, seq, op,
                             tuple([(w.ordinal, b[0] - w.addr, b[1] - b[0]) for b, w in own]) if own else ())
         if self.successor and own:
-            op.window_bufs = [b for b, _ in own]
-            op.bufs = [b for b in bufs if all(b is not ob for ob, _ in own)]
+            window_bufs = [b for b, _ in own]
+            op.window_bufs = window_bufs
+            # (an equal buffer is in the same window: `in` by equality is by identity here)
+            op.bufs = [b for b in bufs if b not in window_bufs]
         if self.capturing:
             self._capture(op, stream)
             return
@@ -1153,62 +1251,52 @@ class RankAnalyzer:
 
     def _mark_coll_touched(self, bufs) -> None:
         """A block is a collective buffer once any collective touches part of it (even before a
-        window is registered over it). Only a free inside a window asks (transient-in-window),
-        and most blocks are freed before any window matters: the buffers are logged, with the
-        allocs made by then (the blocks live now have serials up to that), and marked on the
-        blocks through the address index only when the log grows long."""
+        window is registered over it). Only the free of a window block asks (transient-in-window).
+
+        A live block that overlaps a live window is a window block (it became one at its alloc
+        or when the window was registered), so the live window blocks, few and indexed by
+        address, are marked at once. A buffer inside one live window can touch no other block.
+        A buffer outside windows may touch blocks that are not window blocks yet and become
+        ones if a window is registered over them while they live: it is logged, with the allocs
+        made by then (the blocks live now have serials up to that), and marked on every live
+        block through the address index when a window is registered or the log grows long.
+        Most collectives of a serving stack work inside windows, and most blocks are freed
+        before any of that matters: they never enter the index."""
         t = self.allocs
         touches = self.touches
+        window_blocks = self.window_blocks
+        windows = self.windows
         for lo, hi, _ in bufs:
+            if window_blocks.count:
+                for _, _, blk in window_blocks.overlapping(lo, hi):
+                    blk.coll_touched = True
+            if windows.count:
+                w = windows.first_at(lo, hi)
+                if w is not None and w.addr <= lo and hi <= w.end:
+                    continue
             touches.append((lo, hi, t))
         if len(touches) > TOUCH_LOG:
-            self._apply_touches(None)
+            self._apply_touches()
 
-    def _apply_touches(self, extra) -> None:
-        """Mark the logged collective buffers on the live blocks they touched (and on `extra`,
-        a block being freed, no longer live)."""
+    def _apply_touches(self) -> None:
+        """Mark the logged collective buffers on the live blocks they touched."""
         ranges = self._live_ranges()
         for lo, hi, t in self.touches:
             for _, _, blk in ranges.overlapping(lo, hi):
                 if blk.serial <= t:  # live when the collective ran (allocated before it, not freed since)
                     blk.coll_touched = True
-            if extra is not None and extra.serial <= t and lo < extra.end and extra.addr < hi:
-                extra.coll_touched = True
         self.touches = []
-
-    def _coll_touched(self, block) -> bool:
-        """Whether a collective touched part of `block` (being freed) during its life. The log
-        is read backwards down to the block's alloc; a long read marks the whole log instead,
-        so each logged buffer costs O(1) reads and one index query at most."""
-        if block.coll_touched:
-            return True
-        touches = self.touches
-        serial = block.serial
-        addr = block.addr
-        end = block.end
-        n = len(touches)
-        i = n
-        while i > 0:
-            i -= 1
-            entry = touches[i]
-            if entry[2] < serial:
-                return False  # logged before the block was allocated
-            if entry[0] < end and addr < entry[1]:
-                return True
-            if n - i >= TOUCH_SCAN:
-                self._apply_touches(block)
-                return block.coll_touched
-        return False
 
     def _enqueue(self, op: Op) -> None:
         stream = op.stream
         clocks = self.clocks
-        op.epoch = clocks.enqueue(stream)
+        epoch = clocks.enqueue(stream)
+        op.epoch = epoch
         # unordered-access: this op's accesses against everything not done for its stream.
         conflicts = None
         unfinished = self._unfinished(stream)
         if unfinished is not None or self.successor_waits:
-            for lo, hi, acc in (*op.bufs, *op.window_bufs) if op.window_bufs else op.bufs:
+            for lo, hi, acc in (*op.bufs, *op.window_bufs) if op.window_bufs else op.buffers():
                 hits = self._not_done(stream, lo, hi, acc, unfinished)
                 if hits:
                     if conflicts is None:
@@ -1219,20 +1307,20 @@ class RankAnalyzer:
         if conflicts:
             for other, ov in conflicts.items():
                 self._report("unordered-access", self.line, None, other, ov, access_op=op)
-        if op.bufs:
+        if op.bufs is None or op.bufs:  # None: a launch with buffers not made yet
             fl = self.inflight.get(stream)
             if fl is None:
                 self.entered += 1
                 fl = self.inflight[stream] = InFlight(self.entered)
-                fl.push(op)
+                fl.push(op, epoch)
                 if self.wide is None and len(self.inflight) > CROWD:
                     self._widen_index()
                 elif self.wide is not None:
-                    op.wide_serial = self.wide.add_serial(op.bufs, op)
+                    op.wide_serial = self.wide.add_serial(op.buffers(), op)
             else:
-                fl.push(op)
+                fl.push(op, epoch)
                 if self.wide is not None:
-                    op.wide_serial = self.wide.add_serial(op.bufs, op)
+                    op.wide_serial = self.wide.add_serial(op.buffers(), op)
             if self.settled is not None and self.settled != stream:
                 self.settled = None  # an op of another stream may be unfinished for it
         if self.successor and op.kind == "coll" and op.captured is None:
@@ -1346,7 +1434,7 @@ class RankAnalyzer:
         g.live = True
         g.reserved = RangeIndex()
         for op in g.ops:
-            for lo, hi, _ in (*op.bufs, *op.window_bufs):
+            for lo, hi, _ in (*op.buffers(), *op.window_bufs):
                 g.reserved.add(lo, hi, op)
         self.live_graphs.append(g)
 
@@ -1437,6 +1525,23 @@ def _reported_or_ended(entry: dict, members: set, finished: set) -> bool:
         if r not in entry and r not in finished:
             return False
     return True
+
+
+def _track_op(classes, op, number) -> None:
+    """InFlight._track for one op, pushed as number `number`: the length class of each of its
+    buffers, in order, from its event when they are not made yet (their lengths are the sizes)."""
+    bufs = op.bufs
+    if bufs is None:
+        ev = op.ev
+        if ev.reads:
+            for _, n in ev.reads:
+                classes[n.bit_length()] = number
+        if ev.writes:
+            for _, n in ev.writes:
+                classes[n.bit_length()] = number
+    else:
+        for lo, hi, _ in bufs:
+            classes[(hi - lo).bit_length()] = number
 
 
 def _position(entry):
