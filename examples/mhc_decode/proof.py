@@ -243,8 +243,9 @@ original fault) on each run's log:
 {sig_table}
 
 (At depth 1 a verify step gains at most 2 tokens, so the 2.0 threshold does not apply.) Flagged
-lines from the stock run, as the seed's operators saw them (their time stamps and throughput
-differ from run to run; nothing else does):
+lines from the stock run, as the seed's operators saw them (time stamps and throughput differ from
+run to run, and so may a corrupted step's accept len: what corrupted logits accept depends on the
+garbage, which depends on when the overwrite lands; which requests are corrupted does not):
 
 ```
 {chr(10).join(example) or "(none)"}
@@ -274,6 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--depths", default="1-8", help="draft depths (default 1-8)")
     p.add_argument("--out", default=str(ROOT / "out" / "proof"), help="where the runs' traces go (default out/proof)")
     p.add_argument("--no-report", action="store_true", help="do not rewrite reports/mhc-proof/")
+    p.add_argument("--no-runs", action="store_true", help="analyse the runs already in --out again (no new runs)")
     args = p.parse_args(argv)
     out, depths = Path(args.out), parse_depths(args.depths)
     t0 = time.monotonic()
@@ -281,7 +283,8 @@ def main(argv=None) -> int:
     print(f"The placement model predicts collisions at depth(s) {colliding(pred) or 'none'}:\n\n"
           f"{prediction_table(pred, 'simple')}\n", flush=True)
     print(f"Stock and fixed at depths {depths_text(depths)}, every run under HAZSAN=1 ({2 * len(depths)} runs):", flush=True)
-    run_sweep(depths, out)
+    if not args.no_runs:
+        run_sweep(depths, out)
     result = proof(out, depths)
     signature = log_signature(out, depths)
     print("\nThe proof table (corrupted requests from the output check; findings from the captured traces):\n")
