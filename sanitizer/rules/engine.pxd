@@ -6,7 +6,7 @@ from sanitizer.order.clocks cimport StreamClocks
 
 
 cdef class Block:
-    cdef public object id, stream, pool, ev, record_streams, window, step
+    cdef public object id, stream, ev, record_streams, window, step
     cdef public long long addr, end, serial
     cdef public Py_ssize_t line
     cdef public bint coll_touched
@@ -85,6 +85,18 @@ cdef class BufferIndex:
     cpdef list overlapping(self, object lo, object hi)
 
 
+cdef class BlockSet:
+    cdef public list small
+    cdef public RangeIndex index
+    cdef public Py_ssize_t count
+
+    cpdef add(self, Block block)
+    cpdef remove(self, Block block)
+
+    @cython.locals(small=list, found=list, b=Block)
+    cpdef list overlapping(self, long long lo, long long hi)
+
+
 cdef class InFlight:
     cdef public list ops, epochs, cuts
     cdef public long long last, pushed, base, tracked, order
@@ -138,7 +150,8 @@ cdef class RankAnalyzer:
     cdef public BufferIndex wide
     cdef public long long entered
     cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
-    cdef public RangeIndex live_ranges, window_blocks
+    cdef public RangeIndex live_ranges
+    cdef public BlockSet window_blocks
     cdef public WindowTable windows
     cdef public list capturing, live_graphs, touches
     cdef public SeenIds cids
@@ -186,7 +199,7 @@ cdef class RankAnalyzer:
     @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
     cpdef on_free(self, object ev, Py_ssize_t line)
 
-    @cython.locals(t=cython.longlong, touches=list, window_blocks=RangeIndex, windows=WindowTable, blk=Block,
+    @cython.locals(t=cython.longlong, touches=list, window_blocks=BlockSet, windows=WindowTable, blk=Block,
                    w=Window, lo=cython.longlong, hi=cython.longlong)
     cpdef _mark_coll_touched(self, object bufs)
 
@@ -204,7 +217,7 @@ cdef class RankAnalyzer:
 
 
 @cython.locals(block=Block)
-cdef Block _new_block(object bid, long long addr, long long size, object stream, object pool, Py_ssize_t line,
+cdef Block _new_block(object bid, long long addr, long long size, object stream, Py_ssize_t line,
                       object step, object ev)
 
 @cython.locals(op=Op)

@@ -41,6 +41,7 @@ record_stream streams were its own is accepted and changes nothing.
 """
 from __future__ import annotations
 
+import sys
 from bisect import bisect_left, bisect_right
 
 from sortedcontainers import SortedList
@@ -69,19 +70,16 @@ _KIND_NUMBER = {"launch": 1, "alloc": 2, "free": 3, "record": 4, "wait": 5, "sco
                 "free_done": 8, "record_stream": 9, "sync": 10, "coll_done": 11, "step": 12}
 #: Event class -> its number (-1: none). The JSON Lines classes from the start; the binary format's
 #: records, classes of their own with the same fields, at their first event (_kind_number).
-KIND_CODES = {cls: _KIND_NUMBER[kind] for kind, cls in E.BY_KIND.items() if kind in _KIND_NUMBER}
+KIND_CODES = {cls: _KIND_NUMBER.get(kind, -1) for kind, cls in E.BY_KIND.items()}
 
 
 def _kind_number(kind) -> int:
     """The dispatch number of an event class not met before: a binary record's is its JSON Lines
-    class's (the binary module, loaded by then, pairs them); -1 for any other class."""
+    class's (the binary module, loaded by then since it made the record, pairs them; it is not
+    loaded here otherwise: its classes cost tens of ms to make); -1 for any other class."""
     number = -1
-    try:
-        from sanitizer.trace import binary
-
-        json_cls = binary.TO_JSON_CLASS.get(kind)
-    except (ImportError, AttributeError):  # pragma: no cover - an install without the binary format
-        json_cls = None
+    binary = sys.modules.get("sanitizer.trace.binary")
+    json_cls = getattr(binary, "TO_JSON_CLASS", {}).get(kind) if binary is not None else None
     if json_cls is not None:
         number = KIND_CODES.get(json_cls, -1)
     KIND_CODES[kind] = number
@@ -98,7 +96,7 @@ class Malformed(Exception):
 class Block:
     """A live allocation."""
 
-    __slots__ = ("id", "addr", "end", "stream", "pool", "line", "step", "ev",
+    __slots__ = ("id", "addr", "end", "stream", "line", "step", "ev",
                  "record_streams", "window", "coll_touched", "serial")
 
     def __init__(self, bid, addr, size, stream, pool, line, step, ev):
@@ -106,17 +104,20 @@ class Block:
         self.addr = addr
         self.end = addr + size
         self.stream = stream
-        self.pool = pool
         self.line = line
         self.step = step
-        # the alloc event: its site, stack and op are read only for a finding (most blocks
-        # never have one; reading them off every event cost more than keeping the event)
+        # the alloc event: its pool, site, stack and op are read only for a finding (most
+        # blocks never have one; reading them off every event cost more than keeping the event)
         self.ev = ev
         # None: no record_stream; else the streams other than its own (possibly none)
         self.record_streams = None
         self.window = None  # the Window it lies in, once known
         self.coll_touched = False  # some collective used part of it during its life
         self.serial = 0  # allocs of the rank up to this one, once live
+
+    @property
+    def pool(self):
+        return self.ev.pool
 
     @property
     def site(self):
@@ -131,14 +132,13 @@ class Block:
         return self.ev.op
 
 
-def _new_block(bid, addr, size, stream, pool, line, step, ev):
+def _new_block(bid, addr, size, stream, line, step, ev):
     """Block(...) without the call through the type (its __init__'s argument parsing)."""
     block = Block.__new__(Block)
     block.id = bid
     block.addr = addr
     block.end = addr + size
     block.stream = stream
-    block.pool = pool
     block.line = line
     block.step = step
     block.ev = ev
@@ -407,6 +407,55 @@ class RangeIndex:
 
     def __len__(self):
         return self.count
+
+
+class BlockSet:
+    """Live blocks for overlap queries (the live window blocks): a list while there are at most
+    SMALL (a rank has a few live at a time: a scan of them is cheaper than an index), the address
+    index (RangeIndex) past that, until none is left."""
+
+    __slots__ = ("small", "index", "count")
+
+    SMALL = 16
+
+    def __init__(self):
+        self.small: list | None = []
+        self.index = None
+        self.count = 0
+
+    def add(self, block) -> None:
+        self.count += 1
+        small = self.small
+        if small is not None:
+            if len(small) < self.SMALL:
+                small.append(block)
+                return
+            self.index = RangeIndex()
+            for b in small:
+                self.index.add(b.addr, b.end, b)
+            self.small = None
+        self.index.add(block.addr, block.end, block)
+
+    def remove(self, block) -> None:
+        self.count -= 1
+        if self.small is not None:
+            self.small.remove(block)
+            return
+        self.index.remove(block.addr, block.end, block)
+        if self.count == 0:
+            self.small = []
+            self.index = None
+
+    def overlapping(self, lo, hi) -> list:
+        """The blocks overlapping [lo, hi)."""
+        small = self.small
+        if small is not None:
+            found = []
+            for b in small:
+                if b.addr < hi and lo < b.end:
+                    found.append(b)
+            return found
+        return [item for _, _, item in self.index.overlapping(lo, hi)]
 
 
 class InFlight:
@@ -847,7 +896,7 @@ class RankAnalyzer:
         # collective buffers not yet marked on the blocks they touch: (lo, hi, allocs by then)
         self.touches = []
         # the live window blocks by address: a collective marks those it touches at once
-        self.window_blocks = RangeIndex()
+        self.window_blocks = BlockSet()
         self.windows = WindowTable()
         self.window_ordinals = {}
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
@@ -1078,14 +1127,13 @@ class RankAnalyzer:
         addr = ev.addr
         size = ev.size
         stream = ev.stream
-        pool = ev.pool
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
-        block = _new_block(bid, addr, size, stream, pool, line, self.step, ev)
+        block = _new_block(bid, addr, size, stream, line, self.step, ev)
         if self.windows.count:
             block.window = self.windows.first_at(addr, block.end)
             if block.window is not None:
-                self.window_blocks.add(addr, block.end, block)
+                self.window_blocks.add(block)
         end = block.end
         graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
         if graph_ops:
@@ -1131,7 +1179,7 @@ class RankAnalyzer:
         if block.serial <= self.ranges_upto:
             self.live_ranges.remove(addr, end, block)
         if block.window is not None:
-            self.window_blocks.remove(addr, end, block)
+            self.window_blocks.remove(block)
             if not block.coll_touched:
                 self._transient(block, line)
 
@@ -1177,7 +1225,7 @@ class RankAnalyzer:
         for _, _, block in self._live_ranges().overlapping(w.addr, w.end):
             if block.window is None:
                 block.window = w
-                self.window_blocks.add(block.addr, block.end, block)
+                self.window_blocks.add(block)
 
     def on_window_free(self, ev, line):
         addr = ev.addr
@@ -1268,7 +1316,7 @@ class RankAnalyzer:
         windows = self.windows
         for lo, hi, _ in bufs:
             if window_blocks.count:
-                for _, _, blk in window_blocks.overlapping(lo, hi):
+                for blk in window_blocks.overlapping(lo, hi):
                     blk.coll_touched = True
             if windows.count:
                 w = windows.first_at(lo, hi)
