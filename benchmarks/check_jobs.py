@@ -1,16 +1,27 @@
 #!/usr/bin/env python3
-"""`hazsan check --jobs 2` against `--jobs 1` on the same rank files, in one run.
+"""`hazsan check --jobs 2` against `--jobs 1` on the same rank files, in one run, and what limits it.
 
 Generates (or reuses, under --trace-dir) --ranks rank files of --events events each with
-gen_decode_trace.py (with --inject planted hazards, the same on every rank), then runs
-`python -m sanitizer check DIR --format json --jobs J` for each J in --jobs, one after the other,
-in subprocesses on the whole machine, and prints wall seconds, events per second, the speed-up
-against the first J, and CPU seconds (the check and its workers: the cost of splitting and joining). It also checks that every run printed the same report (findings, summary).
+gen_decode_trace.py (with --inject planted hazards, the same on every rank; --format jsonl or
+binary, what capture writes), then for each J in --jobs:
+
+1. runs `python -m sanitizer check DIR --format json --jobs J` in a subprocess on the whole
+   machine: wall seconds, events per second, the speed-up against the first J, and CPU seconds
+   (the check and its workers: the cost of splitting and joining); every J must print the same
+   report (findings, summary);
+2. runs the same analysis (`analyze_parallel`, or `analyze` for J = 1) in a fresh interpreter that
+   times its parts: the parent's own CPU (start-up, listing the files, unpickling results, the
+   join), each worker's wall span and CPU (a worker given less CPU than wall time was waiting for
+   a core: other load on the machine), and the critical path (the busiest worker).
+
 Each J runs --repeat times; the best wall time counts (other load on the machine only slows down).
+The load average is printed before and after: on a shared machine it says how many cores the run
+could have had.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import subprocess
@@ -27,9 +38,40 @@ sys.path.insert(0, str(HERE))
 
 import gen_decode_trace as gen  # noqa: E402
 
+# The same analysis in a fresh interpreter, its parts timed. Workers are forked from it, so the
+# wrapped analyze_one runs in them: each appends its span and CPU to a file of its own.
+_BREAKDOWN = r"""
+import json, os, resource, sys, time
+t0 = time.perf_counter()
+spec = json.loads(sys.argv[1])
+from sanitizer.rules import parallel
+from sanitizer.rules.driver import analyze
+real = parallel.analyze_one
+
+def timed_one(path, *args):
+    start, cpu = time.perf_counter(), time.process_time()
+    out = real(path, *args)
+    with open(os.path.join(spec["spans"], f"{os.getpid()}.jsonl"), "a") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), "path": path, "start": start - t0,
+                             "end": time.perf_counter() - t0, "cpu": time.process_time() - cpu}) + "\n")
+    return out
+
+parallel.analyze_one = timed_one
+imported = time.perf_counter() - t0
+if spec["jobs"] > 1:
+    a = parallel.analyze_parallel(spec["paths"], jobs=spec["jobs"], progress=False)
+else:
+    a = analyze(spec["paths"])
+wall = time.perf_counter() - t0
+me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"wall": wall, "imported": imported, "parent_cpu": me.ru_utime + me.ru_stime,
+                  "workers_cpu": kids.ru_utime + kids.ru_stime, "events": a.summary["events"]}))
+"""
+
 
 def ensure_traces(args) -> Path:
-    out = args.trace_dir / f"jobs-r{args.ranks}-e{args.events}-i{args.inject}-s{args.seed}"
+    out = args.trace_dir / (f"jobs-r{args.ranks}-e{args.events}-i{args.inject}-s{args.seed}"
+                            + ("-binary" if args.format == "binary" else ""))
     meta = out / "meta.json"
     if meta.exists():
         m = orjson.loads(meta.read_bytes())
@@ -37,7 +79,7 @@ def ensure_traces(args) -> Path:
             print(f"traces: reusing {out}")
             return out
     t0 = time.perf_counter()
-    gen.generate(out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject)
+    gen.generate(out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject, fmt=args.format)
     print(f"traces: generated {out} in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -55,22 +97,55 @@ def run(trace: Path, jobs: int) -> tuple[float, float, dict]:
     return wall, cpu, orjson.loads(done.stdout)
 
 
+def breakdown(trace: Path, jobs: int) -> dict:
+    paths = sorted(str(p) for p in trace.iterdir() if p.name.startswith("rank"))
+    with tempfile.TemporaryDirectory() as spans:
+        done = subprocess.run([sys.executable, "-c", _BREAKDOWN, json.dumps({"paths": paths, "jobs": jobs, "spans": spans})],
+                              capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise SystemExit(f"breakdown run failed: {done.stderr[-2000:]}")
+        res = json.loads(done.stdout.strip().splitlines()[-1])
+        res["spans"] = [json.loads(line) for f in Path(spans).iterdir() for line in f.read_text().splitlines()]
+    return res
+
+
+def describe_breakdown(b: dict) -> list[str]:
+    by_worker: dict = {}
+    for s in b["spans"]:
+        by_worker.setdefault(s["pid"], []).append(s)
+    lines = [f"parent: {b['imported']:.2f} s to import, {b['parent_cpu']:.2f} s CPU in all "
+             f"(for J = 1 that is the whole analysis); workers: {b['workers_cpu']:.2f} s CPU"]
+    if len(by_worker) > 1 or b["workers_cpu"] > 0.05:
+        first = min(s["start"] for s in b["spans"])
+        last = max(s["end"] for s in b["spans"])
+        for pid, spans in sorted(by_worker.items()):
+            busy = sum(s["end"] - s["start"] for s in spans)
+            cpu = sum(s["cpu"] for s in spans)
+            lines.append(f"  worker {pid}: {len(spans)} file(s), busy {busy:.2f} s wall, {cpu:.2f} s CPU "
+                         f"({cpu / busy * 100 if busy else 0:.0f}% of a core while busy)")
+        lines.append(f"  files analysed from {first:.2f} s to {last:.2f} s; the join and report after: "
+                     f"{b['wall'] - last:.2f} s; total {b['wall']:.2f} s")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--events", type=int, default=1_000_000, help="events per rank file")
     ap.add_argument("--inject", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--format", choices=("jsonl", "binary"), default="jsonl", help="the rank files' format")
     ap.add_argument("--jobs", default="1,2", help="comma-separated job counts; the first is the baseline")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the timed in-process runs (2.)")
     ap.add_argument("--trace-dir", type=Path, default=Path(tempfile.gettempdir()) / "hazsan-bench",
                     help="cache of generated traces, reused (default: hazsan-bench in tempfile.gettempdir())")
     args = ap.parse_args(argv)
     trace = ensure_traces(args)
     total = args.ranks * args.events
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; "
-          f"{args.ranks} rank files x {args.events:,} events = {total:,} events")
-    reports, rows = {}, []
+          f"{args.ranks} rank files x {args.events:,} events = {total:,} events ({args.format})")
+    reports, rows, parts = {}, [], {}
     for j in [int(x) for x in args.jobs.split(",")]:
         best = None
         for _ in range(args.repeat):
@@ -79,10 +154,16 @@ def main(argv=None) -> int:
                 best = (wall, cpu)
         reports[j] = report
         rows.append((j, *best))
+        if not args.no_breakdown:
+            parts[j] = min((breakdown(trace, j) for _ in range(args.repeat)), key=lambda b: b["wall"])
     base = rows[0][1]
     print(f"{'jobs':>5} {'wall s':>8} {'events/s':>12} {'speed-up':>9} {'CPU s':>8}")
     for j, wall, cpu in rows:
         print(f"{j:>5} {wall:>8.2f} {total / wall:>12,.0f} {base / wall:>8.2f}x {cpu:>8.2f}")
+    for j, b in parts.items():
+        print(f"--jobs {j}, timed in process:")
+        for line in describe_breakdown(b):
+            print(f"  {line}")
     first = next(iter(reports.values()))
     same = all(r == first for r in reports.values())
     print(f"findings: {first['summary']['by_rule']}; identical reports across job counts: {same}")
