@@ -70,7 +70,7 @@ test-sanitizers: $(VENV)/.installed
 	VPY=$(VPY) bash .ci/sanitizers.sh
 
 # The mHC reference case at the colliding draft depth and its two neighbours, stock and fixed, under
-# capture: corruption, findings, the log signature, the HTML report (out/demo/). About 2 minutes on 2 cores.
+# capture: corruption, findings, the log signature, the HTML report (out/demo/). About 90 s on 2 cores.
 demo: $(VENV)/.installed
 	$(VPY) examples/demo.py
 

@@ -14,7 +14,7 @@ Every number printed is measured in this run (or computed by the placement model
 status is 0 only when the story holds: stock corrupted and flagged where predicted, fixed clean.
 The 8-depth proof is `make proof` (python -m examples.mhc_decode.proof; reports/mhc-proof/).
 
-    python examples/demo.py                  # about 2 minutes on 2 quiet cores
+    python examples/demo.py                  # about 90 s on 2 cores
     python examples/demo.py --traces-only    # the hand-written example traces, one per rule (seconds)
 """
 from __future__ import annotations

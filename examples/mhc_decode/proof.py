@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -71,6 +72,8 @@ def run_sweep(depths: list[int], out: Path) -> float:
     env = dict(os.environ, HAZSAN="1", HAZSAN_STACKS="site")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     t = time.monotonic()
+    # Nothing from an earlier run: the reference decodes and the drawn weights are made anew.
+    shutil.rmtree(out / "reference-cache", ignore_errors=True)
     cmd = [sys.executable, "-m", "examples.mhc_decode.sweep", "--depths", depths_text(depths), "--out", str(out),
            "--quiet"]
     r = subprocess.run(cmd, cwd=ROOT, env=env)

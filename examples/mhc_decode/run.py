@@ -121,7 +121,22 @@ def execute(plan, ranks: int, reference_cache: str | None = None, progress=None)
     out_dir, so that each run's trace files hold that run only (capture writes one file per
     process); the reference decodes then run in worlds of their own, without capture.
     `progress(text)`, if given, is called with one line per run as it ends (per world without
-    capture)."""
+    capture). With a reference_cache, the rank processes also keep their drawn weights there
+    (model.Weights, $MHC_WEIGHTS_CACHE)."""
+    from .model import WEIGHTS_CACHE_ENV
+    saved = os.environ.get(WEIGHTS_CACHE_ENV)
+    if reference_cache:     # the rank processes (spawned: they inherit it) reuse the weights they drew
+        os.environ[WEIGHTS_CACHE_ENV] = os.path.abspath(reference_cache)
+    try:
+        return _execute(plan, ranks, reference_cache, progress)
+    finally:
+        if saved is None:
+            os.environ.pop(WEIGHTS_CACHE_ENV, None)
+        else:
+            os.environ[WEIGHTS_CACHE_ENV] = saved
+
+
+def _execute(plan, ranks: int, reference_cache: str | None = None, progress=None) -> list[dict]:
     from sanitizer.testbed import RankFailed, spawn
 
     from .decode import free_port, reference_rank, sanitised_rank, trace_env_dir, world_rank
