@@ -325,20 +325,22 @@ def why_lines(sweep_: dict) -> list[str]:
     m = MODEL
     h, n = m["hidden_size"], m["hc_streams"]
     partial, transient = 2 * h, 4 * n * h                  # bytes per token: bfloat16 partial, float32 mixing
-    small, large = 1 << 20, 10 << 20                       # the CUDA caching allocator's pool / segment limits
-    lo, hi = small // partial + 1, (large - 1) // transient
+    small = 1 << 20                                        # the CUDA caching allocator's small-pool limit
+    lo = small // partial + 1
     shapes = sweep_.get("shapes", {})
     lines = ["## Which depth collides, and why", "",
              f"The placement of a step's window blocks depends only on its token count and on what earlier "
              f"steps left in the pool, never on values. Per token, the row-parallel partial is {partial:,} bytes "
              f"(bfloat16, hidden {h}) and each float32 mixing transient {transient:,} bytes ({n} streams). The "
-             f"caching allocator (the model the testbed places with) serves blocks up to 1 MiB from the small "
-             f"pool and blocks under 10 MiB from 20 MiB segments of the large pool: the partial joins the large "
-             f"pool above {lo - 1} tokens, and the transient stays in the 20 MiB-segment class up to {hi} tokens. "
-             f"In steps of {lo} to {hi} tokens the mixing transient, allocated while the all-reduce still loads "
-             f"the freed partial, can be given the partial's bytes; in larger steps the transient needs a "
-             f"segment of its own, in smaller ones the two are in different pools (below about 9 tokens both are in "
-             f"the small pool again).", ""]
+             f"caching allocator (the model the testbed places with) serves requests up to 1 MiB from its small "
+             f"pool and larger ones from the large pool. Up to {lo - 1} tokens the partial is in the small pool "
+             f"and, from {small // transient + 1} tokens, the transients in the large one: they cannot meet. "
+             f"From {lo} tokens both are in the large pool, and the mixing transient, allocated while the "
+             f"all-reduce still loads the freed partial, is given the best-fitting free block, which can be the "
+             f"partial's bytes merged with free space next to them; whether it is depends on the segments that "
+             f"earlier steps (and vLLM's profile run) left, which the allocator model replays exactly. Below "
+             f"{small // transient + 1} tokens both are in the small pool again (the tiny steps a run's tail can "
+             f"have; this workload has none).", ""]
     if shapes:
         lines += [f"`hazsan sweep --schedule` on a recorded step of `{shapes['template']}` (step "
                   f"{shapes['template_step']}), each token count replayed 4 times after the run's set-up: "
@@ -503,7 +505,7 @@ def main(argv=None) -> int:
     if args.report:
         sys.path.insert(0, str(HERE))
         from report import write_report
-        write_report(sweep, args.report)
+        write_report(sweep, args.report, args.out)
         print(f"[vllm-mhc] report: {args.report / 'README.md'}", flush=True)
     return 0
 
