@@ -74,7 +74,7 @@ test-sanitizers: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VPY) examples/demo.py
 
-# The same at all 8 draft depths with the statistics; rewrites reports/mhc-proof/ (about 6 minutes).
+# The same at all 8 draft depths with the statistics; rewrites reports/mhc-proof/ (about 8 minutes).
 .PHONY: proof
 proof: $(VENV)/.installed
 	$(VPY) -m examples.mhc_decode.proof
