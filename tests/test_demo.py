@@ -137,3 +137,14 @@ def test_no_machine_paths_in_the_repository():
             if machine.search(line) or (name.startswith("benchmarks/") and fixed_tmp.search(line)):
                 bad.append(f"{name}:{n}: {line.strip()}")
     assert bad == []
+
+
+def test_hold_partial_removes_the_early_free(tmp_path):
+    """What the demo says of the fixed build's remaining warnings: holding the all-reduce's input
+    until its wait (--hold-partial) leaves no finding at all."""
+    from examples.mhc_decode.sweep import main as sweep_main
+    from sanitizer.rules.driver import analyze
+    assert sweep_main(["--depths", "3", "--variants", "fixed", "--hold-partial", "--out", str(tmp_path), "--quiet"]
+                      + SMALL) == 0
+    a = analyze([str(tmp_path / "fixed-d3")])
+    assert not a.errors and a.summary["by_rule"] == {}
