@@ -2,6 +2,31 @@
 # when interpreted). Only declarations here, no logic.
 cimport cython
 
+cdef extern from *:
+    """
+    /* hazsan: an event's field read from its slot (engine.py, _slots_of): msgspec keeps a struct's
+       fields in slots, each with a member descriptor (T_OBJECT_EX) on the class. */
+    #include <structmember.h>
+    static Py_ssize_t hazsan_slot_offset(PyObject *descr) {
+        PyMemberDef *m;
+        if (Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
+        m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type != T_OBJECT_EX || m->offset <= 0) return -1;
+        return m->offset;
+    }
+    static PyObject *hazsan_slot(PyObject *o, Py_ssize_t offset) {
+        PyObject *v = *(PyObject **)((char *)o + offset);
+        if (v == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "event field not set");
+            return NULL;
+        }
+        Py_INCREF(v);
+        return v;
+    }
+    """
+    Py_ssize_t hazsan_slot_offset(object descr)
+    object hazsan_slot(object o, Py_ssize_t offset)
+
 from sanitizer.order.clocks cimport StreamClocks
 
 
@@ -161,17 +186,17 @@ cdef class RankAnalyzer:
     cdef public long long allocs, ranges_upto
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
-    @cython.locals(line=Py_ssize_t, code=int, codes=dict)
+    @cython.locals(line=Py_ssize_t, code=int, codes=dict, entry=tuple)
     cpdef feed_batch(self, Py_ssize_t first, list items, list problems)
-    cpdef on_coll(self, object ev, Py_ssize_t line)
+    cpdef on_coll(self, object ev, Py_ssize_t line, tuple at=*)
     cpdef on_sync(self, object ev, Py_ssize_t line)
     cpdef on_coll_done(self, object ev, Py_ssize_t line)
     cpdef on_step(self, object ev, Py_ssize_t line)
-    cpdef on_record(self, object ev, Py_ssize_t line)
-    cpdef on_wait(self, object ev, Py_ssize_t line)
+    cpdef on_record(self, object ev, Py_ssize_t line, tuple at=*)
+    cpdef on_wait(self, object ev, Py_ssize_t line, tuple at=*)
     cpdef on_scope(self, object ev, Py_ssize_t line)
-    cpdef on_record_stream(self, object ev, Py_ssize_t line)
-    cpdef on_free_done(self, object ev, Py_ssize_t line)
+    cpdef on_record_stream(self, object ev, Py_ssize_t line, tuple at=*)
+    cpdef on_free_done(self, object ev, Py_ssize_t line, tuple at=*)
 
     @cython.locals(unfinished=list, vh=dict, vx=dict, fl=InFlight, known=cython.longlong, h=cython.longlong)
     cpdef list _unfinished(self, object stream, object protected=*)
@@ -191,13 +216,13 @@ cdef class RankAnalyzer:
     cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, list unfinished, object protected=*)
 
     @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=Block, w=Window)
-    cpdef on_alloc(self, object ev, Py_ssize_t line)
+    cpdef on_alloc(self, object ev, Py_ssize_t line, tuple at=*)
 
     @cython.locals(upto=cython.longlong, new=list, block=Block, ranges=RangeIndex)
     cpdef RangeIndex _live_ranges(self)
 
     @cython.locals(block=Block, addr=cython.longlong, end=cython.longlong)
-    cpdef on_free(self, object ev, Py_ssize_t line)
+    cpdef on_free(self, object ev, Py_ssize_t line, tuple at=*)
 
     @cython.locals(t=cython.longlong, touches=list, window_blocks=BlockSet, windows=WindowTable, blk=Block,
                    w=Window, lo=cython.longlong, hi=cython.longlong)
@@ -207,7 +232,7 @@ cdef class RankAnalyzer:
     cpdef _apply_touches(self)
 
     @cython.locals(bufs=list, op=Op)
-    cpdef on_launch(self, object ev, Py_ssize_t line)
+    cpdef on_launch(self, object ev, Py_ssize_t line, tuple at=*)
 
     @cython.locals(fl=InFlight, lo=cython.longlong, hi=cython.longlong, acc=int, unfinished=list)
     cpdef _enqueue(self, Op op)
@@ -224,4 +249,9 @@ cdef Block _new_block(object bid, long long addr, long long size, object stream,
 cdef Op _new_op(object kind, object stream, object bufs, Py_ssize_t line, object step, object ev)
 
 cpdef _track_op(dict classes, Op op, long long number)
-cpdef int _kind_number(object kind) except? -2
+cpdef tuple _kind_entry(object kind)
+
+cdef bint COMPILED
+
+@cython.locals(offset=Py_ssize_t, offsets=list)
+cpdef object _slots_of(object kind, int number)

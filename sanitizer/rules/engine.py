@@ -68,22 +68,51 @@ CROWD = 32
 #: Python call per event); kinds without one go through RankAnalyzer.handlers.
 _KIND_NUMBER = {"launch": 1, "alloc": 2, "free": 3, "record": 4, "wait": 5, "scope": 6, "coll": 7,
                 "free_done": 8, "record_stream": 9, "sync": 10, "coll_done": 11, "step": 12}
-#: Event class -> its number (-1: none). The JSON Lines classes from the start; the binary format's
-#: records, classes of their own with the same fields, at their first event (_kind_number).
-KIND_CODES = {cls: _KIND_NUMBER.get(kind, -1) for kind, cls in E.BY_KIND.items()}
+#: Whether this is the compiled engine (the same source, built by Cython; see engine.pxd).
+COMPILED = not __file__.endswith(".py")
+#: Per dispatch number, the fields its handler reads, in the order it reads them (_slots_of).
+_FIELDS = {1: ("stream", "reads", "writes"), 2: ("id", "addr", "size", "stream"), 3: ("id",),
+           4: ("event", "stream"), 5: ("event", "stream"), 7: ("cid", "comm", "seq", "stream", "bufs"),
+           8: ("id",), 9: ("id", "stream")}
 
 
-def _kind_number(kind) -> int:
-    """The dispatch number of an event class not met before: a binary record's is its JSON Lines
-    class's (the binary module, loaded by then since it made the record, pairs them; it is not
-    loaded here otherwise: its classes cost tens of ms to make); -1 for any other class."""
+def _slots_of(kind, number):
+    """Compiled engine only: where, in an event of class `kind`, the fields that handler
+    `number` reads are kept (msgspec keeps a struct's fields in slots, each with its member
+    descriptor on the class); None when interpreted, or when one of them is not such a slot.
+    Read from its slot, a field costs a load; through the attribute protocol (type lookup,
+    descriptor call) it cost a sixth of the engine's time on the decode trace."""
+    names = _FIELDS.get(number)
+    if not COMPILED or names is None:
+        return None
+    offsets = []
+    for name in names:
+        offset = hazsan_slot_offset(getattr(kind, name, None))
+        if offset < 0:
+            return None
+        offsets.append(offset)
+    return tuple(offsets)
+
+
+#: Event class -> (its number, where its fields are: _slots_of, the JSON Lines class of its kind,
+#: whose entry in RankAnalyzer.handlers handles it); number -1: none. The JSON Lines classes from
+#: the start; the binary format's records, classes of their own with the same fields (elsewhere
+#: in the struct), at their first event (_kind_entry).
+KIND_CODES = {cls: (_KIND_NUMBER.get(kind, -1), _slots_of(cls, _KIND_NUMBER.get(kind, -1)), cls)
+              for kind, cls in E.BY_KIND.items()}
+
+
+def _kind_entry(kind) -> tuple:
+    """KIND_CODES' entry for an event class not met before: a binary record's number is its
+    JSON Lines class's (the binary module, loaded by then since it made the record, pairs them;
+    it is not loaded here otherwise: its classes cost tens of ms to make); -1 for any other."""
     number = -1
     binary = sys.modules.get("sanitizer.trace.binary")
     json_cls = getattr(binary, "TO_JSON_CLASS", {}).get(kind) if binary is not None else None
     if json_cls is not None:
-        number = KIND_CODES.get(json_cls, -1)
-    KIND_CODES[kind] = number
-    return number
+        number = KIND_CODES.get(json_cls, (-1, None, None))[0]
+    entry = KIND_CODES[kind] = (number, _slots_of(kind, number), json_cls if json_cls is not None else kind)
+    return entry
 
 
 class Malformed(Exception):
@@ -948,29 +977,31 @@ class RankAnalyzer:
             if ev is None:
                 continue
             self.line = line
-            code = codes.get(type(ev), 0)
-            if code == 0:
-                code = _kind_number(type(ev))
+            entry = codes.get(type(ev))
+            if entry is None:
+                entry = _kind_entry(type(ev))
+            code = entry[0]
+            at = entry[1]  # compiled: where the handler finds the event's fields (None: by name)
             try:
                 # by number (KIND_CODES), the frequent kinds first: a direct call when compiled
                 if code == 1:
-                    self.on_launch(ev, line)
+                    self.on_launch(ev, line, at)
                 elif code == 2:
-                    self.on_alloc(ev, line)
+                    self.on_alloc(ev, line, at)
                 elif code == 3:
-                    self.on_free(ev, line)
+                    self.on_free(ev, line, at)
                 elif code == 4:
-                    self.on_record(ev, line)
+                    self.on_record(ev, line, at)
                 elif code == 5:
-                    self.on_wait(ev, line)
+                    self.on_wait(ev, line, at)
                 elif code == 6:
                     pass  # scope: placement context only
                 elif code == 7:
-                    self.on_coll(ev, line)
+                    self.on_coll(ev, line, at)
                 elif code == 8:
-                    self.on_free_done(ev, line)
+                    self.on_free_done(ev, line, at)
                 elif code == 9:
-                    self.on_record_stream(ev, line)
+                    self.on_record_stream(ev, line, at)
                 elif code == 10:
                     self.on_sync(ev, line)
                 elif code == 11:
@@ -978,7 +1009,7 @@ class RankAnalyzer:
                 elif code == 12:
                     self.on_step(ev, line)
                 else:
-                    handlers[type(ev)](ev, line)
+                    handlers[entry[2]](ev, line)
             except (Malformed, TooMany) as exc:
                 problems.append((line, str(exc)))
                 continue
@@ -1122,11 +1153,17 @@ class RankAnalyzer:
 
     # ------------------------------------------------------------------ memory events
 
-    def on_alloc(self, ev, line):
-        bid = ev.id
-        addr = ev.addr
-        size = ev.size
-        stream = ev.stream
+    def on_alloc(self, ev, line, at=None):
+        if at is None:
+            bid = ev.id
+            addr = ev.addr
+            size = ev.size
+            stream = ev.stream
+        else:  # compiled: the same fields, from their slots (_slots_of)
+            bid = hazsan_slot(ev, at[0])
+            addr = hazsan_slot(ev, at[1])
+            size = hazsan_slot(ev, at[2])
+            stream = hazsan_slot(ev, at[3])
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
         block = _new_block(bid, addr, size, stream, line, self.step, ev)
@@ -1151,8 +1188,8 @@ class RankAnalyzer:
         self.allocs += 1
         block.serial = self.allocs
 
-    def on_free(self, ev, line):
-        bid = ev.id
+    def on_free(self, ev, line, at=None):
+        bid = ev.id if at is None else hazsan_slot(ev, at[0])
         block = self.live.pop(bid, None)
         if block is None:
             raise Malformed(f"free of unknown or already freed id {bid!r}")
@@ -1183,8 +1220,8 @@ class RankAnalyzer:
             if not block.coll_touched:
                 self._transient(block, line)
 
-    def on_free_done(self, ev, line):
-        bid = ev.id
+    def on_free_done(self, ev, line, at=None):
+        bid = ev.id if at is None else hazsan_slot(ev, at[0])
         snaps = self.pending_free.pop(bid, None)
         if snaps is None:
             if bid in self.live:
@@ -1196,9 +1233,13 @@ class RankAnalyzer:
                 if changed is not None:
                     self._retire(changed)
 
-    def on_record_stream(self, ev, line):
-        bid = ev.id
-        stream = ev.stream
+    def on_record_stream(self, ev, line, at=None):
+        if at is None:
+            bid = ev.id
+            stream = ev.stream
+        else:  # compiled: from their slots (_slots_of)
+            bid = hazsan_slot(ev, at[0])
+            stream = hazsan_slot(ev, at[1])
         block = self.live.get(bid)
         if block is None:
             raise Malformed(f"record_stream of unknown or freed id {bid!r}")
@@ -1241,10 +1282,15 @@ class RankAnalyzer:
 
     # ------------------------------------------------------------------ device work
 
-    def on_launch(self, ev, line):
-        stream = ev.stream
-        reads = ev.reads
-        writes = ev.writes
+    def on_launch(self, ev, line, at=None):
+        if at is None:
+            stream = ev.stream
+            reads = ev.reads
+            writes = ev.writes
+        else:  # compiled: from their slots (_slots_of)
+            stream = hazsan_slot(ev, at[0])
+            reads = hazsan_slot(ev, at[1])
+            writes = hazsan_slot(ev, at[2])
         if not reads and not writes:
             if not self.capturing:
                 self.clocks.enqueue(stream)
@@ -1255,16 +1301,24 @@ class RankAnalyzer:
             return
         self._enqueue(op)
 
-    def on_coll(self, ev, line):
-        cid = ev.cid
-        comm = ev.comm
-        seq = ev.seq
-        stream = ev.stream
+    def on_coll(self, ev, line, at=None):
+        if at is None:
+            cid = ev.cid
+            comm = ev.comm
+            seq = ev.seq
+            stream = ev.stream
+            evbufs = ev.bufs
+        else:  # compiled: from their slots (_slots_of)
+            cid = hazsan_slot(ev, at[0])
+            comm = hazsan_slot(ev, at[1])
+            seq = hazsan_slot(ev, at[2])
+            stream = hazsan_slot(ev, at[3])
+            evbufs = hazsan_slot(ev, at[4])
         if comm not in self.comms:
             self._new_comm(comm)
         if not self.cids.add(cid):
             raise Malformed(f"duplicate cid {cid!r}")
-        bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in ev.bufs]
+        bufs = [(b.addr, b.addr + b.size, ACCESS[b.access]) for b in evbufs]
         op = _new_op("coll", stream, bufs, line, self.step, ev)
         op.cid, op.comm, op.seq = cid, comm, seq
         self._mark_coll_touched(bufs)
@@ -1388,15 +1442,23 @@ class RankAnalyzer:
         if changed is not None:
             self._retire(changed)
 
-    def on_record(self, ev, line):
-        event = ev.event
-        stream = ev.stream
+    def on_record(self, ev, line, at=None):
+        if at is None:
+            event = ev.event
+            stream = ev.stream
+        else:  # compiled: from their slots (_slots_of)
+            event = hazsan_slot(ev, at[0])
+            stream = hazsan_slot(ev, at[1])
         if not self.capturing:
             self.clocks.record(event, stream)
 
-    def on_wait(self, ev, line):
-        event = ev.event
-        stream = ev.stream
+    def on_wait(self, ev, line, at=None):
+        if at is None:
+            event = ev.event
+            stream = ev.stream
+        else:  # compiled: from their slots (_slots_of)
+            event = hazsan_slot(ev, at[0])
+            stream = hazsan_slot(ev, at[1])
         if not self.capturing and not self.clocks.wait(stream, event):
             self.unrecorded_waits += 1
 
