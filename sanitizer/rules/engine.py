@@ -13,9 +13,23 @@ over ranks, the summary) is sanitizer.rules.driver's.
   has seen done is a bisect and "all of S's ops are done for X" one comparison; and by address
   (`BufferIndex`, filled only once a query needs it: most accesses find every op of S done for
   them and never look), so that "S's ops overlapping [lo, hi)" costs O(log n + overlaps). A stream
-  leaves the table once none of its ops is in flight. An access costs O(streams with ops not
-  done for X, each log n) plus the overlaps, never O(in-flight ops) nor O(trace length)
-  (docs/ordering-and-rules.md, "When is an op done").
+  leaves the table once none of its ops is in flight. With few streams in flight an access walks
+  them: O(streams with ops not done for X, each log n) plus the overlaps. Past CROWD streams that
+  walk would make a trace with a stream per launch quadratic (issue 21), so every in-flight buffer
+  is also in one address index for all streams (`wide`): an access finds there the streams it
+  overlaps an unfinished op of and queries only those, in the table's order, so its findings and
+  their order are the walk's, and it costs O(log n + overlaps) however many streams are unfinished
+  for it. Never O(in-flight ops), O(streams seen) nor O(trace length)
+  (docs/ordering-and-rules.md, "When is an op done", "What the analysis keeps").
+* The host clock takes in only what changed (`StreamClocks.dirty`), and only the streams whose
+  host entry grew retire work: a device-wide sync costs O(streams changed since the last one).
+* transient-in-window asks, at the free of a window block, whether a collective touched it during
+  its life: collectives mark the live window blocks (few) at once; their buffers outside windows
+  are logged for blocks that a window registered later makes window blocks.
+* Per event: a switch on the kind's number (KIND_CODES, either trace format), the frequent kinds'
+  fields read from their slots when compiled, a launch's buffers made from its event only when a
+  query needs them. On the decode trace the engine costs about 2,100 instructions per event
+  (benchmarks/README.md, "streams_scaling.py").
 * `--peer-completion successor`: a collective's buffers inside a window of its own communicator
   are done for X only once a later (program order, higher seq) collective on that communicator is
   locally done for X: its successor. Those buffers sit on a per-communicator list instead
