@@ -124,3 +124,24 @@ def test_the_plugin_endpoint_reduces_gathers_and_defers_inside_overlap():
         assert r["gather"] == [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]] * 2
         assert r["in_flight_inside"] and r["done_after"]
         assert r["same_buffer"] and r["overlap_sum"] == 30.0
+
+
+# ---- logscan on a real vLLM engine's log (not the loggers alone): reports/vllm-mhc's depth 6 runs
+DATA = ROOT / "tests" / "data"
+
+
+def test_logscan_on_a_real_vllm_engine_log_flags_stock_not_fixed():
+    """The stats and SpecDecoding lines of vLLM 0.32's engine in the stock and fixed runs at depth
+    6 (`make vllm-proof`; lines of loggers.py and metrics.py kept, nothing edited): with the
+    report's criterion (half the clean accept length 7, half the 16 slots running) the stock log
+    has the signature and the fixed one not."""
+    from sanitizer.logscan import scan
+    stock = scan([str(DATA / "vllm-0.32-engine-mhc-stock-d6.log")], threshold=3.5, min_running=8)
+    fixed = scan([str(DATA / "vllm-0.32-engine-mhc-fixed-d6.log")], threshold=3.5, min_running=8)
+    assert stock.format == fixed.format == "vllm"
+    assert stock.unparsed_count == fixed.unparsed_count == 0
+    assert [round(r.accept_len, 2) for r in stock.records][:2] == [1.75, 1.62]
+    assert all(r.running_req == 16 for r in stock.records[:2])        # paired with the stats line
+    assert len(stock.flagged) == 3 and stock.exit_code() == 1
+    assert not fixed.flagged and fixed.exit_code() == 0
+    assert {round(r.accept_len, 2) for r in fixed.records} == {7.0}    # every draft accepted
