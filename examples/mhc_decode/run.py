@@ -122,7 +122,7 @@ def execute(plan, ranks: int, reference_cache: str | None = None, progress=None)
     process); the reference decodes then run in worlds of their own, without capture.
     `progress(text)`, if given, is called with one line per run as it ends (per world without
     capture). With a reference_cache, the rank processes also keep their drawn weights there
-    (model.Weights, $MHC_WEIGHTS_CACHE)."""
+    (model.Weights, $MHC_WEIGHTS_CACHE) while the plan runs."""
     from .model import WEIGHTS_CACHE_ENV
     saved = os.environ.get(WEIGHTS_CACHE_ENV)
     if reference_cache:     # the rank processes (spawned: they inherit it) reuse the weights they drew
@@ -130,6 +130,9 @@ def execute(plan, ranks: int, reference_cache: str | None = None, progress=None)
     try:
         return _execute(plan, ranks, reference_cache, progress)
     finally:
+        if reference_cache:     # about 300 MB per rank: kept for this plan only
+            for path in glob.glob(os.path.join(reference_cache, "weights-*.pt")):
+                os.unlink(path)
         if saved is None:
             os.environ.pop(WEIGHTS_CACHE_ENV, None)
         else:
