@@ -112,7 +112,8 @@ SCRIPT = textwrap.dedent(r'''
 def _run(tmp_path, capture: bool):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
     if capture:
-        env.update(HAZSAN="1", HAZSAN_DIR=str(tmp_path / "traces"))
+        # these tests read the trace lines by hand: JSON Lines, not capture's binary default
+        env.update(HAZSAN="1", HAZSAN_DIR=str(tmp_path / "traces"), HAZSAN_TRACE_FORMAT="jsonl")
     (tmp_path / "drive.py").write_text(SCRIPT)
     out = subprocess.run([sys.executable, "drive.py"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
