@@ -251,25 +251,39 @@ def parse_junit(path: Path) -> tuple[dict, dict, dict]:
 
 # --------------------------------------------------------------------------- checking traces
 
+def trace_files(directory: Path) -> list[Path]:
+    """Capture's rank files in either format (binary `.hzs` by default, JSON Lines on request)."""
+    from sanitizer.trace.reader import expand_paths
+    try:
+        return expand_paths([directory])
+    except Exception:
+        return []
+
+
+def trace_events(path: Path):
+    """Every event (a dict) of one trace file, whatever its format."""
+    from sanitizer.trace.reader import open_trace
+    for _, ev in open_trace(path).events():
+        if isinstance(ev, dict):
+            yield ev
+
+
 def _hook_errors(directory: Path) -> list[dict]:
     out = []
-    for f in sorted(directory.glob("*.jsonl")):
-        with open(f, "rb") as fh:
-            for line in fh:
-                if b'"hook_error"' in line:
-                    try:
-                        ev = json.loads(line)
-                    except ValueError:
-                        continue
-                    if ev.get("ev") == "hook_error":
-                        out.append({"file": f.name, "hook": ev.get("hook"),
-                                    "count": ev.get("count", 1), "error": ev.get("error")})
+    for f in trace_files(directory):
+        try:
+            for ev in trace_events(f):
+                if ev.get("ev") == "hook_error":
+                    out.append({"file": f.name, "hook": ev.get("hook"),
+                                "count": ev.get("count", 1), "error": ev.get("error")})
+        except Exception:
+            continue            # an unreadable file is reported by hazsan check
     return out
 
 
 def check_dir(directory: Path, python: str) -> dict:
     """`hazsan check --format json` on one test's traces."""
-    files = sorted(p.name for p in directory.glob("*.jsonl*"))
+    files = sorted(p.name for p in trace_files(directory))
     res = {"dir": str(directory), "files": len(files), "rc": None, "by_rule": {}, "findings": [],
            "hook_errors": 0, "hook_error_detail": [], "dropped": 0, "incomplete": [],
            "errors": [], "events": 0}

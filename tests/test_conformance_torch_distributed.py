@@ -116,10 +116,10 @@ def test_capture_recorded_the_collectives(run, mode):
     r = out["results"][mode]
     ops = set()
     for n, c in r["checks"].items():
-        for f in Path(c["dir"]).glob("*.jsonl"):
-            for line in f.read_text().splitlines():
-                if '"ev":"coll"' in line.replace(" ", ""):
-                    ops.add(json.loads(line)["op"].rsplit(".", 1)[-1])
+        for f in conf.trace_files(Path(c["dir"])):
+            for ev in conf.trace_events(f):
+                if ev.get("ev") == "coll":
+                    ops.add(ev["op"].rsplit(".", 1)[-1])
     missing = EXPECTED_OPS - ops
     assert not missing, f"[{mode}] no coll recorded for {sorted(missing)}; recorded {sorted(ops)}"
     # each passed test that spawned ranks left one trace per rank
