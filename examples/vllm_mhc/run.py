@@ -415,14 +415,11 @@ def signature_lines(out: Path, runs: dict) -> list[str]:
 
 
 def parse_depths(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out += list(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
-    return out
+    """"1-3,6" -> [1, 2, 3, 6], as examples/mhc_decode's sweep reads --depths."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from examples.mhc_decode.sweep import parse_depths as parse
+    return parse(text)
 
 
 def main(argv=None) -> int:
