@@ -53,7 +53,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # sanitizer.trace.binary, for --format binary
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2   # 2: binary traces intern call sites, ops and shapes (format version 2)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -215,6 +215,7 @@ class TraceWriter:
         if self.binary:
             from sanitizer.trace import binary
             self.encode_frames = binary.encode_frames
+            self.values = binary.ValueTable()    # version 2: call sites, ops, shapes written once, as capture does
             self.stream.write(binary.signature_and_header(header))
         else:
             self.stream.write(orjson.dumps(header) + b"\n")
@@ -241,7 +242,7 @@ class TraceWriter:
 
     def flush(self) -> None:
         keep = self.buf[: self.limit - self.written]     # the program runs on to a layer's end
-        self.stream.write(self.encode_frames(keep) if self.binary else b"".join(keep))
+        self.stream.write(self.encode_frames(keep, self.values) if self.binary else b"".join(keep))
         self.written += len(keep)
         self.buf.clear()
 

@@ -184,11 +184,38 @@ def _fits(value):
     return value
 
 
+class _Raw:
+    """An item written as it is (not an event: a hostile shape)."""
+
+    def __init__(self, item):
+        self.item = item
+
+
+class _Trailing:
+    """An event whose item gets elements past its kind's last field (a newer writer's)."""
+
+    def __init__(self, ev, extra):
+        self.ev, self.extra = ev, extra
+
+
+def _as_item(B, it, table):
+    if isinstance(it, _Raw):
+        return it.item
+    if isinstance(it, _Trailing):
+        item = _as_item(B, it.ev, table)
+        return item + it.extra if isinstance(item, list) else item
+    if isinstance(it, dict) and isinstance(it.get("ev"), str):
+        return _fits(B.to_item(it, table))
+    return it
+
+
 def trace_binary(rng: random.Random, *, rank: int = 0, events: int = 40, mutation_rate: float = 0.15) -> bytes:
     """One rank file's bytes in the binary format (sanitizer/trace/binary.py): the grammar's events,
     some mutated as in trace_lines, then items of the wrong shape, trailing elements, map items;
     frames of random sizes, some with their payload garbled, their kind or length wrong, an end
-    frame in the middle; now and then a bad signature or header, a file cut anywhere."""
+    frame in the middle; half the files with version 2's value tables (`V` frames, some lost,
+    cut short or holding values of the wrong type: dangling indices); now and then a bad
+    signature or header, a file cut anywhere."""
     import msgspec
 
     from sanitizer.trace import binary as B
@@ -200,19 +227,25 @@ def trace_binary(rng: random.Random, *, rank: int = 0, events: int = 40, mutatio
     header = {"hazsan": 1, "rank": rank, "world_size": 2, "end_record": rng.random() < 0.5}
     if hostile and rng.random() < 0.05:
         header = rng.choice(({"hazsan": 2}, {"hazsan": 1, "rank": [0]}, [1], {"rank": 0}, "x", {1: 2}))
-    items = [B.to_item({"ev": "step", "n": 0, "tokens": 16})]
+    # version 2's value tables (binary.ValueTable) for half the files: the indexed fields then hold
+    # indices, defined by a `V` frame before the first event frame that uses them
+    table = B.ValueTable() if rng.random() < 0.5 else None
+    items = [{"ev": "step", "n": 0, "tokens": 16}]   # events (dicts) are made items when framed
     for _ in range(rng.randrange(0, events + 1)):
         ev = _event(rng, state)
         if rng.random() < mutation_rate:
             ev = _mutate(rng, ev)
-        item = _fits(B.to_item(ev) if isinstance(ev.get("ev"), str) else ev)
+        item = _fits(ev)
         r = rng.random() if hostile else 1.0
         if r < 0.02:
-            item = rng.choice(([], [999, 1], "str", 5, [5], [None, 1], ["alloc", 1], [1.5], {"ev": 5},
-                               {1: 2}, [10, 1, "tp", 0, "ar", 0, [[1, 2]]], [10, 1, "tp", 0, "ar", 0, [{"a": 1}]],
-                               [9, 0, [[1, -2]]], [9, 0, [1, 2]], b"bytes"))
-        elif r < 0.04 and isinstance(item, list):
-            item = item + [rng.choice(HOSTILE_VALUES)] * rng.randrange(1, 12)     # fields of a newer writer
+            item = _Raw(rng.choice(([], [999, 1], "str", 5, [5], [None, 1], ["alloc", 1], [1.5], {"ev": 5},
+                                    {1: 2}, [10, 1, "tp", 0, "ar", 0, [[1, 2]]], [10, 1, "tp", 0, "ar", 0, [{"a": 1}]],
+                                    [9, 0, [[1, -2]]], [9, 0, [1, 2]], b"bytes",
+                                    [9, 0, None, None, None, None, 10**6], [5, 1, 2, 3, 0, "p", None, None, None,
+                                                                            None, None, None, None, None, 7])))
+        elif r < 0.04 and isinstance(ev.get("ev"), str):
+            trailing = [rng.choice(HOSTILE_VALUES)] * rng.randrange(1, 12)      # fields of a newer writer
+            item = _Trailing(item, trailing)
         items.append(item)
     room = rng.choice((0, 0, 4096))
     if isinstance(header, dict) and all(isinstance(k, str) for k in header):
@@ -220,18 +253,34 @@ def trace_binary(rng: random.Random, *, rank: int = 0, events: int = 40, mutatio
     else:
         data = B.SIGNATURE + B.frame(B.FRAME_HEADER, encode([_fits(header), b""]))
     if hostile and rng.random() < 0.03:
-        data = rng.choice((b"\x89HZS\r\n\x1a\x02", b"\x89HZS\n\x1a\x01", b"\x89", b"\x89PNG\r\n\x1a\n")) + data[8:]
+        data = rng.choice((b"\x89HZS\r\n\x1a\x03", b"\x89HZS\n\x1a\x01", b"\x89", b"\x89PNG\r\n\x1a\n",
+                           b"\x89HZS\r\n\x1a\x01")) + data[8:]
     i = 0
     while i < len(items):
         n = rng.randrange(1, 65)
-        payload = encode(items[i:i + n])
+        chunk = [_as_item(B, it, table) for it in items[i:i + n]]
+        payload = encode(chunk)
         i += n
+        if table is not None:
+            new = table.pending()
+            if new is not None:
+                v = rng.random() if hostile else 1.0
+                if v < 0.03:
+                    new = None                                                   # a lost `V` frame: dangling indices
+                elif v < 0.05:
+                    new = rng.choice(({"site": [5]}, {"shape": ["x"]}, {"stack": "s"}, [1, 2], "x",
+                                      {"site": [None]}, {"later": [1]}, {"op": [[1]]}))  # values of the wrong type
+                if new is not None:
+                    vpayload = encode(new)
+                    if v < 0.06 and v >= 0.05 and vpayload:
+                        vpayload = vpayload[: rng.randrange(len(vpayload))]       # cut short: not msgpack
+                    data += B.PREFIX.pack(B.FRAME_VALUES, len(vpayload)) + vpayload
         kind = B.FRAME_EVENTS
         r = rng.random() if hostile else 1.0
         if r < 0.02:
             payload = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))     # not msgpack
         elif r < 0.03:
-            kind = rng.choice((B.FRAME_HEADER, B.FRAME_END, 0, 0xFF))
+            kind = rng.choice((B.FRAME_HEADER, B.FRAME_END, B.FRAME_VALUES, 0, 0xFF))
         elif r < 0.04:
             payload = encode(rng.choice(({"a": 1}, 5, "x", None)))                        # not an array
         elif r < 0.05 and payload:

@@ -321,7 +321,7 @@ def test_an_end_frame_before_the_last_frame_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("data, message", [
-    (b"\x89HZS\r\n\x1a\x02", "unsupported binary trace version 2"),
+    (b"\x89HZS\r\n\x1a\x03", "unsupported binary trace version 3"),
     (b"\x89PNG\r\n\x1a\n", "not a hazsan trace: it starts with byte 0x89"),
     (b"\x89HZS\r\n\x1a\x01" + B.PREFIX.pack(B.FRAME_EVENTS, 1) + b"\x90", "the first frame (at byte 8) must be the header frame"),
     (b"\x89HZS\r\n\x1a\x01" + B.frame(B.FRAME_HEADER, b"\x92\x01\xc4\x00"), "the header frame must hold a map"),
@@ -433,3 +433,229 @@ def test_cat_command_line_and_errors(tmp_path):
     assert out.splitlines()[2] == "" and json.loads(out.splitlines()[3])["ev"] == "free"   # numbering kept
     code, _, err = _run("cat", tmp_path / "nope.hzs")
     assert code == 2 and "no such file" in err
+
+
+# ------------------------------------------------------------------ version 2: the value tables
+
+SITE_A, SITE_B = "model.py:10:forward", "model.py:20:backward"
+
+
+def _frames_of(path) -> list[tuple[int, bytes]]:
+    """(kind, payload) of every frame after the signature."""
+    data = Path(path).read_bytes()
+    out, pos = [], len(B.SIGNATURE)
+    while pos < len(data):
+        kind, length = B.PREFIX.unpack_from(data, pos)
+        out.append((kind, data[pos + B.PREFIX_SIZE:pos + B.PREFIX_SIZE + length]))
+        pos += B.PREFIX_SIZE + length
+    return out
+
+
+def _launch(i, site, op="gemm", shape=None):
+    ev = {"ev": "launch", "stream": 0, "writes": [[4096 + 64 * i, 64]], "site": site, "op": op}
+    return ev
+
+
+def test_the_writer_interns_descriptive_values_once_per_file(tmp_path):
+    """Capture writes each call site, op, shape, dtype and stack once, in a `V` frame before the
+    first event frame that uses it; events hold indices; `hazsan cat` gives the values back."""
+    w = TraceWriter(str(tmp_path), trace_format="binary")
+    w.set_rank(0, 1)
+    first = [dict(ALLOC, id=i, addr=4096 * (i + 1), shape=[8, 16], dtype="bfloat16", stack=["a.py:1", "b.py:2"])
+             for i in range(3)]
+    for ev in first:
+        w.emit(ev)
+    w.flush()
+    second = [dict(ALLOC, id=10 + i, addr=65536 * (i + 1), site=SITE_B if i else ALLOC["site"], shape=[8, 16],
+                   dtype="float32") for i in range(3)]
+    for ev in second:
+        w.emit(ev)
+    w.close()
+    path = Path(w.path)
+    assert path.read_bytes()[len(B.MAGIC)] == 2
+    frames = _frames_of(path)
+    values = [msgspec.msgpack.decode(p) for k, p in frames if k == B.FRAME_VALUES]
+    assert values == [{"site": [ALLOC["site"]], "stack": [["a.py:1", "b.py:2"]], "shape": [[8, 16]],
+                       "dtype": ["bfloat16"]},
+                      {"site": [SITE_B], "dtype": ["float32"]}]          # only what is new
+    kinds = [k for k, _ in frames]
+    assert kinds.index(B.FRAME_VALUES) < kinds.index(B.FRAME_EVENTS)
+    items = [i for k, p in frames if k == B.FRAME_EVENTS for i in msgspec.msgpack.decode(p)]
+    site_at = 1 + B.ORDER["alloc"][1].index("site")
+    assert [i[site_at] for i in items] == [0, 0, 0, 0, 1, 1]
+    code, out, err = _run("cat", path)
+    got = [json.loads(line) for line in out.splitlines()[1:]]
+    want = [{k: v for k, v in ev.items()} for ev in first + second]
+    assert [{k: v for k, v in g.items() if k != "t"} for g in got[:-1]] == want, err
+
+
+def test_interned_traces_are_smaller_and_give_the_same_findings(tmp_path):
+    events = []
+    for i in range(200):
+        events += [dict(ALLOC, id=i, addr=4096, site=f"m.py:{i % 7}:f", shape=[4, 256], dtype="float16"),
+                   dict(COLL, cid=i, seq=i, site="comm.py:5:all_reduce"),
+                   dict(FREE, id=i, site="m.py:99:f")]
+    interned = tmp_path / "v2" / "rank0.hzs"
+    plain = tmp_path / "v1" / "rank0.hzs"
+    for p, intern in ((interned, True), (plain, False)):
+        p.parent.mkdir()
+        p.write_bytes(B.jsonl_to_binary(HEADER, events, intern=intern))
+    assert interned.stat().st_size < 0.7 * plain.stat().st_size
+    a, b = analyze([plain]), analyze([interned])
+    assert a.findings and _comparable(a) == _comparable(b)
+    assert {f.site for f in b.findings} <= {"m.py:99:f"} | {f"m.py:{i}:f" for i in range(7)} | {None}
+    assert all(isinstance(f.block.site, str) for f in b.findings if f.block is not None)
+    assert any(f.op is not None and f.op.site == "comm.py:5:all_reduce" for f in b.findings)
+
+
+def test_a_version_1_trace_still_reads(tmp_path):
+    """What earlier hazsan wrote (version 1: no `V` frame, values in place) reads as before; an
+    index there is a wrong type, as it always was."""
+    p = tmp_path / "rank0.hzs"
+    v1 = b"\x89HZS\r\n\x1a\x01" + B.signature_and_header(HEADER)[8:]
+    p.write_bytes(v1 + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode([B.to_item(e) for e in EVENTS])))
+    code, out, _ = _check_json(p)
+    assert code == 0 and [f["rule"] for f in out["findings"]] == ["free-in-flight"]   # a warning
+    assert out["findings"][0]["block"]["site"] == ALLOC["site"]
+    bad = B.to_item(ALLOC)
+    bad[1 + B.ORDER["alloc"][1].index("site")] = 0
+    p.write_bytes(v1 + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode([bad])))
+    code, _, err = _check_json(p)
+    assert code == 2 and f"{p}:2: alloc: field 'site'" in err and "must be a string" in err, err
+    p.write_bytes(v1 + B.frame(B.FRAME_VALUES, msgspec.msgpack.encode({"site": ["x"]})))
+    code, _, err = _check_json(p)
+    assert code == 2 and "unknown frame kind 0x56" in err, err
+
+
+def test_values_in_place_are_still_read_in_a_version_2_trace(tmp_path):
+    """Interning is the writer's choice, field by field: a value in place is read as in version 1."""
+    t = B.ValueTable()
+    items = [B.to_item(ALLOC, t), B.to_item(dict(COLL, site="c.py:1"), None), B.to_item(FREE, t)]
+    p = tmp_path / "rank0.hzs"
+    p.write_bytes(B.signature_and_header(HEADER) + B.values_frame(t.pending())
+                  + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode(items)))
+    a = analyze([p])
+    assert not a.errors and [f.rule for f in a.findings] == ["free-in-flight"]
+    assert a.findings[0].block.site == ALLOC["site"] and a.findings[0].op.site == "c.py:1"
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_an_index_past_its_table_names_field_line_and_frame(tmp_path, lenient):
+    t = B.ValueTable()
+    items = [B.to_item(ALLOC, t)]
+    dangling = B.to_item(dict(COLL, site="c.py:1"), t)
+    t.pending()                                        # c.py:1 is never written: a lost `V` frame
+    p = tmp_path / "rank0.hzs"
+    p.write_bytes(B.signature_and_header(HEADER) + B.values_frame({"site": [ALLOC["site"]]})
+                  + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode(items + [dangling, B.to_item(FREE)])))
+    code, out, err = _check_json(p, *(["--lenient"] if lenient else []))
+    if lenient:
+        assert code == 0 and out["summary"]["skipped_lines"] == 1 and not out["findings"], out["summary"]
+    else:
+        assert code == 2 and (f"{p}:3: coll: field 'site' holds index 1, but the trace's site values so far "
+                              "are 1 (indices 0 to 0) (frame 2 at byte") in err, err
+    code, out, _ = _run("cat", p)
+    assert json.loads(out.splitlines()[2])["site"] == 1      # cat keeps it: the JSON Lines rules refuse it
+    assert json.loads(out.splitlines()[1])["site"] == ALLOC["site"]
+
+
+@pytest.mark.parametrize("payload, message", [
+    (msgspec.msgpack.encode({"site": [5]}), "values frame: Expected `str`, got `int` - at `$.site[0]`"),
+    (msgspec.msgpack.encode({"shape": [["x"]]}), "values frame: Expected `int`, got `str` - at `$.shape[0][0]`"),
+    (msgspec.msgpack.encode([1, 2]), "values frame: Expected `object`, got `array`"),
+    (b"\xc1", "values frame: "),
+])
+def test_a_bad_values_frame_is_an_error_and_defines_nothing(tmp_path, payload, message):
+    t = B.ValueTable()
+    item = B.to_item(ALLOC, t)
+    p = tmp_path / "rank0.hzs"
+    p.write_bytes(B.signature_and_header(HEADER) + B.frame(B.FRAME_VALUES, payload)
+                  + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode([item])))
+    code, _, err = _check_json(p)
+    assert code == 2 and f"{p}:2: frame 1 at byte " in err and message in err, err
+    assert f"{p}:3: alloc: field 'site' holds index 0, but the trace defined no site value before it" in err, err
+
+
+def test_unknown_fields_of_a_values_frame_are_ignored(tmp_path):
+    t = B.ValueTable()
+    items = [B.to_item(e, t) for e in EVENTS]
+    new = dict(t.pending(), later=[1, 2, 3])
+    p = tmp_path / "rank0.hzs"
+    p.write_bytes(B.signature_and_header(HEADER) + B.values_frame(new)
+                  + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode(items)))
+    code, out, err = _check_json(p)
+    assert code == 0 and out["findings"][0]["block"]["site"] == ALLOC["site"], err
+
+
+def test_values_added_in_every_frame_cost_few_class_rounds_and_read_right(tmp_path):
+    """A file that adds a call site in each of 300 frames: every event reads with its own site,
+    and the reader made its record classes again at most REBUILDS + log2 times."""
+    from sanitizer.trace.reader import TypedEvents
+
+    t = B.ValueTable()
+    data = B.signature_and_header(HEADER)
+    for i in range(300):
+        item = B.to_item(_launch(i, f"gen.py:{i}:f"), t)
+        data += B.values_frame(t.pending()) + B.frame(B.FRAME_EVENTS, msgspec.msgpack.encode([item]))
+    p = tmp_path / "rank0.hzs"
+    p.write_bytes(data)
+    tf = open_trace(p)
+    src = TypedEvents(tf)
+    problems, sites = [], []
+    with contextlib.suppress(StopIteration):
+        while True:
+            _, records = src.next(problems)
+            sites += [E.described(r, "site") for r in records]
+    assert not problems and sites == [f"gen.py:{i}:f" for i in range(300)]
+    assert src.decoder.rebuilds <= B.BinaryDecoder.REBUILDS + 6, src.decoder.rebuilds
+    made = src.forget()
+    assert made and not set(made) & set(B.TO_JSON_CLASS_ALL)
+
+
+def test_repeated_analyses_leave_no_classes_behind(tmp_path):
+    """Each version 2 file gets record classes of its own; they leave the engine's tables when
+    its analysis ends (the pytest plugin analyses one trace per test)."""
+    from sanitizer.rules import driver
+
+    p = tmp_path / "rank0.hzs"
+    p.write_bytes(B.jsonl_to_binary(HEADER, EVENTS))
+    analyze([p])
+    eng = driver.load_engine(None)[0]
+    before = (len(eng.KIND_CODES), len(B.TO_JSON_CLASS_ALL))
+    for _ in range(5):
+        a = analyze([p])
+        assert [f.rule for f in a.findings] == ["free-in-flight"] and a.findings[0].block.site == ALLOC["site"]
+    assert (len(eng.KIND_CODES), len(B.TO_JSON_CLASS_ALL)) == before
+
+
+def test_a_failed_write_takes_its_new_values_back(tmp_path, monkeypatch):
+    """A flush whose write fails (disk full) loses its events, counted; the values first seen in it
+    are not in the file, so the next flush that uses them defines them again."""
+    from sanitizer.trace import writer as W
+
+    w = TraceWriter(str(tmp_path), trace_format="binary")
+    w.set_rank(0, 1)
+    w.emit(dict(ALLOC, id=1))
+    w.flush()
+    real = W._write_all
+    fail = {"left": 1}
+
+    def flaky(fd, data):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(W, "_write_all", flaky)
+    w.emit(dict(ALLOC, id=2, addr=8192, site=SITE_B))          # lost with its V frame
+    w.flush()
+    w.emit(dict(ALLOC, id=3, addr=12288, site=SITE_B, op="empty"))
+    w.close()
+    path = Path(w.path)
+    code, out, _ = _run("cat", path)
+    got = [json.loads(line) for line in out.splitlines()[1:]]
+    allocs = [(g["id"], g.get("site"), g.get("op")) for g in got if g["ev"] == "alloc"]
+    assert allocs == [(1, ALLOC["site"], None), (3, SITE_B, "empty")]
+    assert any(g["ev"] == "dropped" and g["count"] == 1 for g in got)
+    a = analyze([path])
+    assert not a.errors

@@ -140,17 +140,26 @@ class RankReader:
     def __init__(self, trace: TraceFile, analyzer):
         self.trace = trace
         self.analyzer = analyzer
-        self.source = TypedEvents(trace, CHUNK)
+        self.source = TypedEvents(trace, CHUNK, on_classes=self._dispatch)
         self.decoder = self.source       # .warnings(file)
-        if trace.format == "binary":
-            # the binary format's records are classes of their own (same fields): the engine's
-            # dispatch table gets them beside the JSON Lines ones
+        if trace.format == "binary" and trace.values is None:
             from sanitizer.trace.binary import TO_JSON_CLASS
 
-            handlers = analyzer.handlers
-            for cls, json_cls in TO_JSON_CLASS.items():
-                if json_cls in handlers:
-                    handlers[cls] = handlers[json_cls]
+            self._dispatch(TO_JSON_CLASS)
+
+    def _dispatch(self, classes: dict) -> None:
+        """The binary format's records are classes of their own (same fields; version 2 makes
+        them per file): the engine's dispatch table gets them beside the JSON Lines ones."""
+        handlers = self.analyzer.handlers
+        for cls, json_cls in classes.items():
+            if json_cls in handlers:
+                handlers[cls] = handlers[json_cls]
+
+    def forget(self, engine) -> None:
+        """The analysis is over: the record classes made for this file leave the engine's tables."""
+        for cls in self.source.forget():
+            engine.KIND_CODES.pop(cls, None)
+            self.analyzer.handlers.pop(cls, None)
 
     def step(self, problems: list) -> None:
         """Decode and apply about BATCH events; StopIteration at the end of the file."""
@@ -270,6 +279,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         hook_errors += a.hook_errors
         warnings.extend(r.trace.warnings)
         warnings.extend(r.decoder.warnings(a.file))
+        r.forget(eng)
         if a.unrecorded_waits:
             warnings.append(f"{a.file}: {a.unrecorded_waits} wait/sync on an event never recorded (no-op)")
         if a.counted_drops:

@@ -122,7 +122,7 @@ def _kind_entry(kind) -> tuple:
     it is not loaded here otherwise: its classes cost tens of ms to make); -1 for any other."""
     number = -1
     binary = sys.modules.get("sanitizer.trace.binary")
-    json_cls = getattr(binary, "TO_JSON_CLASS", {}).get(kind) if binary is not None else None
+    json_cls = getattr(binary, "TO_JSON_CLASS_ALL", {}).get(kind) if binary is not None else None
     if json_cls is not None:
         number = KIND_CODES.get(json_cls, (-1, None, None))[0]
     entry = KIND_CODES[kind] = (number, _slots_of(kind, number), json_cls if json_cls is not None else kind)
@@ -164,15 +164,15 @@ class Block:
 
     @property
     def site(self):
-        return self.ev.site
+        return E.described(self.ev, "site")
 
     @property
     def stack(self):
-        return self.ev.stack
+        return E.described(self.ev, "stack")
 
     @property
     def op(self):
-        return self.ev.op
+        return E.described(self.ev, "op")
 
 
 def _new_block(bid, addr, size, stream, line, step, ev):
@@ -261,15 +261,15 @@ class Op:
 
     @property
     def name(self):
-        return self.ev.op
+        return E.described(self.ev, "op")
 
     @property
     def site(self):
-        return self.ev.site
+        return E.described(self.ev, "site")
 
     @property
     def stack(self):
-        return self.ev.stack
+        return E.described(self.ev, "stack")
 
 
 class Window:

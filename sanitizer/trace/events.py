@@ -31,6 +31,20 @@ Count = Annotated[int, msgspec.Meta(ge=0, lt=(1 << 63) - 1)]
 Range = tuple[Addr, Size]
 
 
+def described(ev, name: str):
+    """Field `name` of a typed event, by value. A version 2 binary record may hold, in a field that
+    describes the event (sanitizer.trace.binary.INDEXED: site, stack, op, shape, dtype), the index
+    of its value in its file's table of them instead (checked against the table when decoded):
+    here it becomes the value. Every other record holds the value itself."""
+    value = getattr(ev, name, None)
+    if type(value) is int:
+        cls = type(ev)
+        values = getattr(cls, "hazsan_values", None)
+        if values is not None and name in cls.hazsan_indexed:
+            return values[name][value]
+    return value
+
+
 class Event(msgspec.Struct, tag_field="ev", forbid_unknown_fields=True, kw_only=True, gc=False):
     """Fields every event may carry (schema.COMMON_FIELDS)."""
 

@@ -73,6 +73,8 @@ class TraceFile:
     format: str = "jsonl"
     #: binary: the byte offset of the first frame after the header (for messages)
     body_offset: int = 0
+    #: binary version 2: the value tables its `V` frames fill as they are read (binary.INDEXED); None otherwise
+    values: dict | None = None
     #: the end record's fields, once read (`events`, `dropped`)
     end: dict | None = None
     #: the file is still being written (a live process: the pytest plugin's own file, a helper
@@ -97,9 +99,11 @@ class TraceFile:
 
     def binary_dicts(self) -> Iterator[tuple[int, list]]:
         """A binary trace's events as dicts, the events of a JSON Lines trace (`hazsan cat`)."""
+        values = self.values
+
         def decode(first, payload, frame_no, offset):
             try:
-                return B.generic_events(payload)
+                return B.generic_events(payload, values)
             except ValueError as exc:
                 return [TraceError(self.path, first, f"{exc} (frame {frame_no} at byte {offset}; counted as one event)")]
 
@@ -154,6 +158,13 @@ class TraceFile:
                     break
                 if kind == B.FRAME_EVENTS:
                     items = decode(line, payload, frame_no, offset)
+                elif kind == B.FRAME_VALUES and self.values is not None:
+                    try:
+                        B.add_values(self.values, payload)
+                        items = None
+                    except ValueError as exc:
+                        items = bad(line, f"frame {frame_no} at byte {offset}: {exc} (its values are not "
+                                    "defined; counted as one event)")
                 elif kind == B.FRAME_END and wants_end and not _more(stream):
                     self.ended = True
                     self.end = B.decode_end(payload)
@@ -166,7 +177,7 @@ class TraceFile:
                                 "(not a hazsan trace? counted as one event)")
                 if items:
                     yield line, items
-                line += len(items)
+                    line += len(items)
                 frame_no += 1
                 offset += B.PREFIX_SIZE + length
         except OSError as exc:
@@ -459,8 +470,9 @@ def _open_binary(path: Path, stream, compressed: bool, limits: ReadLimits) -> Tr
             if len(sig) < len(B.SIGNATURE) or not sig.startswith(B.MAGIC):
                 raise TraceError(path, 1, "not a hazsan trace: it starts with byte 0x89 but not with the binary "
                                  "trace signature 89 48 5A 53 0D 0A 1A")
-            if sig[-1] != B.VERSION:
-                raise TraceError(path, 1, f"unsupported binary trace version {sig[-1]} (this hazsan reads {B.VERSION})")
+            if sig[-1] not in B.READ_VERSIONS:
+                raise TraceError(path, 1, f"unsupported binary trace version {sig[-1]} (this hazsan reads "
+                                 f"{', '.join(map(str, B.READ_VERSIONS))})")
             prefix = stream.read(B.PREFIX_SIZE)
             if len(prefix) < B.PREFIX_SIZE:
                 raise TraceError(path, 1, "binary trace cut short in its header frame: the writer was killed "
@@ -487,7 +499,8 @@ def _open_binary(path: Path, stream, compressed: bool, limits: ReadLimits) -> Tr
         stream.close()
         raise
     tf = TraceFile(path=path, header=header, compressed=compressed, format="binary", _stream=stream,
-                   body_offset=len(B.SIGNATURE) + B.PREFIX_SIZE + length, limits=limits)
+                   body_offset=len(B.SIGNATURE) + B.PREFIX_SIZE + length, limits=limits,
+                   values=B.new_values() if sig[-1] >= 2 else None)
     return _checked(path, header, tf)
 
 
@@ -547,13 +560,15 @@ class TypedEvents:
     JSON Lines come `chunk` lines at a time, a binary trace a frame at a time.
     """
 
-    def __init__(self, trace: TraceFile, chunk: int = 512):
+    def __init__(self, trace: TraceFile, chunk: int = 512, on_classes=None):
+        """`on_classes(mapping)`: told of each set of record classes made for this file (binary
+        version 2: binary.BinaryDecoder), record class -> the JSON Lines class of its kind."""
         from sanitizer.trace.events import EventDecoder
 
         self.trace = trace
         self.problems: list = []
         if trace.format == "binary":
-            self.decoder = B.BinaryDecoder()
+            self.decoder = B.BinaryDecoder(trace.values, on_classes)
             self._batches = trace.frames(self._decode_frame, self._bad_frame)
             self.next = self._next_binary
         else:
@@ -578,3 +593,8 @@ class TypedEvents:
 
     def warnings(self, file: str) -> list[str]:
         return self.decoder.warnings(file)
+
+    def forget(self) -> list:
+        """The record classes made for this file (binary version 2), now out of the registry."""
+        forget = getattr(self.decoder, "forget", None)
+        return forget() if forget is not None else []

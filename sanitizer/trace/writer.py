@@ -120,6 +120,9 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         self._header_len = 0         # bytes of the header line on disk (padded): 0 before the file exists
         self._header_state = _NO_FACTS   # header_key() when the facts were written; _NO_FACTS: not yet
+        # binary: the current file's value tables (binary.ValueTable: its call sites, ops, shapes
+        # written once, then referred to by index); a new file starts its own
+        self._values = B.ValueTable()
         self._facts_cache = None     # (header_key(), header_source()'s dict): a rotation asks it again only on a change
         self._next_suffix: dict = {} # (folder, stem) -> the next n of `stem.<n>.jsonl` to try there
         self._timer = None           # the time-flush thread, once start() ran
@@ -230,7 +233,7 @@ class TraceWriter:
 
     def _encode(self, part: list) -> bytes:
         if self.format == "binary":
-            return B.encode_frames(part)
+            return B.encode_frames(part, self._values)
         return b"".join([_dumps(ev) for ev in part])
 
     def _end_bytes(self) -> bytes:
@@ -281,6 +284,7 @@ class TraceWriter:
                 raise
             self._fd, self.path = fd, path
             self._in_file = 0
+            self._values = B.ValueTable()
             self._header_len = len(header)
             self._header_state = state
             return
@@ -291,12 +295,15 @@ class TraceWriter:
         where we were."""
         old_fd, old_path = self._fd, self.path
         self._fd = self.path = None
+        values = self._values            # the body is copied: its `V` frames with it
         try:
             self._open(facts=True)
         except OSError as exc:
             self.hook_failed("writer.rename", exc)
             self._fd, self.path = old_fd, old_path
             return
+        finally:
+            self._values = values
         try:
             _copy_body(old_path, self._fd)
         except OSError as exc:
@@ -490,7 +497,14 @@ class TraceWriter:
             encode = self._encode
             for i in range(0, len(batch), _ENCODE_SLICE):
                 part = batch[i:i + _ENCODE_SLICE]
-                _write_all(self._fd, encode(part))
+                mark = self._values.mark()
+                try:
+                    _write_all(self._fd, encode(part))
+                except BaseException:
+                    # values whose `V` frame did not reach the file are not in its table: a later
+                    # event that has one writes it again
+                    self._values.rollback(mark)
+                    raise
                 done += len(part)
                 self._written += len(part)
                 self._in_file += len(part)
@@ -616,6 +630,7 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         self._header_len = 0
         self._header_state = _NO_FACTS
+        self._values = B.ValueTable()
         self._timer = self._timer_stop = None
         env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
         self.rank = env_rank
