@@ -255,11 +255,13 @@ class ValueTable:
     the reader would refuse) is never interned: its event goes as a map, and the reader names the
     field, as for JSON Lines."""
 
-    __slots__ = ("index", "new", "sizes")
+    __slots__ = ("index", "new", "at")
 
     def __init__(self) -> None:
         self.index: dict[str, dict] = {f: {} for f in INDEXED}
         self.new: dict[str, list] = {f: [] for f in INDEXED}
+        # kind number -> ((position in the item, field, that field's index), ...): to_item's table
+        self.at = {tag: tuple((pos, f, self.index[f]) for pos, f in at) for tag, at in _INDEXED_AT_TAG.items()}
 
     def ref(self, field: str, value):
         """The index of `value` in `field`'s table (added if new), or None when it cannot be
@@ -340,17 +342,27 @@ def to_item(ev: dict, table: ValueTable | None = None):
             if _no_buf in item[_BUFS]:
                 return ev
     if table is not None:
-        index = table.index
-        for pos, field in _INDEXED_AT_TAG[tag]:
+        # a value seen before costs one lookup, inline (capture pays this per event); a new one,
+        # or one of the wrong type, goes through ValueTable.ref
+        for pos, field, seen in table.at[tag]:
             value = item[pos]
-            if value is not None:
-                # a string seen before: one lookup (the usual case, inline: capture pays it per event)
-                found = index[field].get(value) if type(value) is str else None
+            if value is None:
+                continue
+            kind_of = type(value)
+            if kind_of is str:
+                found = seen.get(value)
+            elif kind_of is list:
+                try:
+                    found = seen.get(tuple(value))
+                except TypeError:
+                    return ev
+            else:
+                return ev
+            if found is None:
+                found = table.ref(field, value)
                 if found is None:
-                    found = table.ref(field, value)
-                    if found is None:
-                        return ev
-                item[pos] = found
+                    return ev
+            item[pos] = found
     return item
 
 
