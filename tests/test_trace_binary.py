@@ -659,3 +659,22 @@ def test_a_failed_write_takes_its_new_values_back(tmp_path, monkeypatch):
     assert any(g["ev"] == "dropped" and g["count"] == 1 for g in got)
     a = analyze([path])
     assert not a.errors
+
+
+def test_values_survive_the_copy_under_the_rank_name(tmp_path):
+    """A file started before the rank was known is copied under rank<R>.hzs with its `V` frames;
+    later events refer to the values defined before the copy, and read back right."""
+    w = TraceWriter(str(tmp_path), trace_format="binary")
+    w.start()
+    w.emit(dict(ALLOC, id=1, shape=[2, 3], dtype="int8"))
+    w.flush()
+    first = w.path
+    w.set_rank(3, 4)
+    assert w.path != first and Path(w.path).name == "rank3.hzs"
+    w.emit(dict(ALLOC, id=2, addr=8192, shape=[2, 3], dtype="int8"))
+    w.close()
+    values = [msgspec.msgpack.decode(p) for k, p in _frames_of(w.path) if k == B.FRAME_VALUES]
+    assert values == [{"site": [ALLOC["site"]], "shape": [[2, 3]], "dtype": ["int8"]}]   # once, before the copy
+    allocs = [ev for _, ev in open_trace(w.path).events() if ev["ev"] == "alloc"]
+    assert [(a["id"], a["site"], a["shape"], a["dtype"]) for a in allocs] == [
+        (1, ALLOC["site"], [2, 3], "int8"), (2, ALLOC["site"], [2, 3], "int8")]
