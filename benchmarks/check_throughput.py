@@ -433,7 +433,8 @@ def main(argv=None) -> int:
         print(f"   warnings: {summary['warnings'][:5]}")
     print(f"   engine: {summary.get('engine')}")
     print(f"   throughput: {rate_wall:,.0f} events/s wall ({1e6 / rate_wall:.3f} us/event), {rate_cpu:,.0f} events/s CPU"
-          f"   target >= {TARGET_EVENTS_PER_S:,}: {verdict(rate_wall >= TARGET_EVENTS_PER_S)}")
+          f"   target >= {TARGET_EVENTS_PER_S:,}: wall {verdict(rate_wall >= TARGET_EVENTS_PER_S)}, "
+          f"CPU {verdict(rate_cpu >= TARGET_EVENTS_PER_S)} (on a shared core the CPU figure is the one that holds)")
     print(f"   peak RSS: {res['peak_rss_mb']:,.1f} MB   target < {TARGET_PEAK_RSS_MB} MB: "
           f"{verdict(res['peak_rss_mb'] < TARGET_PEAK_RSS_MB)}")
     planted_ok = True
