@@ -109,9 +109,26 @@ def write_streams(path: Path, n: int) -> None:
             fh.write(dumps({"ev": "sync", "stream": i}) + b"\n")
 
 
+def write_comms(path: Path, n: int) -> None:
+    """Successor mode over N communicators, each with a window of its own and a collective
+    waiting in it (none ever has a successor), then N launches, each writing outside every
+    window, each followed by a sync of its stream: before issue 21 every access and every sync
+    asked every communicator."""
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "window", "addr": BASE + i * SIZE, "size": SIZE, "comm": f"c{i}"}) + b"\n")
+            fh.write(dumps({"ev": "coll", "cid": i + 1, "comm": f"c{i}", "seq": 0, "op": "all_reduce",
+                            "stream": 2, "bufs": [{"addr": BASE + i * SIZE, "size": SIZE, "access": "rw"}]}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "launch", "stream": 1, "op": "k", "writes": [[i * SIZE, SIZE]]}) + b"\n")
+            fh.write(dumps({"ev": "sync", "stream": 1}) + b"\n")
+
+
 CASES = {"inflight": write_inflight, "successor": write_successor, "windows": write_windows,
-         "streams": write_streams}
-PEER = {"successor": "successor"}
+         "streams": write_streams, "comms": write_comms}
+PEER = {"successor": "successor", "comms": "successor"}
 
 
 def run(path: Path, engine: str, core: int, tree: Path = ROOT, peer: str = "local") -> dict:

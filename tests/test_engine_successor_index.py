@@ -157,3 +157,118 @@ class _Ev:
     op = "all_reduce"
     site = None
     stack = None
+
+
+# ------------------------------------------------------------------ many communicators (issue 21)
+
+def many_comms_trace(rng: random.Random, comms: int = 8, events: int = 500) -> list[dict]:
+    """One rank, `comms` communicators, each with a window of its own; collectives of each on a
+    stream of their own (some on a shared stream, some unordered), launches on streams 1 and 2
+    anywhere in the windows, completions, hand-offs, stream and device syncs."""
+    out = [{"ev": "window", "addr": WIN + c * WIN_SIZE, "size": WIN_SIZE, "comm": f"c{c}"} for c in range(comms)]
+    seq = [0] * comms
+    cid = event = 0
+    cids: list[int] = []
+    streams = [1, 2] + [10 + c for c in range(comms)] + [7]
+    for _ in range(events):
+        kind = rng.choice(["launch", "launch", "coll", "coll", "coll_done", "handoff", "sync", "sync"])
+        if kind == "launch":
+            lo = WIN + rng.randrange(comms * WIN_SIZE - 256)
+            key = rng.choice(("reads", "writes"))
+            out.append({"ev": "launch", "stream": rng.choice((1, 2)), "op": "k", key: [[lo, rng.choice((16, 64, 256))]]})
+        elif kind == "coll":
+            c = rng.randrange(comms)
+            stream = 10 + c if rng.random() < 0.8 else 7          # a shared stream now and then
+            cid += 1
+            cids.append(cid)
+            lo = WIN + c * WIN_SIZE + rng.randrange(WIN_SIZE - 256)
+            s = seq[c] if rng.random() < 0.9 else max(0, seq[c] - 2)   # a seq that does not rise: unordered
+            out.append({"ev": "coll", "cid": cid, "comm": f"c{c}", "seq": s, "op": "all_reduce", "stream": stream,
+                        "site": f"c.py:{c}:ar",
+                        "bufs": [{"addr": lo, "size": rng.choice((64, 256)), "access": rng.choice(("r", "w", "rw"))}]})
+            seq[c] += 1
+        elif kind == "coll_done" and cids:
+            out.append({"ev": "coll_done", "cid": cids.pop(rng.randrange(len(cids)))})
+        elif kind == "handoff":
+            event += 1
+            src, dst = rng.sample(streams, 2)
+            out.append({"ev": "record", "event": event, "stream": src})
+            out.append({"ev": "wait", "event": event, "stream": dst})
+        elif kind == "sync":
+            out.append({"ev": "sync", "stream": rng.choice(streams)} if rng.random() < 0.85 else {"ev": "sync"})
+    return out
+
+
+@pytest.fixture
+def ask_every_communicator(monkeypatch):
+    """The interpreted engine's successor mode by its definition: every communicator asked on
+    every access, in order, and every one retired at every sync (no successor_index, no
+    successor_on)."""
+    eng = load_engine("interpreted")[0]
+
+    def not_done(self, clocks, stream, lo, hi, access, protected, hits):
+        for sc in self.successor_waits.values():
+            hits = sc.not_done(clocks, stream, lo, hi, access, protected, hits)
+        return hits
+
+    def retire(self, learned):
+        for sc in self.successor_waits.values():
+            sc.retire(self.clocks.host)
+
+    def forced():
+        monkeypatch.setattr(eng.RankAnalyzer, "_successor_not_done", not_done)
+        monkeypatch.setattr(eng.RankAnalyzer, "_successor_retire", retire)
+
+    return forced
+
+
+def test_many_communicators_ask_only_the_overlapping_ones(tmp_path, ask_every_communicator):
+    """Findings, their order included, are those of asking every communicator every time."""
+    paths = []
+    for seed in range(30):
+        d = tmp_path / str(seed)
+        d.mkdir()
+        paths.append(write(d, many_comms_trace(random.Random(seed), comms=2 + seed % 9)))
+    got = [{e: findings(p, e) for e in ENGINES} for p in paths]
+    ask_every_communicator()
+    for seed, (path, g) in enumerate(zip(paths, got)):
+        for e in ENGINES[1:]:
+            assert g[e] == g[ENGINES[0]], f"seed {seed}: {e} differs"
+        assert findings(path, "interpreted") == g[ENGINES[0]], f"seed {seed}: asking every communicator differs"
+    assert sum(g[ENGINES[0]][1].get("reuse-in-flight", 0) + g[ENGINES[0]][1].get("unordered-access", 0)
+               for g in got) > 30
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_communicator_leaves_the_sync_lists_when_nothing_of_it_waits(engine):
+    """State, not speed: each waiting collective's window buffers are in successor_index and its
+    communicator is listed under its stream; a sync of that stream retires it from both once a
+    later collective is done, and a communicator with nothing waiting is listed nowhere."""
+    from sanitizer.rules.findings import FindingSink
+    from sanitizer.trace.events import Buf, Coll, CollDone, Sync, Window
+
+    eng = load_engine(engine)[0]
+    sink = FindingSink()
+    an = eng.RankAnalyzer("r.jsonl", 0, sink, eng.CollectiveMatcher(sink, enabled=False), "successor")
+    n = 300
+    line = 1
+    for c in range(n):
+        line += 1
+        an.feed(line, Window(addr=WIN + 128 * c, size=128, comm=f"c{c}"))
+    for k in range(2):           # two collectives per communicator, each on a stream of its own
+        for c in range(n):
+            line += 1
+            an.feed(line, Coll(cid=k * n + c, comm=f"c{c}", seq=k, op="all_reduce", stream=100 + c,
+                               bufs=[Buf(addr=WIN + 128 * c + 64 * k, size=64, access="rw")]))
+    assert len(an.successor_waits) == n and an.successor_index.count == 2 * n
+    assert sorted(an.successor_on) == [100 + c for c in range(n)]
+    for c in range(n):           # both complete: the first one has a successor and leaves
+        line += 1
+        an.feed(line, CollDone(cid=c))
+        line += 1
+        an.feed(line, CollDone(cid=n + c))
+        line += 1
+        an.feed(line, Sync(stream=100 + c))
+        assert len(an.successor_waits[f"c{c}"]) == 1      # the last one waits for a successor
+    assert an.successor_index.count == n and len(an.successor_on) == n
+    assert not sink.findings

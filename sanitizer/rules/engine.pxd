@@ -38,7 +38,7 @@ cdef class Block:
 
 
 cdef class Op:
-    cdef public object kind, stream, bufs, step, ev, cid, comm, seq, clock, captured, window_bufs, index_keys
+    cdef public object kind, stream, bufs, step, ev, cid, comm, seq, clock, captured, window_bufs, index_keys, succ_keys
     cdef public long long epoch, wide_serial
     cdef public Py_ssize_t line
 
@@ -144,7 +144,8 @@ cdef class InFlight:
 
 cdef class SuccessorWait:
     cdef public list colls, epochs, entries
-    cdef public Py_ssize_t start, base
+    cdef public Py_ssize_t start, base, ordinal
+    cdef public set streams
     cdef public RangeIndex index
     cdef public bint ordered
 
@@ -158,7 +159,7 @@ cdef class SuccessorWait:
 
     @cython.locals(colls=list, start=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t, k=Py_ssize_t,
                    stop=Py_ssize_t, op=Op, entries=list)
-    cpdef retire(self, dict host)
+    cpdef object retire(self, dict host)
 
 
 cdef class SeenIds:
@@ -174,8 +175,8 @@ cdef class RankAnalyzer:
     cdef public bint successor
     cdef public BufferIndex wide
     cdef public long long entered
-    cdef public dict inflight, successor_waits, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
-    cdef public RangeIndex live_ranges
+    cdef public dict inflight, successor_waits, successor_on, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
+    cdef public RangeIndex live_ranges, successor_index
     cdef public BlockSet window_blocks
     cdef public WindowTable windows
     cdef public list capturing, live_graphs, touches

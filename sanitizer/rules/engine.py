@@ -208,6 +208,7 @@ def _new_op(kind, stream, bufs, line, step, ev):
     op.window_bufs = ()
     op.index_keys = None
     op.wide_serial = 0
+    op.succ_keys = None
     return op
 
 
@@ -217,7 +218,7 @@ class Op:
     `buffers()` makes them."""
 
     __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "ev", "cid", "comm", "seq",
-                 "clock", "captured", "window_bufs", "index_keys", "wide_serial")
+                 "clock", "captured", "window_bufs", "index_keys", "wide_serial", "succ_keys")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -233,6 +234,7 @@ class Op:
         self.window_bufs = ()  # successor mode: bufs in a window of the op's own communicator
         self.index_keys = None  # its entries in the BufferIndex while in flight
         self.wide_serial = 0  # the serial of its first entry in RankAnalyzer.wide while there (0: none)
+        self.succ_keys = None  # successor mode: its window buffers' entries in RankAnalyzer.successor_index
 
     def buffers(self) -> list:
         """(lo, hi, access) of every buffer. A launch's are made from its event at the first
@@ -257,6 +259,7 @@ class Op:
         op.captured = self
         op.index_keys = None
         op.wide_serial = 0
+        op.succ_keys = None
         return op
 
     @property
@@ -734,9 +737,11 @@ class SuccessorWait:
     same answers, by the definition itself).
     """
 
-    __slots__ = ("colls", "epochs", "entries", "start", "base", "index", "ordered")
+    __slots__ = ("colls", "epochs", "entries", "start", "base", "index", "ordered", "ordinal", "streams")
 
-    def __init__(self):
+    def __init__(self, ordinal=0):
+        self.ordinal = ordinal  # its communicator's rank among the rank's (RankAnalyzer.successor_waits' order)
+        self.streams = set()  # the streams it is listed under in RankAnalyzer.successor_on
         self.colls: list[Op] = []  # colls[start:] wait, in program order
         self.epochs: list = []  # their epochs (ordered: rising)
         self.entries: list = []  # per coll: its [(lo, hi, item)] in `index` (ordered only)
@@ -819,14 +824,14 @@ class SuccessorWait:
                 _widen(hits, op, max(lo, blo), min(hi, bhi))
         return hits
 
-    def retire(self, host: dict) -> None:
+    def retire(self, host: dict):
         """Drop the collectives done for the host (`host`: its clock). The others stay, in order:
-        they may still serve as successors."""
+        they may still serve as successors. Returns the dropped ones (None: none)."""
         colls = self.colls
         start = self.start
         n = len(colls)
         if start == n:
-            return
+            return None
         if not self.ordered:
             done_seq = None
             gone = None
@@ -840,17 +845,20 @@ class SuccessorWait:
                 if local and (done_seq is None or op.seq > done_seq):
                     done_seq = op.seq
             if gone:
+                dropped = [colls[i] for i in sorted(gone)]
                 keep = [i for i in range(start, n) if i not in gone]
                 self.colls = [colls[i] for i in keep]
                 self.epochs = [self.epochs[i] for i in keep]
                 self.entries = [[] for _ in keep]
                 self.base += n  # positions are unused while unordered; keep them fresh
                 self.start = 0
-            return
+                return dropped
+            return None
         k = bisect_right(self.epochs, host.get(colls[start].stream, 0), start)
         stop = k - 1  # colls[start:stop] have a later collective locally complete for the host
         if stop <= start:
-            return
+            return None
+        dropped = colls[start:stop]
         index = self.index
         entries = self.entries
         for i in range(start, stop):
@@ -863,6 +871,7 @@ class SuccessorWait:
             del entries[:stop]
             self.base += stop
             self.start = 0
+        return dropped
 
     def __len__(self):
         return len(self.colls) - self.start
@@ -930,6 +939,13 @@ class RankAnalyzer:
         # since: the answer stands (clocks only grow, retiring only removes), see _unfinished
         self.settled = None
         self.successor_waits = {}  # comm -> SuccessorWait (successor mode)
+        # successor mode: the window buffers of every waiting collective, item (SuccessorWait, op):
+        # an access asks only the communicators with one overlapping it, not all of them
+        self.successor_index = RangeIndex()
+        # successor mode: stream -> the SuccessorWaits with a collective waiting on it (as a dict,
+        # in the order they were listed): a sync retires only those of the streams it taught the
+        # host; a SuccessorWait leaves when nothing of it waits
+        self.successor_on = {}
         self.live = {}  # block id -> Block
         # every live block by address, for collective-buffer marking: the blocks of the first
         # `ranges_upto` allocs (serials) are in it, the later ones enter at the next query
@@ -1087,7 +1103,24 @@ class RankAnalyzer:
             # Successor mode: reuse and writes wait for a later collective (peers may still read
             # my window); a read of the result needs the collective locally complete only, the
             # local kernel itself wrote it.
-            for sc in self.successor_waits.values():
+            hits = self._successor_not_done(clocks, stream, lo, hi, access, protected, hits)
+        return hits
+
+    def _successor_not_done(self, clocks, stream, lo, hi, access, protected, hits):
+        """Successor mode's part of _not_done: what every communicator's SuccessorWait.not_done
+        adds, in the order of successor_waits. Only one with a waiting window buffer overlapping
+        [lo, hi) can add anything, so only those are asked (successor_index finds them): an access
+        costs O(log n + overlaps), not O(communicators)."""
+        waiting = self.successor_index
+        if not waiting.count:
+            return hits
+        asked = None
+        for _, _, item in waiting.overlapping(lo, hi):
+            if asked is None:
+                asked = {}
+            asked[item[0]] = None
+        if asked is not None:
+            for sc in (sorted(asked, key=_ordinal) if len(asked) > 1 else asked):
                 hits = sc.not_done(clocks, stream, lo, hi, access, protected, hits)
         return hits
 
@@ -1442,8 +1475,22 @@ class RankAnalyzer:
         if self.successor and op.kind == "coll" and op.captured is None:
             sc = self.successor_waits.get(op.comm)
             if sc is None:
-                sc = self.successor_waits[op.comm] = SuccessorWait()
+                sc = self.successor_waits[op.comm] = SuccessorWait(len(self.successor_waits))
             sc.push(op)
+            if op.window_bufs:
+                keys = []
+                waiting = self.successor_index
+                for lo, hi, _ in op.window_bufs:
+                    item = (sc, op)
+                    waiting.add(lo, hi, item)
+                    keys.append((lo, hi, item))
+                op.succ_keys = keys
+            if stream not in sc.streams:
+                sc.streams.add(stream)
+                listed = self.successor_on.get(stream)
+                if listed is None:
+                    listed = self.successor_on[stream] = {}
+                listed[sc] = None
 
     def on_coll_done(self, ev, line):
         cid = ev.cid
@@ -1525,10 +1572,42 @@ class RankAnalyzer:
             if self.wide is not None and len(inflight) <= CROWD // 4:
                 self._narrow_index()
         if self.successor_waits:
-            # A collective leaves once it is done for the host itself: locally complete and a
-            # later one done.
-            for sc in self.successor_waits.values():
-                sc.retire(vh)
+            self._successor_retire(learned)
+
+    def _successor_retire(self, learned) -> None:
+        """Successor mode's part of _retire: a collective leaves once it is done for the host
+        itself, locally complete and a later one done (SuccessorWait.retire). Only the host's
+        entries for its streams decide that, so only the communicators waiting on a stream the
+        host just learned more of (`learned`; None: all) are asked: a sync costs what it
+        changed, not O(communicators)."""
+        vh = self.clocks.host
+        on = self.successor_on
+        if learned is None:
+            asked = list(self.successor_waits.values())
+        else:
+            asked = []
+            for s in learned:
+                listed = on.get(s)
+                if listed:
+                    asked.extend(listed)
+        waiting = self.successor_index
+        for sc in asked:
+            gone = sc.retire(vh)
+            if gone:
+                for op in gone:
+                    keys = op.succ_keys
+                    if keys is not None:
+                        for lo, hi, item in keys:
+                            waiting.remove(lo, hi, item)
+                        op.succ_keys = None
+                if not len(sc) and sc.streams:
+                    for s in sc.streams:
+                        listed = on.get(s)
+                        if listed is not None:
+                            listed.pop(sc, None)
+                            if not listed:
+                                del on[s]
+                    sc.streams.clear()
 
     # ------------------------------------------------------------------ graphs
 
@@ -1666,6 +1745,10 @@ def _track_op(classes, op, number) -> None:
     else:
         for lo, hi, _ in bufs:
             classes[(hi - lo).bit_length()] = number
+
+
+def _ordinal(sc):
+    return sc.ordinal
 
 
 def _position(entry):
