@@ -126,8 +126,24 @@ def write_comms(path: Path, n: int) -> None:
             fh.write(dumps({"ev": "sync", "stream": 1}) + b"\n")
 
 
+def write_graphs(path: Path, n: int) -> None:
+    """N CUDA graphs captured (one launch each) and left live, then N allocations freed outside
+    every graph's buffers: before issue 21 every free asked every live graph."""
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for g in range(n):
+            fh.write(dumps({"ev": "graph_begin", "graph": g, "stream": 1}) + b"\n")
+            fh.write(dumps({"ev": "launch", "stream": 1, "op": "k", "writes": [[BASE + g * SIZE, SIZE]]}) + b"\n")
+            fh.write(dumps({"ev": "graph_end", "graph": g, "stream": 1}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "alloc", "id": i, "addr": i * SIZE, "size": SIZE, "stream": 1,
+                            "pool": "default"}) + b"\n")
+            fh.write(dumps({"ev": "free", "id": i}) + b"\n")
+
+
 CASES = {"inflight": write_inflight, "successor": write_successor, "windows": write_windows,
-         "streams": write_streams, "comms": write_comms}
+         "streams": write_streams, "comms": write_comms, "graphs": write_graphs}
 PEER = {"successor": "successor", "comms": "successor"}
 
 

@@ -145,3 +145,80 @@ def test_lazy_in_flight_index_answers_as_an_eager_one(engine, seed):
             assert got == want
             assert len(fl.by_address()) == len(eager)
     assert fl.base > 0  # the list of ops was compacted on the way
+
+
+# ------------------------------------------------------------------ live graphs (issue 21)
+
+def _graphs_trace(rng: random.Random, events: int = 600) -> list[dict]:
+    """CUDA graphs captured, replayed and freed in any order (several live at once, buffers of one
+    graph overlapping another's), allocations freed inside and outside their buffers."""
+    out: list[dict] = []
+    base = 1 << 30
+    graphs: list[int] = []
+    live: dict[int, int] = {}
+    gid = bid = 0
+    for _ in range(events):
+        kind = rng.choice(["capture", "capture", "replay", "graph_free", "alloc", "alloc", "free", "free"])
+        if kind == "capture":
+            gid += 1
+            out.append({"ev": "graph_begin", "graph": gid, "stream": 1})
+            for _ in range(rng.randrange(1, 5)):
+                lo = base + rng.randrange(1 << 16)
+                out.append({"ev": "launch", "stream": 1, "op": "k", rng.choice(("reads", "writes")):
+                            [[lo, rng.choice((64, 512, 4096))]]})
+            out.append({"ev": "graph_end", "graph": gid, "stream": 1})
+            graphs.append(gid)
+        elif kind == "replay" and graphs:
+            out.append({"ev": "graph_replay", "graph": rng.choice(graphs), "stream": 1})
+        elif kind == "graph_free" and graphs:
+            out.append({"ev": "graph_free", "graph": graphs.pop(rng.randrange(len(graphs)))})
+        elif kind == "alloc":
+            bid += 1
+            lo = base + rng.randrange(1 << 16)
+            live[bid] = lo
+            out.append({"ev": "alloc", "id": bid, "addr": lo, "size": rng.choice((64, 1024)), "stream": 1,
+                        "pool": "default", "site": f"m.py:{bid % 4}:f"})
+        elif kind == "free" and live:
+            k = rng.choice(sorted(live))
+            del live[k]
+            out.append({"ev": "free", "id": k})
+    return out
+
+
+def test_graph_frees_ask_only_the_graphs_they_overlap(tmp_path, monkeypatch):
+    """graph-buffer-released findings, in order, are those of asking every live graph on every
+    free (the interpreted engine with _graph_hits as its definition)."""
+    import json
+
+    from sanitizer.rules.driver import analyze
+
+    paths = []
+    for seed in range(25):
+        p = tmp_path / f"{seed}.jsonl"
+        lines = [{"hazsan": 1, "rank": 0, "world_size": 1}, *_graphs_trace(random.Random(seed))]
+        p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        paths.append(p)
+
+    def run(path, engine):
+        a = analyze([path], engine=engine)
+        assert not a.errors, a.errors[:3]
+        return [f.to_dict() for f in a.findings], a.summary["by_rule"]
+
+    got = [{e: run(p, e) for e in ENGINES} for p in paths]
+    eng = load_engine("interpreted")[0]
+
+    def every_graph(self, lo, hi):
+        hits = None
+        for g in self.live_graphs:
+            for blo, bhi, op in g.reserved.overlapping(lo, hi):
+                if hits is None:
+                    hits = {}
+                eng._widen(hits, op, max(lo, blo), min(hi, bhi))
+        return hits
+
+    monkeypatch.setattr(eng.RankAnalyzer, "_graph_hits", every_graph)
+    for seed, (p, g) in enumerate(zip(paths, got)):
+        for e in ENGINES[1:]:
+            assert g[e] == g[ENGINES[0]], f"seed {seed}: {e} differs"
+        assert run(p, "interpreted") == g[ENGINES[0]], f"seed {seed}: asking every live graph differs"
+    assert sum(g[ENGINES[0]][1].get("graph-buffer-released", 0) for g in got) > 25

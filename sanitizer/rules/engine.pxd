@@ -66,6 +66,7 @@ cdef class WindowTable:
 cdef class Graph:
     cdef public object id, stream, ops, line, reserved
     cdef public bint live
+    cdef public Py_ssize_t ordinal
 
 
 cdef class RangeIndex:
@@ -176,7 +177,8 @@ cdef class RankAnalyzer:
     cdef public BufferIndex wide
     cdef public long long entered
     cdef public dict inflight, successor_waits, successor_on, live, window_ordinals, pending_free, colls_in_flight, graphs, handlers
-    cdef public RangeIndex live_ranges, successor_index
+    cdef public RangeIndex live_ranges, successor_index, graph_index
+    cdef public Py_ssize_t graphs_made_live
     cdef public BlockSet window_blocks
     cdef public WindowTable windows
     cdef public list capturing, live_graphs, touches

@@ -345,13 +345,14 @@ class WindowTable:
 
 
 class Graph:
-    __slots__ = ("id", "stream", "ops", "live", "line", "reserved")
+    __slots__ = ("id", "stream", "ops", "live", "line", "reserved", "ordinal")
 
     def __init__(self, gid, stream, line):
         self.id, self.stream, self.line = gid, stream, line
         self.ops: list[Op] = []
         self.live = False
         self.reserved: RangeIndex | None = None
+        self.ordinal = 0  # graphs made live before it, once live (RankAnalyzer.live_graphs' order)
 
 
 class RangeIndex:
@@ -964,6 +965,10 @@ class RankAnalyzer:
         self.graphs = {}
         self.capturing = []
         self.live_graphs = []
+        # every reserved buffer of every live graph, item the graph: a free asks only the graphs
+        # with one overlapping it (_graph_hits)
+        self.graph_index = RangeIndex()
+        self.graphs_made_live = 0
         self.transients = {}  # site -> Finding
         self.step = None
         self.steps_seen = set()
@@ -1189,9 +1194,18 @@ class RankAnalyzer:
         return self.live_ranges
 
     def _graph_hits(self, lo, hi):
-        """Captured ops of live graphs whose buffers overlap [lo, hi)."""
+        """Captured ops of live graphs whose buffers overlap [lo, hi), graph by graph in the
+        order of live_graphs. Only the graphs that graph_index finds with a reserved buffer there
+        are asked: a free costs O(log n + overlaps), not O(live graphs)."""
         hits = None
-        for g in self.live_graphs:
+        asked = None
+        for _, _, g in self.graph_index.overlapping(lo, hi):
+            if asked is None:
+                asked = {}
+            asked[g] = None
+        if asked is None:
+            return None
+        for g in (sorted(asked, key=_ordinal) if len(asked) > 1 else asked):
             for blo, bhi, op in g.reserved.overlapping(lo, hi):
                 if hits is None:
                     hits = {}
@@ -1636,9 +1650,13 @@ class RankAnalyzer:
         self.capturing.remove(g)
         g.live = True
         g.reserved = RangeIndex()
+        every = self.graph_index
         for op in g.ops:
             for lo, hi, _ in (*op.buffers(), *op.window_bufs):
                 g.reserved.add(lo, hi, op)
+                every.add(lo, hi, g)
+        self.graphs_made_live += 1
+        g.ordinal = self.graphs_made_live
         self.live_graphs.append(g)
 
     def on_graph_replay(self, ev, line):
@@ -1665,6 +1683,12 @@ class RankAnalyzer:
             raise Malformed(f"graph_free of unknown graph {gid!r}")
         if g in self.capturing:
             self.capturing.remove(g)
+        if g.live and g.reserved is not None:
+            every = self.graph_index
+            for op in g.ops:
+                for lo, hi, _ in (*op.buffers(), *op.window_bufs):
+                    every.remove(lo, hi, g)
+            g.live = False
         if g in self.live_graphs:
             self.live_graphs.remove(g)
 
