@@ -16,7 +16,7 @@ CC=${CC:-gcc}
 TESTS=(tests/test_engine_property.py tests/test_engine_fuzz.py tests/test_engine_rules.py
        tests/test_engine_matcher_lag.py tests/test_check_field_types.py tests/test_check_engine_limits.py
        tests/test_engine_index.py tests/test_check_fuzz.py tests/test_trace_binary.py
-       tests/test_engine_streams.py tests/test_engine_dispatch.py)
+       tests/test_engine_streams.py tests/test_engine_dispatch.py tests/test_engine_successor_index.py)
 
 if [ "${HAZSAN_CI_SANITIZERS:-1}" = 0 ]; then
     echo "sanitizers: skipped (HAZSAN_CI_SANITIZERS=0)"
