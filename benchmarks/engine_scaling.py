@@ -142,8 +142,24 @@ def write_graphs(path: Path, n: int) -> None:
             fh.write(dumps({"ev": "free", "id": i}) + b"\n")
 
 
+def write_clocks(path: Path, n: int) -> None:
+    """N streams each record an event that stream 0 waits on (stream 0's clock learns N entries),
+    then N rounds of a launch and a record on stream 0, over 1,000 event ids: before issue 21
+    every record copied stream 0's whole clock (N x N entries copied, and kept)."""
+    dumps = orjson.dumps
+    with open(path, "wb") as fh:
+        fh.write(dumps(HEADER) + b"\n")
+        for s in range(1, n + 1):
+            fh.write(dumps({"ev": "launch", "stream": s, "op": "k", "writes": [[BASE + s * SIZE, 64]]}) + b"\n")
+            fh.write(dumps({"ev": "record", "event": s, "stream": s}) + b"\n")
+            fh.write(dumps({"ev": "wait", "event": s, "stream": 0}) + b"\n")
+        for i in range(n):
+            fh.write(dumps({"ev": "launch", "stream": 0, "op": "k", "writes": [[i * 64, 64]]}) + b"\n")
+            fh.write(dumps({"ev": "record", "event": n + 1 + i % 1000, "stream": 0}) + b"\n")
+
+
 CASES = {"inflight": write_inflight, "successor": write_successor, "windows": write_windows,
-         "streams": write_streams, "comms": write_comms, "graphs": write_graphs}
+         "streams": write_streams, "comms": write_comms, "graphs": write_graphs, "clocks": write_clocks}
 PEER = {"successor": "successor", "comms": "successor"}
 
 

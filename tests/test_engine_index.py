@@ -67,9 +67,47 @@ def test_clocks_stay_sparse_when_the_host_knows_every_stream(engine):
         clocks.record(("e", s), s)
     assert len(clocks.host) == 2000
     assert sum(len(c) for c in clocks.streams.values()) == 2000
-    assert sum(len(c) for c in clocks.events.values()) == 2000
+    # each event's stored clock: its stream's own count, over a base shared until that stream waits
+    bases = {id(base): base for base, _, _ in clocks.events.values()}
+    assert len(bases) == 2000 and sum(len(b) for b in bases.values()) == 2000
     # what the host knows still counts for every stream
     assert clocks.knows(5, 7) == 1 and clocks.knows(7, 7) == 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stored_clocks_share_a_base_until_the_stream_learns(engine):
+    """Events recorded on a stream between two of its waits share one copy of its clock, each with
+    its own count on top; a wait that teaches the stream something starts a new copy and leaves the
+    old ones as they were; what a stored clock stands for reaches the streams that wait on it."""
+    eng = load_engine(engine)[0]
+    if engine == "compiled":
+        import sanitizer.order.clocks as clocks_mod
+
+        clocks = clocks_mod.StreamClocks()
+    else:
+        clocks = eng.StreamClocks()
+    clocks.enqueue(1)
+    clocks.record("a", 1)
+    clocks.enqueue(0)
+    clocks.wait(0, "a")                      # stream 0 learns 1:1
+    clocks.record("e1", 0)
+    clocks.enqueue(0)
+    clocks.record("e2", 0)
+    (b1, s1, c1), (b2, s2, c2) = clocks.events["e1"], clocks.events["e2"]
+    assert b1 is b2 and (s1, c1, s2, c2) == (0, 1, 0, 2)
+    clocks.enqueue(1)
+    clocks.record("b", 1)
+    clocks.wait(0, "b")                      # stream 0 learns 1:2: a new base from now on
+    clocks.record("e3", 0)
+    b3 = clocks.events["e3"][0]
+    assert b3 is not b1 and b3[1] == 2 and b1[1] == 1
+    clocks.wait(5, "e1")
+    assert clocks.knows(5, 0) == 1 and clocks.knows(5, 1) == 1
+    clocks.wait(6, "e2")
+    assert clocks.knows(6, 0) == 2 and clocks.knows(6, 1) == 1
+    clocks.wait(7, "e3")
+    assert clocks.knows(7, 0) == 2 and clocks.knows(7, 1) == 2
+    assert clocks.host_learns(clocks.events["e2"]) == [0, 1] and clocks.knows(9, 0) == 2
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -2,14 +2,14 @@
 cimport cython
 
 
-@cython.locals(changed=bint)
-cpdef bint merge_into(dict target, dict other)
-
 cpdef object merge_changed(dict target, dict other, object changed)
+
+@cython.locals(base=dict, count=cython.longlong)
+cpdef object merge_stored(dict target, tuple stored, object changed)
 
 
 cdef class StreamClocks:
-    cdef public dict streams, host, events
+    cdef public dict streams, host, events, frozen
     cdef public Py_ssize_t max_streams, max_events
     cdef public set dirty
 
@@ -21,8 +21,9 @@ cdef class StreamClocks:
 
     cpdef record(self, object event, object stream)
     cpdef bint wait(self, object stream, object event)
-    cpdef object host_learns(self, dict clock)
+    cpdef object host_learns(self, tuple stored)
     cpdef object sync_stream(self, object stream)
     @cython.locals(streams=dict)
     cpdef object sync_device(self)
-    cpdef dict snapshot(self, object stream)
+    @cython.locals(clock=dict, base=dict)
+    cpdef tuple snapshot(self, object stream)

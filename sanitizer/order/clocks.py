@@ -17,6 +17,14 @@ clock at the time of the copy. So stored clocks hold only what their stream lear
 `wait` (and its own count), and memory grows with the streams that actually synchronise, not
 with (streams x streams known to the host).
 
+Stored clocks share: a recorded event's clock, and the snapshot a collective or a `record_stream`
+free keeps, is (base, stream, count): `base` a copy of the stream's clock taken at the first record
+or snapshot after the stream last learned something through a `wait`, shared by every one taken
+until the next such `wait`, and the stream's own count at the time, which `enqueue` alone moves on
+(so `base` may hold an older one; the larger wins). Only `wait` changes a stream's entries for other
+streams, so a stream that learned N streams' counts and then records M events costs N + M, not
+N x M.
+
 Nothing here walks every stream ever seen: the host learns only what changed. `dirty` holds the
 streams whose clock may hold more than the host knows (work enqueued, or a `wait`, since the host
 last took that clock in); a device-wide sync takes in those alone, a sync of a stream not in it
@@ -26,6 +34,10 @@ retires in-flight work of those streams only.
 from __future__ import annotations
 
 Clock = dict
+#: A stored clock (an event's, a snapshot): (base clock, shared and never changed; stream; that
+#: stream's own count then). What it stands for is max(base, {stream: count}).
+Stored = tuple
+_EMPTY: Clock = {}
 
 #: Distinct stream and event ids one rank may use (`hazsan check --max-streams/--max-events`).
 MAX_STREAMS = 100_000
@@ -34,16 +46,6 @@ MAX_EVENTS = 100_000
 
 class TooMany(Exception):
     """A new stream or event id past the limit; the message says which and how to raise it."""
-
-
-def merge_into(target: Clock, other: Clock) -> bool:
-    """target = max(target, other); True when target changed."""
-    changed = False
-    for key, value in other.items():
-        if value > target.get(key, 0):
-            target[key] = value
-            changed = True
-    return changed
 
 
 def merge_changed(target: Clock, other: Clock, changed):
@@ -58,15 +60,30 @@ def merge_changed(target: Clock, other: Clock, changed):
     return changed
 
 
+def merge_stored(target: Clock, stored: Stored, changed):
+    """merge_changed for a stored clock: target = max(target, base, {stream: count})."""
+    base, stream, count = stored
+    if count > target.get(stream, 0):   # first: base's entry for the stream is never the larger
+        target[stream] = count
+        if changed is None:
+            changed = []
+        changed.append(stream)
+    if base:
+        changed = merge_changed(target, base, changed)
+    return changed
+
+
 class StreamClocks:
     """The ordering state of one rank. Knows nothing of memory; the engine asks it questions."""
 
-    __slots__ = ("streams", "host", "events", "max_streams", "max_events", "dirty")
+    __slots__ = ("streams", "host", "events", "max_streams", "max_events", "dirty", "frozen")
 
     def __init__(self, max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS) -> None:
         self.streams: dict[object, Clock] = {}
         self.host: Clock = {}
-        self.events: dict[object, Clock] = {}
+        self.events: dict[object, Stored] = {}
+        # stream -> the base its stored clocks share until its next `wait` that changes it
+        self.frozen: dict[object, Clock] = {}
         # streams whose clock may exceed the host's (enqueue or wait since the host took it in)
         self.dirty: set = set()
         self.max_streams = max_streams
@@ -103,21 +120,21 @@ class StreamClocks:
         if len(self.events) >= self.max_events and event not in self.events:
             raise TooMany(f"event {event!r} is one more than the limit of {self.max_events:,} distinct "
                           "events on one rank (raise it with --max-events)")
-        clock = self.streams.get(stream)
-        self.events[event] = dict(clock) if clock else {}
+        self.events[event] = self.snapshot(stream)
 
     def wait(self, stream, event) -> bool:
         """False when the event was never recorded (CUDA treats that wait as a no-op)."""
-        clock = self.events.get(event)
-        if clock is None:
+        stored = self.events.get(event)
+        if stored is None:
             return False
-        if clock and merge_into(self.stream_clock(stream), clock):
+        if merge_stored(self.stream_clock(stream), stored, None) is not None:
             self.dirty.add(stream)
+            self.frozen.pop(stream, None)   # its stored clocks from now on need a new base
         return True
 
-    def host_learns(self, clock: Clock):
-        """VC_H = max(VC_H, clock); the streams whose host entry grew (None: none)."""
-        return merge_changed(self.host, clock, None)
+    def host_learns(self, stored: Stored):
+        """VC_H = max(VC_H, stored clock); the streams whose host entry grew (None: none)."""
+        return merge_stored(self.host, stored, None)
 
     def sync_stream(self, stream):
         """VC_H = max(VC_H, VC_stream); the streams whose host entry grew (None: none). A stream
@@ -128,10 +145,10 @@ class StreamClocks:
         return merge_changed(self.host, self.streams[stream], None)
 
     def sync_event(self, event) -> bool:
-        clock = self.events.get(event)
-        if clock is None:
+        stored = self.events.get(event)
+        if stored is None:
             return False
-        merge_into(self.host, clock)
+        merge_stored(self.host, stored, None)
         return True
 
     def sync_device(self):
@@ -144,10 +161,16 @@ class StreamClocks:
         self.dirty.clear()
         return changed
 
-    def snapshot(self, stream) -> Clock:
-        """A copy of what `stream` knows now, beyond the host (for coll_done and free_done)."""
+    def snapshot(self, stream) -> Stored:
+        """What `stream` knows now, beyond the host, as a stored clock (for an event, coll_done and
+        free_done): O(1) but for the first one after the stream learned something by a `wait`."""
         clock = self.streams.get(stream)
-        return dict(clock) if clock else {}
+        if not clock:
+            return (_EMPTY, stream, 0)
+        base = self.frozen.get(stream)
+        if base is None:
+            base = self.frozen[stream] = dict(clock)
+        return (base, stream, clock.get(stream, 0))
 
     def knows(self, stream, of_stream) -> int:
         """max(VC_X, VC_H)[of_stream]: how far `stream` is known to have seen `of_stream`."""
