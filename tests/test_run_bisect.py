@@ -157,3 +157,9 @@ def test_step_exit_codes_and_the_rule_filter(repo, tmp_path):
                            "--", sys.executable, "-c", "pass"], cwd=repo, capture_output=True, text=True,
                           timeout=120)
     assert skip.returncode == 125 and "skip (unusable capture: no trace was written)" in skip.stdout
+    # a command that fails (a commit that does not run) and leaves no finding: skip it too
+    crash = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--bisect", "--dir", str(traces),
+                            "--", sys.executable, "-c", "import sys, torch; sys.exit(3)"], cwd=repo,
+                           capture_output=True, text=True, timeout=120)
+    assert crash.returncode == 125, (crash.stdout, crash.stderr)
+    assert "skip (unusable capture: the command exited with status 3" in crash.stdout

@@ -10,7 +10,8 @@ sent to stderr, so that stdout holds the report alone.
 --bisect makes it a `git bisect run` step: the traces of the previous step in D are replaced, stdout
 holds one line (the commit, the verdict, the first finding's site), and the exit codes are the ones
 `git bisect run` reads: 0 clean (good), 1 findings at or above --fail-on (bad), 125 unusable capture
-or input (skip this commit). --rule RULE narrows the verdict to one rule.
+or input, or a failed command whose traces hold no finding (skip this commit). --rule RULE narrows
+the verdict to one rule.
 """
 from __future__ import annotations
 
@@ -141,7 +142,10 @@ def run(args) -> int:
         print(f"hazsan: error: {e}", file=sys.stderr)
     code = analysis.exit_code(fail_on)
     if args.bisect:
-        return _bisect_line(analysis, None, code)
+        # A command that failed may have stopped before the workload ran: no finding then says
+        # nothing about this commit (findings it left are still a verdict).
+        failed = f"the command {why}, and its traces hold no finding" if status != 0 and code == 0 else None
+        return _bisect_line(analysis, failed, code)
     sys.stdout.write(render(analysis, args.format))
     sys.stdout.flush()
     return code
