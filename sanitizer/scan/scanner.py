@@ -383,7 +383,7 @@ def _bindings_of(matcher: ScopeMatcher, expr, where):
             yield value, where
     elif (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and func is not None
           and func.cls is not None and expr.value.id == func.self_name):
-        for value, owner in matcher._attributes(func).get(expr.attr, []):
+        for value, owner in matcher.attributes(func).get(expr.attr, []):
             yield value, Where(owner.module, owner)
 
 

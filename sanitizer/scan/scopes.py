@@ -133,7 +133,7 @@ class ScopeMatcher:
             return None
         if (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
                 and where.func is not None and expr.value.id == where.func.self_name and where.cls):
-            for value, owner in self._attributes(where.func).get(expr.attr, []):
+            for value, owner in self.attributes(where.func).get(expr.attr, []):
                 m = self.match(value, Where(owner.module, owner), chain + 1)
                 if m is not None:
                     return m.through(f"attribute self.{expr.attr} ({owner.qualname}, line {value.lineno})")
@@ -167,7 +167,7 @@ class ScopeMatcher:
             self._assign_cache[id(func.node)] = table
         return table
 
-    def _attributes(self, func: Func) -> dict[str, list[tuple[ast.expr, Func]]]:
+    def attributes(self, func: Func) -> dict[str, list[tuple[ast.expr, Func]]]:
         cls = func.cls
         table = self._attr_cache.get(id(cls.node))
         if table is None:
@@ -234,7 +234,7 @@ class ScopeMatcher:
         `unless self.disabled` reads `unless disabled or not is_cuda() ...`); else match()."""
         if (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
                 and expr.value.id == where.func.self_name):
-            for value, owner in self._attributes(where.func).get(expr.attr, []):
+            for value, owner in self.attributes(where.func).get(expr.attr, []):
                 m = self.match(value, Where(owner.module, owner))
                 if m is None:
                     continue
@@ -343,7 +343,7 @@ def _inlined(test: ast.expr, owner: Func, matcher: ScopeMatcher) -> str:
     by its value (so `--when` can evaluate what `if self.disabled:` really tests). Not truncated:
     the text is parsed again as the condition."""
     me = owner.self_name
-    attrs = matcher._attributes(owner) if owner.cls else {}
+    attrs = matcher.attributes(owner) if owner.cls else {}
     local = matcher.assignments(owner)
 
     class Inline(ast.NodeTransformer):
