@@ -110,7 +110,7 @@ def test_torch_docs_compute_in_the_pool_fails(scopes):
 def test_register_mem_pool_symm_makes_a_window(scopes):
     s = scopes["registered_nccl_pool"]
     assert s.window and s.recognised["how"] == "inferred"
-    assert "registered by register_mem_pool (winlib/torch_symm.py:" in chain(s)
+    assert "pool pool registered by register_mem_pool(pool, symm=True) (winlib/torch_symm.py:" in chain(s)
 
 
 def test_contextmanager_helper_on_torch_pool(scopes):

@@ -57,7 +57,7 @@ class WindowPools:
 
     def __init__(self, tree, resolver: Resolver):
         self.resolver = resolver
-        self.by_name: dict[str, str] = {}        # register_mem_pool(NAME): NAME -> "file:line"
+        self.by_name: dict[str, str] = {}        # register_mem_pool(NAME): NAME -> "the call (file:line)"
         self.getters: dict[object, str] = {}     # getter key -> the chain registering it
         # Only files that mention a registration are parsed: one cheap text pass, then the
         # files naming each new registrar.
@@ -81,7 +81,9 @@ class WindowPools:
                 if isinstance(node, ast.Call) and node.args and _last_name(node.func) == "register_mem_pool":
                     name = _last_name(node.args[0])
                     if name and name not in self.by_name:
-                        self.by_name[name] = f"{module.rel}:{node.lineno}"
+                        call = "register_mem_pool(" + ", ".join(_one_line(a) for a in node.args) + "".join(
+                            f", {k.arg}={_one_line(k.value)}" for k in node.keywords if k.arg) + ")"
+                        self.by_name[name] = f"{call} ({module.rel}:{node.lineno})"
 
     def _window_registrations(self) -> None:
         registrars = {WINDOW_REGISTER: _Registrar(WINDOW_REGISTER, WINDOW_REGISTER)}
@@ -134,8 +136,7 @@ class WindowPools:
                     return PoolVerdict(text, True, [f"pool {_one_line(value)}: {qualified}, {known}"])
             name = _last_name(value)
             if name and name in self.by_name:
-                return PoolVerdict(text, True, [f"pool {name} registered by register_mem_pool "
-                                                f"({self.by_name[name]})"])
+                return PoolVerdict(text, True, [f"pool {name} registered by {self.by_name[name]}"])
         return PoolVerdict(text, False)
 
     def _getter_key(self, call: ast.Call, where: Where):
