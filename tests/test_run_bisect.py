@@ -85,7 +85,7 @@ def program(change: dict) -> str:
                                                                          "__import__('torch').empty_like"))
     text = text.replace("TAIL", change["TAIL"])
     if change.get("doc"):
-        text = '"""A 2-rank decode loop: each step all-reduces a buffer taken from the symmetric window."""\n' + text
+        text = '"""A 2-rank decode loop: each step all-reduces a window buffer."""\n' + text
     if change.get("steps"):
         text = text.replace("STEPS = 2", f"STEPS = {change['steps']}")
     if change.get("named"):

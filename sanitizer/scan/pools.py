@@ -103,7 +103,8 @@ class WindowPools:
                     continue
                 hit = _first_call_to(calls, registrars)
                 if hit is not None:
-                    registrars[name] = _Registrar(name, f"{f.qualname} ({f.where}) -> {registrars[hit].chain}")
+                    chain = f"{f.qualname} ({f.where}) -> {registrars[hit].chain}"
+                    registrars[name] = _Registrar(name, chain)
                     new.append(name)
             if not new:
                 break

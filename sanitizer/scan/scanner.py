@@ -46,7 +46,8 @@ class ScopeReport:
     paths: list = field(default_factory=list)   # fallback.Path: the conditions on each way here
     changed: list[str] = field(default_factory=list)  # --changed-since: what changed ("file:lines")
     when: dict | None = None         # --when: {"condition": NAME, "only": bool}
-    recognised: dict = field(default_factory=dict)  # {"how": "name"/"inferred"/"private pool", "chain": [...]}
+    # how the scan knows: {"how": "name" / "inferred" / "private pool", "name", "chain": [...]}
+    recognised: dict = field(default_factory=dict)
 
     @property
     def window(self) -> bool:
