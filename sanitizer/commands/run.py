@@ -6,6 +6,12 @@ ends, the traces in D are analysed exactly as `hazsan check D` would, and the ex
 0 clean, 1 findings at or above --fail-on, 2 unusable input (including: no trace was written).
 CMD's own exit status is reported on stderr. With --format json or sarif, CMD's standard output is
 sent to stderr, so that stdout holds the report alone.
+
+--bisect makes it a `git bisect run` step: the traces of the previous step in D are replaced, stdout
+holds one line (the commit, the verdict, the first finding's site), and the exit codes are the ones
+`git bisect run` reads: 0 clean (good), 1 findings at or above --fail-on (bad), 125 unusable capture
+or input, or a failed command whose traces hold no finding (skip this commit). --rule RULE narrows
+the verdict to one rule.
 """
 from __future__ import annotations
 
@@ -29,12 +35,29 @@ def add_arguments(p) -> None:
     p.add_argument("--max-events", type=int, metavar="N",
                    help="events per trace file before counted drops (HAZSAN_MAX_EVENTS)")
     p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text")
-    p.add_argument("--fail-on", choices=("error", "warning"), default="error")
+    p.add_argument("--fail-on", choices=("error", "warning"), default=None,
+                   help="lowest severity that makes the exit code 1 (default: error; with --rule, "
+                        "that rule's severity)")
+    p.add_argument("--rule", choices=sorted(_rules()), metavar="RULE",
+                   help="only this rule's findings make the verdict and the report "
+                        f"({', '.join(sorted(_rules()))})")
+    p.add_argument("--bisect", action="store_true",
+                   help="a `git bisect run` step: replace D's traces, print one line (commit, verdict, "
+                        "first finding's site), exit 0 clean / 1 findings / 125 unusable capture (skip)")
     p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
     p.add_argument("--lenient", action="store_true",
                    help="skip and count malformed lines instead of failing with exit 2")
     p.add_argument("cmd", nargs="...", metavar="-- CMD",
                    help="the command to run, after --")
+
+
+def _rules() -> dict:
+    from sanitizer.rules.findings import RULES
+
+    return RULES
+
+
+SKIP = 125   # `git bisect run`: this commit cannot be tested
 
 
 def _traces(d: str) -> list[str]:
@@ -84,6 +107,9 @@ def run(args) -> int:
     if not cmd:
         print("hazsan run: no command given (usage: hazsan run [--dir D] -- CMD ...)", file=sys.stderr)
         return 2
+    if args.bisect:
+        args.overwrite = True          # each step replaces the previous step's traces
+    fail_on = args.fail_on or (_rules()[args.rule][0] if args.rule else "error")
     d = _prepare_dir(args)
     if d is None:
         return 2
@@ -92,8 +118,9 @@ def run(args) -> int:
         env["HAZSAN_STACKS"] = args.stacks
     if args.max_events:
         env["HAZSAN_MAX_EVENTS"] = str(args.max_events)
-    # With a machine-readable report, stdout carries the report alone: CMD's output goes to stderr.
-    status = _run(cmd, env, stdout=None if args.format == "text" else sys.stderr.fileno())
+    # With a machine-readable report or a bisect line, stdout carries it alone: CMD's goes to stderr.
+    quiet = args.bisect or args.format != "text"
+    status = _run(cmd, env, stdout=sys.stderr.fileno() if quiet else None)
     if status < 0 and status != -1:
         why = f"killed by signal {-status}"
     else:
@@ -103,14 +130,66 @@ def run(args) -> int:
         print("hazsan run: no trace was written. Did the command run Python that imports torch, "
               "with hazsan installed in that interpreter (hazsan_capture.pth in its site-packages)?",
               file=sys.stderr)
-        return 2
+        return _bisect_line(None, "no trace was written") if args.bisect else 2
 
     from sanitizer.report import render
     from sanitizer.rules.driver import analyze
 
     analysis = analyze([d], peer_completion=args.peer_completion, lenient=args.lenient)
-    sys.stdout.write(render(analysis, args.format))
-    sys.stdout.flush()
+    if args.rule:
+        analysis = narrowed(analysis, args.rule)
     for e in analysis.errors:
         print(f"hazsan: error: {e}", file=sys.stderr)
-    return analysis.exit_code(args.fail_on)
+    code = analysis.exit_code(fail_on)
+    if args.bisect:
+        # A command that failed may have stopped before the workload ran: no finding then says
+        # nothing about this commit (findings it left are still a verdict).
+        failed = f"the command {why}, and its traces hold no finding" if status != 0 and code == 0 else None
+        return _bisect_line(analysis, failed, code)
+    sys.stdout.write(render(analysis, args.format))
+    sys.stdout.flush()
+    return code
+
+
+def narrowed(analysis, rule: str):
+    """The analysis with only RULE's findings (the summary's counts too)."""
+    import dataclasses
+
+    kept = [f for f in analysis.findings if f.rule == rule]
+    n = analysis.summary.get("by_rule", {}).get(rule, 0)
+    summary = dict(analysis.summary, by_rule={rule: n} if n else {}, findings=n, listed=len(kept),
+                   narrowed_to=rule)
+    return dataclasses.replace(analysis, findings=kept, summary=summary)
+
+
+def _commit() -> str:
+    """The commit checked out in the current directory (what `git bisect` is testing)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "(no git)"
+    text = out.stdout.strip()
+    if out.returncode != 0 or not text:
+        return "(not in a git work tree)"
+    return text if len(text) <= 72 else text[:69] + "..."
+
+
+def _bisect_line(analysis, unusable: str | None, code: int = SKIP) -> int:
+    """Print the step's one line; return the exit code `git bisect run` reads."""
+    commit = _commit()
+    if unusable is None and code == 2:
+        unusable = "; ".join(str(e) for e in analysis.errors[:1]) or "unusable input"
+    if unusable is not None:
+        print(f"hazsan bisect: {commit}: skip (unusable capture: {unusable})", flush=True)
+        return SKIP
+    by_rule = analysis.summary.get("by_rule", {})
+    counts = ", ".join(f"{r}: {n}" for r, n in by_rule.items()) or "no finding"
+    verdict = "bad" if code == 1 else "good"
+    line = f"hazsan bisect: {commit}: {verdict} ({counts})"
+    if analysis.findings:
+        f = analysis.findings[0]
+        site = f.site or (f.block or {}).get("site") or "(no site recorded)"
+        line += f"; first: {f.rule} at {site} (rank {f.rank}, {os.path.basename(f.file)}:{f.line})"
+    print(line, flush=True)
+    return code

@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="schema-1 trace file or directory: mark scopes that placed transients in a window")
     parser.add_argument("--when", action="append", default=[], metavar="NAME",
                         help="keep the scopes reachable when NAME holds and mark those reachable only "
-                             "then: a platform (sm120, sm100, sm90, cuda, hip, npu, xpu, cpu) or a flag / "
-                             "server argument named in the conditions (repeatable: all hold)")
+                             "then: a platform (sm120, sm100, sm90, cuda, hip, npu, xpu, cpu), a torch "
+                             "version (torch2.9: compared with torch.__version__), or a flag / server "
+                             "argument named in the conditions (repeatable: all hold)")
     parser.add_argument("--changed-since", metavar="REF",
                         help="keep the scopes whose code, or whose followed helpers' code, changed since "
                              "the git ref REF (working tree against REF, untracked files included)")
@@ -97,9 +98,11 @@ def _run(args: argparse.Namespace) -> int:
         from sanitizer.scan.changes import keep_changed
         keep_changed(result, changes, result.rel_to_real)
     if args.when:
-        bad = [w for w in args.when if not w or not w.replace("_", "").replace("-", "").isalnum()]
+        bad = [w for w in args.when
+               if not w or not w.replace("_", "").replace("-", "").replace(".", "").isalnum()]
         if bad:
-            print(f"hazsan scan: --when {bad[0]!r}: expected a name (sm120, hip, a flag)", file=sys.stderr)
+            print(f"hazsan scan: --when {bad[0]!r}: expected a name (sm120, hip, torch2.9, a flag)",
+                  file=sys.stderr)
             return 2
         result.keep_when(args.when)
     result.command = args.command_line or "hazsan scan " + " ".join(shlex.quote(a) for a in sys.argv[2:])

@@ -91,6 +91,25 @@ class Assumption:
             return "hip"
         return n if n in PLATFORMS else None
 
+    @property
+    def torch_version(self) -> tuple[int, ...] | None:
+        """`--when torch2.9`: the torch version assumed (comparisons with `torch.__version__`)."""
+        m = re.fullmatch(r"torch-?(\d+(?:\.\d+)*)", self.name.lower())
+        return tuple(int(p) for p in m.group(1).split(".")) if m else None
+
+    def torch_compare(self, op: ast.cmpop, literal: str) -> bool | None:
+        """`torch version <op> literal` under this assumption (unknown when negated or unset)."""
+        mine = self.torch_version
+        theirs = _release(literal)
+        if mine is None or theirs is None or self.negated:
+            return None
+        release, pre = theirs
+        width = max(len(mine), len(release))
+        a, b = mine + (0,) * (width - len(mine)), release + (0,) * (width - len(release))
+        if a == b and pre:          # 2.8 against 2.8.0a0: a release is newer than its pre-releases
+            a, b = (1,), (0,)
+        return _compare(op, a, b)
+
     def opposite(self) -> "Assumption":
         return Assumption(self.name, not self.negated)
 
@@ -152,6 +171,40 @@ class Baseline(Assumption):
 
     def capability(self, op, const) -> bool | None:
         return None
+
+    def torch_compare(self, op, literal) -> bool | None:
+        return None
+
+
+def _release(text: str) -> tuple[tuple[int, ...], bool] | None:
+    """"2.8.0.a0" -> ((2, 8, 0), True): the release numbers, and whether it is a pre-release."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)(.*)$", text)
+    if not m:
+        return None
+    rest = m.group(2).lstrip(".").lower()
+    return tuple(int(p) for p in m.group(1).split(".")), rest.startswith(("a", "b", "rc", "dev", "pre"))
+
+
+def _version_literal(expr: ast.AST) -> str | None:
+    """A version written as a string, a call on one (`version.parse("2.8")`) or an int tuple."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+        return expr.value
+    if isinstance(expr, ast.Call) and len(expr.args) == 1 and not expr.keywords:
+        return _version_literal(expr.args[0])
+    const = _constant(expr)
+    if isinstance(const, tuple):
+        return ".".join(map(str, const))
+    return None
+
+
+def _torch_version_side(expr: ast.AST) -> bool:
+    """`torch.__version__`, `version.parse(torch.__version__)`, `torch_release`, `TORCH_VERSION`."""
+    text = ast.unparse(expr).lower()
+    return "torch.__version__" in text or bool(re.search(r"\btorch_(?:version|release)\b", text))
+
+
+_FLIPPED = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE, ast.Eq: ast.Eq,
+            ast.NotEq: ast.NotEq}
 
 
 def predicate_kind(ident: str):
@@ -233,15 +286,25 @@ def evaluate(expr: ast.AST | None, assume: Assumption, depth: int = 0) -> bool |
         left, right = expr.left, expr.comparators[0]
         if isinstance(left, ast.Subscript) and _constant(left.slice) == 0:
             left = left.value   # get_device_capability()[0] >= 9
+        op = expr.ops[0]
+        for side, other, cmp in ((left, right, op), (right, left, _FLIPPED.get(type(op), type(op))())):
+            literal = _version_literal(other)
+            if literal is not None and _torch_version_side(side):
+                return assume.torch_compare(cmp, literal)
         const = _constant(right)
         if const is not None and _capability_side(left):
             return assume.capability(expr.ops[0], const)
         return None
+    if (isinstance(expr, ast.Call) and _ident(expr.func) in TORCH_AT_LEAST and len(expr.args) == 1
+            and _version_literal(expr.args[0]) is not None):
+        return assume.torch_compare(ast.GtE(), _version_literal(expr.args[0]))
     ident = _ident(expr)
     return assume.predicate(ident) if ident else None
 
 
 BASELINE = Baseline()
+# Helpers that test `torch version >= X` (vLLM's vllm.utils.torch_utils).
+TORCH_AT_LEAST = frozenset({"is_torch_equal_or_newer"})
 
 
 def needs_particular_hardware(path: ScopePath) -> bool:

@@ -54,6 +54,16 @@ def _marks(s: ScopeReport) -> list[str]:
     return marks
 
 
+def _recognised(s: ScopeReport) -> str:
+    """How the scan knows this is a scope in a window (or in a private pool), with the chain."""
+    rec = s.recognised or {}
+    how = rec.get("how")
+    if how == "name":
+        return f"by name ({rec.get('name')})"
+    chain = " -> ".join(rec.get("chain", []))
+    return f"{how}: {chain}" if how else "-"
+
+
 def render_json(result: ScanResult) -> str:
     return orjson.dumps(result.as_dict(), option=orjson.OPT_INDENT_2).decode() + "\n"
 
@@ -137,6 +147,7 @@ def render_text(result: ScanResult) -> str:
             lines.append(f"{s.file}:{s.line}  in {s.function}  [{s.scope} via {s.entered}"
                          f"{' / ' + ' / '.join(s.via) if s.via else ''}]{label}"
                          + (f"  {status}" if status else ""))
+            lines.append(f"  recognised: {_recognised(s)}")
             for mark in _marks(s):
                 lines.append(f"  {mark}")
             if s.guard:
@@ -228,8 +239,8 @@ def render_markdown(result: ScanResult, title: str = "hazsan scan") -> str:
     out += [f"| private pools | {PRIVATE_MEANING} |", ""]
     for title, _meaning, group in _groups(result):
         out += [f"## {title} ({len(group)})", ""]
-        out += ["| scope | function | class | pool | entered | conditions on the way | most telling calls | status |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["| scope | function | class | pool | entered | recognised | conditions on the way | most telling calls | status |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for s in group:
             calls = [r for r in s.records if r.kind == "compute" or r.transient]
             if s.klass == "alloc":
@@ -242,7 +253,8 @@ def render_markdown(result: ScanResult, title: str = "hazsan scan") -> str:
             conds = "<br>".join(_md_escape(p) for p in _path_lines(s))
             status = "; ".join([_status(s)] + _marks(s)).strip("; ")
             out.append(f"| `{s.file}:{s.line}` | `{_md_escape(s.function)}` | {s.label} | {pool} | "
-                       f"{_md_escape(entered)} | {conds} | {shown} | {_md_escape(status)} |")
+                       f"{_md_escape(entered)} | {_md_escape(_recognised(s))} | {conds} | {shown} | "
+                       f"{_md_escape(status)} |")
         out.append("")
     compute = [s for s in result.scopes if s.window and s.klass == "compute"]
     if compute:

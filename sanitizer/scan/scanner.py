@@ -11,7 +11,8 @@ from sanitizer.scan.classify import (BodyClassifier, CallRecord, kernels_of, kno
 from sanitizer.scan.config import ScanConfig
 from sanitizer.scan.fallback import (BASELINE, Assumption, Condition, PathFinder, needs_particular_hardware, parse_condition,
                                      path_survives)
-from sanitizer.scan.resolve import Resolver, own_nodes
+from sanitizer.scan.pools import WindowPools
+from sanitizer.scan.resolve import Resolver, Where, own_nodes
 from sanitizer.scan.scopes import ScopeMatcher, ScopeSite
 from sanitizer.scan.source import ModuleInfo, SourceProblem, SourceTree, _real
 
@@ -45,6 +46,8 @@ class ScopeReport:
     paths: list = field(default_factory=list)   # fallback.Path: the conditions on each way here
     changed: list[str] = field(default_factory=list)  # --changed-since: what changed ("file:lines")
     when: dict | None = None         # --when: {"condition": NAME, "only": bool}
+    # how the scan knows: {"how": "name" / "inferred" / "private pool", "name", "chain": [...]}
+    recognised: dict = field(default_factory=dict)
 
     @property
     def window(self) -> bool:
@@ -93,6 +96,7 @@ class ScopeReport:
             "scope": self.scope, "scope_call": self.call, "entered": self.entered, "via": self.via,
             "nested": self.nested, "parent": self.parent,
             "pool": self.pool, "symmetric": self.symmetric, "window": self.window,
+            "recognised": self.recognised,
             "label": self.label, "unresolved_only": self.unresolved,
             "kernels": [f"{r.callee} ({r.file}:{r.line})" for r in self.kernels],
             "yields": self.yields,
@@ -221,11 +225,10 @@ class Scanner:
         classifier = BodyClassifier(resolver, self.config.catalog, self.config.depth,
                                     {id(s.node) for s in sites if not isinstance(s.node, ast.Call)},
                                     self.allow.settle if self.allow.has_calls else None)
-        registered = _registered_pools(tree)
         reports, report_sites = [], []
         for site in sites:
             try:
-                reports.append(self._report(site, classifier, matcher, registered))
+                reports.append(self._report(site, classifier))
                 report_sites.append(site)
             except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
                 # A construct the analysis does not handle must not end the whole scan.
@@ -233,7 +236,17 @@ class Scanner:
                     site.module.rel, site.line, f"internal error while classifying this scope "
                     f"({type(exc).__name__}: {exc}); please report it"))
         _link_nesting(reports)
+        # Callers are searched among the files the scopes and their helpers led to; the files
+        # read only for pool registrations (next) add no callers.
         finder = PathFinder(resolver, tree.parsed_modules(), self.config.caller_depth)
+        pools = WindowPools(tree, resolver)
+        for r, site in zip(reports, report_sites):
+            try:
+                r.pool, r.symmetric, r.recognised = _recognise(site.match, matcher, site, pools)
+            except (RecursionError, ValueError, TypeError, AttributeError, KeyError) as exc:
+                tree.problems.append(SourceProblem(
+                    site.module.rel, site.line, f"internal error while identifying this scope's "
+                    f"pool ({type(exc).__name__}: {exc}); please report it"))
         for r, site in zip(reports, report_sites):
             try:
                 r.paths = finder.paths(site.where.func, self._own_conditions(site, finder))
@@ -318,8 +331,7 @@ class Scanner:
                 own.append(Condition(f"unless {kw.arg}={_one_line(kw.value)}", kw.value, False, where))
         return own
 
-    def _report(self, site: ScopeSite, classifier: BodyClassifier, matcher: ScopeMatcher,
-                registered: set[str]) -> ScopeReport:
+    def _report(self, site: ScopeSite, classifier: BodyClassifier) -> ScopeReport:
         records, nested = classifier.scope_records(site)
         m = site.match
         guard_parts, disabled = [], False
@@ -329,7 +341,6 @@ class Scanner:
                 if isinstance(kw.value, ast.Constant) and kw.value.value is True:
                     disabled = True
         guard_parts += m.conditions
-        pool, symmetric = _pool(m, matcher, site, registered)
         first = site.line
         last = site.body_span[1]
         snippet_end = min(last, first + SNIPPET_LINES - 1)
@@ -339,57 +350,42 @@ class Scanner:
             scope=m.scope, call=_one_line(m.call), entered=site.entered, via=m.via,
             guard="; ".join(guard_parts) or None, disabled=disabled,
             klass=region_class(records), records=records, nested=sorted(set(nested)), parent=None,
-            pool=pool, symmetric=symmetric, snippet=snippet, body_span=site.body_span,
+            pool=None, symmetric=None, snippet=snippet, body_span=site.body_span,
             path=site.module.source.path,
             yields=any(isinstance(n, (ast.Yield, ast.YieldFrom)) for s in site.body for n in own_nodes([s])))
 
 
-def _registered_pools(tree) -> set[str]:
-    """Names of the pools the tree registers as windows: the last identifier of the first
-    argument of every `register_mem_pool(pool)` call (torch's ProcessGroupNCCL API)."""
-    names: set[str] = set()
-    for sf in tree.files:
-        if b"register_mem_pool(" not in tree.read_bytes(sf):
-            continue
-        module = tree.parse(sf)
-        if module is None:
-            continue
-        for node in ast.walk(module.tree):
-            if isinstance(node, ast.Call) and node.args and _last_name(node.func) == "register_mem_pool":
-                name = _last_name(node.args[0])
-                if name:
-                    names.add(name)
-    return names
+def _recognise(m, matcher: ScopeMatcher, site: ScopeSite, pools: WindowPools
+               ) -> tuple[str | None, bool | None, dict]:
+    """The pool a scope enters, whether it is a symmetric window, and how the scan knows.
+
+    By name: SGLang's scopes and any configured scope other than `use_mem_pool` are windows.
+    A `use_mem_pool` scope is inferred to be one when its pool is (pools.py: a known symmetric
+    pool, or one the tree registers as a window); any other pool is private (False)."""
+    chain = [*m.via, f"{_one_line(m.call)} ({m.call_module.rel}:{m.call.lineno})"]
+    if "use_mem_pool" not in m.scope:
+        symmetric = True if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext") else None
+        return None, symmetric, {"how": "name", "name": m.scope, "chain": chain}
+    arg = m.call.args[0] if m.call.args else next(
+        (k.value for k in m.call.keywords if k.arg == "pool"), None)
+    where = m.call_where or site.where
+    verdict = pools.verdict(arg, where, lambda e, w: _bindings_of(matcher, e, w))
+    if verdict.symmetric:
+        return verdict.text, True, {"how": "inferred", "name": m.scope, "chain": chain + verdict.evidence}
+    return verdict.text, False, {"how": "private pool", "name": m.scope,
+                                 "chain": chain + ["the tree never registers this pool as a window"]}
 
 
-def _last_name(expr: ast.AST) -> str | None:
-    if isinstance(expr, ast.Name):
-        return expr.id
-    if isinstance(expr, ast.Attribute):
-        return expr.attr
-    return None
-
-
-def _pool(m, matcher: ScopeMatcher, site: ScopeSite, registered: set[str] = frozenset()
-          ) -> tuple[str | None, bool | None]:
-    """The pool a use_mem_pool scope enters, and whether it is a symmetric window: its
-    expression, or the value assigned to the variable it names, mentions symmetric memory or
-    NCCL (`symm_mem.get_mem_pool(dev)`, `get_nccl_mem_pool()`), or it names a pool the tree
-    registers (`register_mem_pool(self.pool)`). Any other pool is private: False."""
-    if "use_mem_pool" in m.scope:
-        arg = m.call.args[0] if m.call.args else next(
-            (k.value for k in m.call.keywords if k.arg == "pool"), None)
-        text = _one_line(arg) if arg is not None else None
-        evidence = [text or ""]
-        if isinstance(arg, ast.Name) and m.call_module is site.module and site.where.func is not None:
-            evidence += [_one_line(v) for v in matcher.assignments(site.where.func).get(arg.id, [])]
-        low = " ".join(evidence).lower()
-        symmetric = ("symm" in low or "nccl" in low
-                     or (arg is not None and _last_name(arg) in registered))
-        return text, symmetric
-    if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext"):
-        return None, True
-    return None, None   # a configured scope: taken to be a window
+def _bindings_of(matcher: ScopeMatcher, expr, where):
+    """(value, where) for what a variable or a self attribute naming a pool was assigned."""
+    func = where.func
+    if isinstance(expr, ast.Name) and func is not None:
+        for value in matcher.assignments(func).get(expr.id, []):
+            yield value, where
+    elif (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and func is not None
+          and func.cls is not None and expr.value.id == func.self_name):
+        for value, owner in matcher.attributes(func).get(expr.attr, []):
+            yield value, Where(owner.module, owner)
 
 
 def _link_nesting(reports: list[ScopeReport]) -> None:

@@ -9,7 +9,12 @@ Entries recognised (all statically, per function):
 - a helper that returns a scope (``def f(): return SCOPE(...)``), or a ``@contextmanager`` helper
   that yields inside one, then ``with f():`` (helpers of helpers too, to a fixed point);
 - ``stack.enter_context(SCOPE(...))``: the scope covers the statements after it, up to the end of
-  the ``with ExitStack() as stack:`` block.
+  the ``with ExitStack() as stack:`` block;
+- a class-based context manager: a class whose ``__enter__`` enters a scope (``self.ctx.__enter__()``
+  or ``stack.enter_context(...)`` on a scope bound in any of its methods, vLLM's
+  ``nccl_symm_mem_context``), then ``with Cls(...):``. The conditions under which the class binds
+  the scope (its ``if self.disabled:`` branch, with ``self.disabled`` replaced by what it was
+  assigned) become conditions on every scope entered through it.
 
 SCOPE is any configured callable (config.ScanConfig.scopes), matched on the qualified name the
 call resolves to through the file's imports.
@@ -17,10 +22,12 @@ call resolves to through the file's imports.
 from __future__ import annotations
 
 import ast
+import copy
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from sanitizer.scan.fallback import Conditions
 from sanitizer.scan.resolve import Func, Resolver, Where, own_nodes, own_statements
 from sanitizer.scan.source import ModuleInfo
 
@@ -34,6 +41,11 @@ class ScopeMatch:
     call_module: ModuleInfo    # where that call is written
     via: list[str]             # how it is reached: "variable ctx (line 12)", "helper f (a.py:3)"
     conditions: list[str]      # "when c" / "unless c" from conditional expressions
+    call_where: Where | None = None   # the function the scope call is written in
+
+    def through(self, how: str, conditions=()) -> "ScopeMatch":
+        """This match reached through one more link (a variable, a helper, a class)."""
+        return replace(self, via=[how, *self.via], conditions=[*conditions, *self.conditions])
 
 
 @dataclass
@@ -63,7 +75,9 @@ class ScopeMatcher:
         self.resolver = resolver
         self.names = scope_names
         self.factories: dict[int, ScopeMatch] = {}   # id(function node) -> what it enters
+        self.class_factories: dict[int, ScopeMatch] = {}  # id(class node) -> what __enter__ enters
         self.factory_names: set[str] = set()         # their names: text pre-filter tokens
+        self._conditions = Conditions()
         self._assign_cache: dict[int, dict[str, list[ast.expr]]] = {}
         self._attr_cache: dict[int, dict[str, list[tuple[ast.expr, Func]]]] = {}
 
@@ -101,8 +115,7 @@ class ScopeMatcher:
             for branch, word in ((expr.body, "when"), (expr.orelse, "unless")):
                 m = self.match(branch, where, chain + 1)
                 if m is not None:
-                    cond = f"{word} {_one_line(expr.test)}"
-                    return ScopeMatch(m.scope, m.call, m.call_module, m.via, [cond, *m.conditions])
+                    return replace(m, conditions=[f"{word} {_one_line(expr.test)}", *m.conditions])
             return None
         if isinstance(expr, ast.NamedExpr):
             return self.match(expr.value, where, chain + 1)
@@ -110,23 +123,20 @@ class ScopeMatcher:
             for value in self.assignments(where.func).get(expr.id, []):
                 m = self.match(value, where, chain + 1)
                 if m is not None:
-                    via = f"variable {expr.id} (line {value.lineno})"
-                    return ScopeMatch(m.scope, m.call, m.call_module, [via, *m.via], m.conditions)
+                    return m.through(f"variable {expr.id} (line {value.lineno})")
             return None
         if isinstance(expr, ast.Name):
             for value in _module_assignments(where.module).get(expr.id, []):
                 m = self.match(value, where, chain + 1)
                 if m is not None:
-                    via = f"variable {expr.id} (line {value.lineno})"
-                    return ScopeMatch(m.scope, m.call, m.call_module, [via, *m.via], m.conditions)
+                    return m.through(f"variable {expr.id} (line {value.lineno})")
             return None
         if (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
                 and where.func is not None and expr.value.id == where.func.self_name and where.cls):
-            for value, owner in self._attributes(where.func).get(expr.attr, []):
+            for value, owner in self.attributes(where.func).get(expr.attr, []):
                 m = self.match(value, Where(owner.module, owner), chain + 1)
                 if m is not None:
-                    via = f"attribute self.{expr.attr} ({owner.qualname}, line {value.lineno})"
-                    return ScopeMatch(m.scope, m.call, m.call_module, [via, *m.via], m.conditions)
+                    return m.through(f"attribute self.{expr.attr} ({owner.qualname}, line {value.lineno})")
         return None
 
     def _match_call(self, call: ast.Call, where: Where, chain: int) -> ScopeMatch | None:
@@ -134,15 +144,16 @@ class ScopeMatcher:
         if qualified:
             name = self.name_matches(qualified)
             if name is not None:
-                return ScopeMatch(name, call, where.module, [], [])
-        if not self.factories:
+                return ScopeMatch(name, call, where.module, [], [], where)
+        if not self.factories and not self.class_factories:
             return None
         target = self.resolver.resolve_call(call, where)
         for f in target.funcs:
             m = self.factories.get(id(f.node))
             if m is not None:
-                via = f"helper {f.qualname} ({f.where})"
-                return ScopeMatch(m.scope, m.call, m.call_module, [via, *m.via], m.conditions)
+                return m.through(f"helper {f.qualname} ({f.where})")
+        if target.is_class is not None:
+            return self.class_factories.get(id(target.is_class.node))
         return None
 
     def assignments(self, func: Func) -> dict[str, list[ast.expr]]:
@@ -156,7 +167,7 @@ class ScopeMatcher:
             self._assign_cache[id(func.node)] = table
         return table
 
-    def _attributes(self, func: Func) -> dict[str, list[tuple[ast.expr, Func]]]:
+    def attributes(self, func: Func) -> dict[str, list[tuple[ast.expr, Func]]]:
         cls = func.cls
         table = self._attr_cache.get(id(cls.node))
         if table is None:
@@ -186,7 +197,52 @@ class ScopeMatcher:
                     self.factories[id(f.node)] = m
                     self.factory_names.add(f.node.name)
                     grew = True
+            for cls in module.classes.values():
+                if id(cls.node) in self.class_factories:
+                    continue
+                m = self._class_factory_match(cls)
+                if m is not None:
+                    self.class_factories[id(cls.node)] = m
+                    self.factory_names.add(cls.node.name)
+                    grew = True
         return grew
+
+    def _class_factory_match(self, cls) -> ScopeMatch | None:
+        """What a class-based context manager enters: `X.__enter__()` or `stack.enter_context(X)`
+        in its `__enter__`, X a scope (a self attribute bound in any method, or a local)."""
+        methods = cls.methods.get("__enter__") or cls.methods.get("__aenter__")
+        if not methods:
+            return None
+        enter = self.resolver.func(cls.module, methods[0], cls, f"{cls.qualname}.{methods[0].name}")
+        where = Where(cls.module, enter)
+        for node in own_nodes(enter.node.body):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr in ("__enter__", "__aenter__"):
+                entered = node.func.value
+            elif node.func.attr == "enter_context" and node.args:
+                entered = node.args[0]
+            else:
+                continue
+            m = self._bound_scope(entered, where)
+            if m is not None:
+                return m.through(f"class {cls.qualname} ({cls.module.rel}:{cls.node.lineno})")
+        return None
+
+    def _bound_scope(self, expr: ast.expr, where: Where) -> ScopeMatch | None:
+        """The scope a `self.attr` holds, with the conditions under which it is bound (inlined:
+        `unless self.disabled` reads `unless disabled or not is_cuda() ...`); else match()."""
+        if (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
+                and expr.value.id == where.func.self_name):
+            for value, owner in self.attributes(where.func).get(expr.attr, []):
+                m = self.match(value, Where(owner.module, owner))
+                if m is None:
+                    continue
+                conds = self._conditions.within(owner.module, value)
+                texts = [f"{c.text.split(' ', 1)[0]} {_inlined(c.test, owner, self)}" for c in conds]
+                return m.through(f"attribute self.{expr.attr} ({owner.qualname}, line {value.lineno})",
+                                 texts)
+        return self.match(expr, where)
 
     def _factory_match(self, f: Func) -> ScopeMatch | None:
         where = Where(f.module, f)
@@ -280,6 +336,32 @@ def _statements_after(module: ModuleInfo, call: ast.Call, stack_expr: ast.expr) 
             if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
                 return out
         node = parent
+
+
+def _inlined(test: ast.expr, owner: Func, matcher: ScopeMatcher) -> str:
+    """A condition with each `self.attr` / local name that `owner` assigns exactly once replaced
+    by its value (so `--when` can evaluate what `if self.disabled:` really tests). Not truncated:
+    the text is parsed again as the condition."""
+    me = owner.self_name
+    attrs = matcher.attributes(owner) if owner.cls else {}
+    local = matcher.assignments(owner)
+
+    class Inline(ast.NodeTransformer):
+        def visit_Attribute(self, node):
+            if isinstance(node.value, ast.Name) and node.value.id == me:
+                values = [v for v, o in attrs.get(node.attr, []) if o is owner]
+                if len(values) == 1 and len(attrs.get(node.attr, [])) == 1:
+                    return values[0]
+            return self.generic_visit(node)
+
+        def visit_Name(self, node):
+            values = local.get(node.id, [])
+            return values[0] if len(values) == 1 else node
+
+    try:
+        return " ".join(ast.unparse(Inline().visit(copy.deepcopy(test))).split())
+    except (RecursionError, ValueError):
+        return _one_line(test)
 
 
 def _one_line(node: ast.AST, limit: int = 100) -> str:
