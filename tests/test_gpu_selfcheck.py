@@ -55,3 +55,26 @@ def test_harness_runs_a_scenario_and_judges_it(tmp_path, monkeypatch):
     bad = sc.scenario("wrongly-expected-clean", str(tmp_path))
     assert not bad["ok"]
     assert "expected clean" in bad["why"] and "graph_begin" in bad["why"]
+
+
+# Every file on the GPU path: none of them can run here, so an undefined name (item 1 of issue 29:
+# gpu_selfcheck_nccl printed a `path` it never defined) would only show on the GPU.
+GPU_FILES = ["sanitizer/capture/gpu_selfcheck.py", "sanitizer/capture/gpu_selfcheck_nccl.py",
+             "sanitizer/capture/gpu_kit.py", "sanitizer/capture/nccl.py",
+             "sanitizer/capture/allocator_history.py", "sanitizer/capture/cuda_hooks.py",
+             "sanitizer/capture/cuda_state.py", "sanitizer/capture/window.py",
+             "sanitizer/capture/facts.py", "sanitizer/place/allocator.py", "sanitizer/place/gpu_check.py",
+             "sanitizer/testbed/cuda.py", "examples/mhc_decode/gpu_check.py"]
+
+
+def test_gpu_files_are_pyflakes_clean():
+    from pathlib import Path
+
+    api = pytest.importorskip("pyflakes.api")
+    from pyflakes.reporter import Reporter
+    import io
+
+    root = Path(__file__).resolve().parents[1]
+    out, err = io.StringIO(), io.StringIO()
+    n = sum(api.checkPath(str(root / f), Reporter(out, err)) for f in GPU_FILES)
+    assert n == 0, out.getvalue() + err.getvalue()

@@ -161,7 +161,7 @@ class NcclCalls:
 
     def _emit(self, parts) -> None:
         cap = self.capture
-        method, comm, handle = parts[0][0], parts[0][1], parts[0][2]
+        comm, handle = parts[0][1], parts[0][2]
         ops = []
         for p in parts:
             if p[0] not in ops:
