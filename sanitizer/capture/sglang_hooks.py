@@ -90,13 +90,29 @@ def _report_pool_windows(capture, module, ctx, reported: set) -> None:
     if pool is None:
         return
     comm = getattr(ctx, "_hazsan_comm", None) or _comm_name(ctx)
-    for seg in pool.snapshot():
+    # the C++ plugin drops the ncclWindow_t it gets; a communicator whose registrations through
+    # NCCLLibrary came back NULL (no symmetric support: nccl.py) gets NULL ones here too
+    calls = getattr(capture, "nccl", None)
+    windowed = calls is None or comm not in calls.no_symmetric
+    for seg in _pool_segments(pool):
         addr, size = int(seg["address"]), int(seg["total_size"])
         if not any(a == addr for a, _ in reported):
             capture.event({"ev": "segment", "addr": addr, "size": size, "pool": "symm"})
         if (addr, comm) not in reported:
             reported.add((addr, comm))
-            capture.event({"ev": "window", "addr": addr, "size": size, "comm": comm})
+            if windowed:
+                capture.event({"ev": "window", "addr": addr, "size": size, "comm": comm})
+
+
+def _pool_segments(pool) -> list:
+    """The pool's segments without their allocation history: MemPool.snapshot() defaults to
+    include_traces=True (torch/cuda/memory.py), which turns the allocator's whole trace ring buffer
+    (up to HAZSAN_ALLOC_HISTORY_ENTRIES = 1M entries under HAZSAN_ALLOC_SOURCE=history) into
+    Python dicts at every scope exit. Older torch has no such parameter."""
+    try:
+        return pool.snapshot(include_traces=False)
+    except TypeError:
+        return pool.snapshot()
 
 
 def on_pynccl_wrapper(capture, module) -> None:
