@@ -316,3 +316,42 @@ def test_streams_and_devices_without_cuda_initialised(monkeypatch):
     generic = torch.Stream(stream_id=3, device_index=1, device_type=1)
     hooks = cuda_hooks.CudaOrdering(types.SimpleNamespace(streams=ids))
     assert hooks.stream_of_torch(generic) == "cuda:1"
+
+
+def test_register_mem_pool_marks_a_window_only_with_symm_and_names_the_group(tmp_path):
+    """ProcessGroupNCCL.register_mem_pool (absent from a CPU build) is called on the *backend*:
+    C++ registerMemPool(MemPool* pool, bool symm = false) registers the pool's segments as
+    symmetric windows only with symm=True (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp). A
+    Backend has no group_name; distributed_c10d.py sets `backend_options.group_name`. Driven here
+    on the real backend object of a gloo group, whose options carry the name the same way."""
+    import torch.distributed as dist
+    from sanitizer.capture.torch_hooks import WindowPools, backend_group_name, register_mem_pool_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        pg = dist.new_group([0])
+        backend = pg._get_backend(torch.device("cpu"))
+        assert not hasattr(backend, "group_name")
+        assert backend_group_name(backend) == pg.group_name
+
+        class Capture:
+            failures = []
+
+            def failed(self, hook, exc):
+                self.failures.append((hook, exc))
+
+        class Pool:                      # what WindowPools reads of a torch.cuda.MemPool: its id
+            def __init__(self, pid):
+                self.id = pid
+
+        calls, windows, cap = [], WindowPools(), Capture()
+        hook = register_mem_pool_hook(cap, windows, lambda self, pool, *a, **k: calls.append((pool.id, a, k)))
+        local, symm_kw, symm_pos = Pool((1, 1)), Pool((1, 2)), Pool((1, 3))
+        hook(backend, local)
+        hook(backend, symm_kw, symm=True)
+        hook(backend, symm_pos, True)
+        assert len(calls) == 3 and not cap.failures
+        assert windows.comm(local) is None
+        assert windows.comm(symm_kw) == windows.comm(symm_pos) == pg.group_name
+    finally:
+        dist.destroy_process_group()
