@@ -101,6 +101,10 @@ class BlockTable:
         self._plans: dict = {}               # OpOverload -> launch plan (or False: no kernel)
         self.graph_pool: str | None = None   # set by cuda_hooks while a CUDA graph is captured
         self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
+        # cuda_hooks: its record_stream'd blocks freed and not yet free_done (non-empty: ask
+        # on_reuse before a CUDA alloc), and the call that writes the free_done of those it overlaps
+        self.held_frees: dict = {}
+        self.on_reuse = None
         # Ops the mode does not simply run and record: OpOverload -> handler (collectives.py
         # records collectives) or False, filled on an op's first sight. Emptied when the
         # collectives are installed, so no op classified before stays plain.
@@ -289,6 +293,10 @@ class BlockTable:
                     self.capture.failed("window", exc)
         else:
             stream = self.stream_of_device(s.device)
+            if self.held_frees:
+                # the caching allocator placed this block over freed record_stream'd bytes only
+                # if their events were done (malloc runs process_events first): free_done first
+                self.on_reuse(real, nbytes)
             if stack:
                 pool = stack[-1][0]
             elif self.graph_pool is not None and placed_by_scope:
