@@ -26,8 +26,9 @@ failed, 1 when one did.
                     stays False through import, CPU work and exit; a forked child can still use
                     CUDA; the header's GPU facts come from NVML; no hook_error
   C2 streams        the stream / event / record_stream scenarios give the expected rules, the
-                    record_stream block the allocator recycles on an idle stream is clean, stream
-                    ids agree between allocations and event records
+                    record_stream block the allocator recycles on an idle stream is clean, an
+                    async NCCL Work never waited for is clean, stream ids agree between
+                    allocations and event records
   C3 graphs         MemPool; a CUDA graph with a captured all-reduce: 3 replays, the graph free,
                     capture-time allocations in the graph's pool
   C4 history        HAZSAN_ALLOC_SOURCE=history against the dispatch mode: every allocation
@@ -177,7 +178,7 @@ def _scenarios(names, work: Path) -> dict:
 
 
 C2_SCENARIOS = ("side-stream-unprotected", "side-stream-record", "side-stream-event",
-                "record-stream-recycled", "read-before-wait")
+                "record-stream-recycled", "never-waited", "read-before-wait")
 C3_SCENARIOS = ("mempool", "graph")
 
 

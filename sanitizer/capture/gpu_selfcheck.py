@@ -117,6 +117,22 @@ SCENARIOS = {
         compute.wait_event(mark)
         torch.cuda.synchronize()
     ''', {"clean": True, "events": {"record_stream", "free_done"}, "recycled": True, "stream_ids": True}),
+    # ProcessGroupNCCL (PyTorch >= 2.8) stashes an async collective's tensors in its Work; one
+    # never waited for is released by the watchdog once complete, unstashed at the next enqueue:
+    # x dies inside the second all_reduce, after its collective finished. Clean (NcclWorkLifetimes).
+    "never-waited": ('''
+        import time
+        x = torch.ones(N, device="cuda")
+        work = dist.all_reduce(x, async_op=True)
+        del x, work                      # never waited for
+        torch.cuda.synchronize()
+        time.sleep(2.0)                  # the watchdog sees the Work complete
+        y = torch.ones(1024, device="cuda")
+        dist.all_reduce(y)               # this enqueue unstashes x
+        z = torch.empty(N, device="cuda")
+        z.fill_(3.0)
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"coll", "coll_done"}}),
     "mempool": ('''
         pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool):

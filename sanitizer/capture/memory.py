@@ -105,6 +105,10 @@ class BlockTable:
         # on_reuse before a CUDA alloc), and the call that writes the free_done of those it overlaps
         self.held_frees: dict = {}
         self.on_reuse = None
+        # collectives.NcclWorkLifetimes: buffers a Work still stashes (non-empty: ask
+        # on_stash_release before a free)
+        self.stashed: dict = {}
+        self.on_stash_release = None
         # Ops the mode does not simply run and record: OpOverload -> handler (collectives.py
         # records collectives) or False, filled on an op's first sight. Emptied when the
         # collectives are installed, so no op classified before stays plain.
@@ -318,6 +322,8 @@ class BlockTable:
         return b
 
     def _release(self, b: Block) -> None:
+        if self.stashed:
+            self.on_stash_release(b.addr, b.size)
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
         self.emit({"ev": "free", "id": b.id, "t": time_ns()})
