@@ -154,3 +154,65 @@ def test_pool_snapshot_leaves_the_traces_out(run):
     allocator's whole ring buffer into Python dicts each time."""
     out, _, _ = run
     assert out["snapshot_requests"] and all(r == [1, 0, False] for r in out["snapshot_requests"])
+
+
+def _segments_capture():
+    import types
+    events = []
+    cap = types.SimpleNamespace(event=lambda ev, with_site=True: events.append(ev), nccl=None,
+                                failed=lambda hook, exc: events.append({"ev": "hook_error", "error": repr(exc)}))
+    return cap, events
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_transient_in_a_fresh_pool_segment_is_judged_in_its_window(tmp_path, early):
+    """Item 9. SGLang's pool registers a new segment as a window at scope exit
+    (SymmetricMemoryContext.__exit__ -> _register_segments_for_comm -> the C++ plugin's
+    ncclCommWindowRegister for every segment allocated since), after a transient allocated and
+    freed inside the scope. The segment's window is written at the first allocation that lands in
+    it (sglang_hooks.PoolSegments, found in the pool's own snapshot), so the engine sees the
+    transient in the window; written only at exit (early=False), it would not."""
+    import types
+
+    from sglang_cpu import FakePool
+
+    from sanitizer.capture.sglang_hooks import PoolSegments, _report_pool_windows
+
+    seg = 0x7F0000000000
+    pool = FakePool()
+    pool.segments = [{"address": seg, "total_size": 2 << 20, "blocks": []}]
+    module = types.SimpleNamespace(_mem_pool=pool)
+    cap, events = _segments_capture()
+    reported: set = set()
+    segments = PoolSegments(cap, module, reported)
+    comm = "pynccl:tp"
+    trace = [{"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": comm}]
+    for bid, (addr, site) in enumerate([(seg, "mhc.py:10:einsum"), (seg + 4096, "mhc.py:12:out")], 1):
+        if early:
+            segments.allocated(comm, addr, 4096)     # what memory.BlockTable asks before the alloc
+        trace += events
+        events.clear()
+        trace.append({"ev": "alloc", "id": bid, "addr": addr, "size": 4096, "stream": "cuda:0",
+                      "pool": "symm", "site": site})
+    trace.append({"ev": "free", "id": 1})
+    trace.append({"ev": "scope", "name": "symm", "enter": False, "pool": "symm", "comm": comm})
+    ctx = types.SimpleNamespace(_hazsan_comm=comm)
+    _report_pool_windows(cap, module, ctx, reported)             # scope exit: nothing new if early
+    trace += events
+    trace += [{"ev": "coll", "cid": 1, "comm": comm, "seq": 0, "op": "ncclAllReduce", "stream": "cuda:0",
+               "bufs": [{"addr": seg + 4096, "size": 4096, "access": "rw"}]},
+              {"ev": "sync"}, {"ev": "free", "id": 2}, {"ev": "end"}]
+    kinds = [e["ev"] for e in trace]
+    assert kinds.count("window") == 1 and kinds.count("segment") == 1
+    assert all(r[2] is False for r in pool.requests)             # snapshots without traces
+    (tmp_path / "rank0.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in [{"hazsan": 1, "rank": 0}] + trace))
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(tmp_path), "--format", "json"],
+                         capture_output=True, text=True, timeout=60)
+    findings = json.loads(out.stdout)["findings"]
+    transients = [f for f in findings if f["rule"] == "transient-in-window"]
+    assert [f["site"] for f in transients] == (["mhc.py:10:einsum"] if early else []), out.stdout[-2000:]
+    if early:   # once known, a later allocation in the segment asks no snapshot
+        n = len(pool.requests)
+        segments.allocated(comm, seg + 8192, 512)
+        assert len(pool.requests) == n

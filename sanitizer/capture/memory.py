@@ -109,6 +109,9 @@ class BlockTable:
         # on_stash_release before a free)
         self.stashed: dict = {}
         self.on_stash_release = None
+        # pool name -> callable(comm, ptr, nbytes): a CUDA allocation inside a scope of that pool,
+        # before its `alloc` is written (sglang_hooks: the pool segment's window, learnt early)
+        self.scope_allocs: dict = {}
         # Ops the mode does not simply run and record: OpOverload -> handler (collectives.py
         # records collectives) or False, filled on an op's first sight. Emptied when the
         # collectives are installed, so no op classified before stays plain.
@@ -302,7 +305,9 @@ class BlockTable:
                 # if their events were done (malloc runs process_events first): free_done first
                 self.on_reuse(real, nbytes)
             if stack:
-                pool = stack[-1][0]
+                pool, comm = stack[-1]
+                if pool in self.scope_allocs:
+                    self.scope_allocs[pool](comm, real, nbytes)
             elif self.graph_pool is not None and placed_by_scope:
                 pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
         key = s._cdata
