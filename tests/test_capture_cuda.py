@@ -264,3 +264,29 @@ def test_an_allocation_over_a_held_block_writes_its_free_done_first():
     hooks.on_device_sync()
     assert [e for e in events if e["ev"] == "free_done"] == [{"ev": "free_done", "id": 7},
                                                             {"ev": "free_done", "id": 8}]
+
+
+def test_device_sync_covers_the_current_device_only():
+    """c10/cuda/CUDAFunctions.cpp device_synchronize(): the trace callback carries no device, then
+    cudaDeviceSynchronize() waits for the *current* device (torch.cuda.synchronize(d) makes d
+    current first). With streams on two devices, a sync names the current device's streams."""
+    import types
+
+    from sanitizer.capture.cuda_hooks import CudaOrdering
+    from sanitizer.capture.streams import StreamIds
+
+    events = []
+    cap = types.SimpleNamespace(streams=StreamIds(), event=lambda ev, with_site=True: events.append(ev),
+                                failed=lambda hook, exc: events.append({"ev": "hook_error", "error": repr(exc)}))
+    hooks = CudaOrdering(cap)
+    side0 = cap.streams.of_handle(0x7F10, 0)
+    hooks.on_device_sync()                       # one device so far: a bare sync
+    assert events == [{"ev": "sync"}]
+    side1 = cap.streams.of_handle(0x7F20, 1)
+    assert (side0, side1) == ("cuda:0:s1", "cuda:1:s1")
+    for bid, stream in ((1, side0), (2, side1)):
+        hooks.on_free(types.SimpleNamespace(id=bid, recorded={stream}, real=bid << 20, nbytes=64))
+    events.clear()
+    hooks.on_device_sync()                       # CUDA not initialised here: device 0 is current
+    assert events == [{"ev": "sync", "stream": "cuda:0"}, {"ev": "sync", "stream": "cuda:0:s1"},
+                      {"ev": "free_done", "id": 1}]

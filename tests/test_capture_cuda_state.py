@@ -167,7 +167,9 @@ def test_control_under_capture_the_programs_own_query_is_seen(tmp_path):
 
 # ---------------------------------------------------------------------- the header's device facts
 def test_header_from_nvml_before_cuda_is_initialised(tmp_path):
-    records, headers, _ = run(tmp_path, program=HEADER_PROGRAM, SPY_FAKE_BUILD="1", SPY_FAKE_PYNVML="1")
+    # two different models: NVML's first is CUDA's first only in PCI bus order
+    records, headers, _ = run(tmp_path, program=HEADER_PROGRAM, SPY_FAKE_BUILD="1", SPY_FAKE_PYNVML="1",
+                              CUDA_DEVICE_ORDER="PCI_BUS_ID")
     assert calls(records) == [], describe(records)
     gpu = one(records, "header")["facts"]["gpu"]
     assert gpu == {"count": 2, "name": "NVIDIA H200", "capability": "SM90", "driver": "570.86.15",
@@ -251,6 +253,7 @@ def test_nvml_facts_follow_cuda_visible_devices(monkeypatch, visible, name, coun
     from sanitizer.capture import facts
     nvml = FakeNvml(DEVICES)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")     # CUDA's order is then NVML's
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -258,6 +261,29 @@ def test_nvml_facts_follow_cuda_visible_devices(monkeypatch, visible, name, coun
     gpu = facts._nvml_facts()
     assert gpu["count"] == count and gpu.get("name") == name and gpu["driver"] == "580.1"
     assert nvml.log == ["init", "shutdown"]
+
+
+@pytest.mark.parametrize("order,visible,devices,name", [
+    (None, None, DEVICES, None),                   # fastest first: CUDA's 0 may be NVML's 1 or 2
+    (None, "1", DEVICES, None),
+    ("FASTEST_FIRST", "0,1", DEVICES, None),
+    (None, "GPU-bb22", DEVICES, "H200"),           # a UUID names one device whatever the order
+    (None, "1,0", [DEVICES[1]] * 3, "H200"),       # all alike: any of them says the same
+    (None, None, DEVICES[:1], "A100"),             # one device
+])
+def test_nvml_facts_only_where_cuda_order_is_known(monkeypatch, order, visible, devices, name):
+    """CUDA numbers devices fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID; NVML in PCI bus
+    order. The count is right either way; the first device's name only where it is certain."""
+    from sanitizer.capture import facts
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(devices))
+    for var, value in (("CUDA_DEVICE_ORDER", order), ("CUDA_VISIBLE_DEVICES", visible)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    gpu = facts._nvml_facts()
+    assert gpu.get("name") == name and ("capability" in gpu) == (name is not None)
+    assert gpu["count"] == (len(devices) if visible is None else len(visible.split(",")))
 
 
 def test_nvml_facts_without_a_driver_or_without_pynvml(monkeypatch):

@@ -123,9 +123,21 @@ class CudaOrdering:
             self.capture.failed("cuda.sync", exc)
 
     def on_device_sync(self) -> None:
+        """torch.cuda.synchronize(device) sets `device` current, then c10's device_synchronize()
+        fires this callback (no device argument) and runs cudaDeviceSynchronize(): the streams of
+        the current device only. A process that named streams on one device gets a bare `sync`
+        (the same thing, cheaper); one with several gets a `sync` per stream of that device."""
         try:
-            self.capture.event({"ev": "sync"})
-            self._finished(lambda s, tick: True)
+            device = _current_device()
+            if not self.streams.devices - {device}:
+                self.capture.event({"ev": "sync"})
+                self._finished(lambda s, tick: True)
+                return
+            mine = self.streams.of_device(device)
+            for sid in mine:
+                self.capture.event({"ev": "sync", "stream": sid})
+            prefix = f"cuda:{device}:"
+            self._finished(lambda s, tick: s == mine[0] or s.startswith(prefix))
         except Exception as exc:
             self.capture.failed("cuda.sync", exc)
 
