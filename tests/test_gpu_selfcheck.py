@@ -78,3 +78,37 @@ def test_gpu_files_are_pyflakes_clean():
     out, err = io.StringIO(), io.StringIO()
     n = sum(api.checkPath(str(root / f), Reporter(out, err)) for f in GPU_FILES)
     assert n == 0, out.getvalue() + err.getvalue()
+
+
+def test_pynccl_wrapper_imports_without_the_server_and_is_hooked(tmp_path):
+    """C6 on a GPU image that lacks SGLang's server dependencies (0.5.23's package __init__ files
+    import IPython, pydantic, starlette, pyzmq, triton...; here triton is missing): the real
+    pynccl_wrapper.py is imported with its parent packages left empty, and capture's post-import
+    hook patches its NCCLLibrary as in a server."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        if version("sglang") != "0.5.23":
+            pytest.skip("SGLang 0.5.23 is installed by `make test`")
+    except PackageNotFoundError:
+        pytest.skip("SGLang 0.5.23 is installed by `make test`")
+    import json
+    import os
+    code = textwrap.dedent("""
+        import json, os, sys
+        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+        import torch
+        from sanitizer.capture.gpu_selfcheck_nccl import import_wrapper
+        mod, how = import_wrapper("sglang.srt.distributed.device_communicators.pynccl_wrapper")
+        from sanitizer.capture import runtime
+        print(json.dumps({"how": how, "file": mod.__file__,
+                          "hooked": bool(getattr(mod.NCCLLibrary.ncclAllReduce, "_hazsan", False)),
+                          "installed": runtime.active().installed}))
+    """)
+    env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(tmp_path / "t"))
+    env.pop("PYTHONPATH", None)                 # no tests/ stub of triton on the path
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["how"].startswith("file alone") and "triton" in r["how"], r
+    assert r["file"].endswith("sglang/srt/distributed/device_communicators/pynccl_wrapper.py")
+    assert r["hooked"] and "sglang.NCCLLibrary" in r["installed"]

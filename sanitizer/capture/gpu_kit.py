@@ -8,8 +8,8 @@
     python -m sanitizer.capture.gpu_kit check C2 --work DIR      # one check (what `run` starts)
 
 The kit (build/gpu-kit/): `wheels/` holds hazsan's wheel and the CPython 3.12 manylinux wheels of
-what a GPU image may lack (its dependencies, SGLang 0.5.23 without its dependencies for C6, and the
-few light packages its `pynccl_wrapper` import needs); `examples/mhc_decode/` is the reference
+what a GPU image may lack (its dependencies, and SGLang 0.5.23 without its dependencies, whose
+real `pynccl_wrapper.py` C6 drives); `examples/mhc_decode/` is the reference
 case C7 runs; `run.sh` installs from `wheels/` with `--no-index` and then runs `run`.
 
 `run` runs the checks below in order, each in its own interpreter with its own time limit inside
@@ -60,9 +60,9 @@ from sanitizer.capture import gpu_selfcheck as sc
 RESULT = "GPU-KIT-RESULT "          # the line a check's interpreter ends with
 ROOT = Path(__file__).resolve().parents[2]
 # What a GPU image may lack, as CPython 3.12 manylinux wheels (`make gpu-kit` downloads them):
-# hazsan's own dependencies; SGLang 0.5.23 (--no-deps) for C6 and pybase64, which importing its
-# pynccl_wrapper needs beyond the image's packages (psutil, requests, tqdm, numpy).
-KIT_WHEELS = ["msgspec", "orjson", "sortedcontainers", "wrapt", "tabulate", "pybase64"]
+# hazsan's own dependencies, and SGLang 0.5.23 without its dependencies for C6 (its pynccl_wrapper
+# needs only torch; gpu_selfcheck_nccl.import_wrapper skips the server's package __init__ files).
+KIT_WHEELS = ["msgspec", "orjson", "sortedcontainers", "wrapt", "tabulate"]
 KIT_NO_DEPS = ["sglang==0.5.23"]
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64",
              "manylinux_2_31_x86_64",
@@ -110,10 +110,11 @@ def c0_preflight(work: Path) -> dict:
         except Exception as exc:  # noqa: BLE001 - optional here: the checks that need them say so
             figures[label] = f"missing ({type(exc).__name__})"
     try:
-        from importlib import import_module
         from importlib.metadata import version
-        import_module("sglang.srt.distributed.device_communicators.pynccl_wrapper")
-        figures["sglang"] = version("sglang")
+
+        from sanitizer.capture.gpu_selfcheck_nccl import import_wrapper
+        _, how = import_wrapper("sglang.srt.distributed.device_communicators.pynccl_wrapper")
+        figures["sglang"] = f"{version('sglang')}, pynccl_wrapper imported as {how}"[:300]
     except Exception as exc:  # noqa: BLE001
         figures["sglang"] = f"not importable ({type(exc).__name__}: {exc})"[:300]
     return {"status": "fail" if problems else "pass", "reason": "; ".join(problems), "figures": figures}
@@ -215,8 +216,7 @@ def c5_placement(work: Path) -> dict:
 def c6_pynccl(work: Path) -> dict:
     from sanitizer.capture import gpu_selfcheck_nccl
     try:
-        from importlib import import_module
-        import_module("sglang.srt.distributed.device_communicators.pynccl_wrapper")
+        gpu_selfcheck_nccl.import_wrapper("sglang.srt.distributed.device_communicators.pynccl_wrapper")
     except Exception as exc:  # noqa: BLE001
         return {"status": "skip", "reason": f"SGLang's pynccl_wrapper is not importable: {exc}"[:500]}
     r = gpu_selfcheck_nccl.run(str(work))
@@ -482,7 +482,6 @@ elif [ "${#wheels[@]}" -gt 0 ]; then
   # wheels/; SGLang without its dependencies (C6 imports only its pynccl wrapper)
   pipi=("$PY" -m pip install -q --no-index --find-links "$KIT/wheels" --no-compile --no-cache-dir)
   "${pipi[@]}" hazsan >>"$LOG" 2>&1 || echo "installing hazsan from $KIT/wheels failed (see $LOG)" | tee -a "$LOG"
-  "${pipi[@]}" pybase64 >>"$LOG" 2>&1 || echo "pybase64 not installed (C6 may skip)" | tee -a "$LOG"
   "${pipi[@]}" --no-deps sglang >>"$LOG" 2>&1 || echo "sglang not installed (C6 will skip)" | tee -a "$LOG"
 fi
 # run outside any checkout, so that the installed hazsan is the one imported

@@ -36,11 +36,12 @@ CHILD = ACTIVATE + textwrap.dedent(r'''
     report = {"library": None}
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
+    from sanitizer.capture.gpu_selfcheck_nccl import import_wrapper
     lib_mod = None
     for name in ("sglang.srt.distributed.device_communicators.pynccl_wrapper",
                  "vllm.distributed.device_communicators.pynccl_wrapper"):
         try:
-            lib_mod = __import__(name, fromlist=["NCCLLibrary"])
+            lib_mod, report["import_path"] = import_wrapper(name)
             break
         except Exception as exc:
             report.setdefault("import_errors", {})[name] = f"{type(exc).__name__}: {exc}"
@@ -81,6 +82,38 @@ CHILD = ACTIVATE + textwrap.dedent(r'''
 ''')
 
 
+def import_wrapper(name: str):
+    """The real `pynccl_wrapper` module `name` of an installed SGLang (or vLLM), and how it was
+    imported. Its own imports are the standard library and torch, but its packages' __init__
+    files import the whole server (SGLang 0.5.23: IPython, pydantic, starlette, pyzmq, ...), which a
+    GPU image may lack. When the plain import fails, the parent packages are made empty packages
+    over their installed folders (their __init__ files not run) and the import is tried again:
+    the file itself is SGLang's, imported by the import system, so capture's post-import hook
+    patches it as in a server."""
+    import importlib
+    import importlib.util
+    import types
+    try:
+        return importlib.import_module(name), "package"
+    except ImportError as first:
+        top = name.split(".")[0]
+        spec = importlib.util.find_spec(top) if top not in sys.modules else None
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        root = list(spec.submodule_search_locations)[0]
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            pkg = ".".join(parts[:i])
+            if pkg not in sys.modules:
+                m = types.ModuleType(pkg)
+                m.__path__ = [os.path.join(root, *parts[1:i])]
+                sys.modules[pkg] = m
+        try:
+            return importlib.import_module(name), f"file alone ({type(first).__name__}: {first})"
+        except ImportError:
+            raise first from None
+
+
 def run(work: str) -> dict:
     """Run the child, judge its trace. {"status": pass|fail|skip, "reason", "figures", "traces"}."""
     try:
@@ -116,7 +149,8 @@ def run(work: str) -> dict:
     except ValueError:
         rules = None
         missing.append("hazsan check failed: " + (check.stdout + check.stderr)[-1000:])
-    figures = {"library": report.get("library"), "window_handle": report.get("window"),
+    figures = {"library": report.get("library"), "import": report.get("import_path"),
+               "window_handle": report.get("window"),
                "events": len(events), "rules": rules,
                "windows": sum(1 for e in events if e["ev"] == "window"),
                "versions": header.get("versions"), "gpu": header.get("gpu")}
