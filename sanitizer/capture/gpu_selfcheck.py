@@ -13,9 +13,16 @@ torch.distributed (the collective runs on the process group's NCCL stream):
   side-stream-record       the same with x.record_stream(side) before the drop: expected clean
   side-stream-event        the same with the compute stream waiting for an event recorded on the
                            side stream before the drop: expected clean
+  record-stream-recycled   record_stream on an idle side stream, free, a same-size allocation: the
+                           allocator recycles the block at once (malloc's process_events); the
+                           trace has its free_done before that alloc; clean; stream ids of an
+                           allocation and an event record on the side stream agree
+  never-waited             an async all-reduce whose Work is dropped unwaited (PyTorch >= 2.8
+                           stashes its tensors until the watchdog sees it done): clean
   mempool                  allocations inside torch.cuda.use_mem_pool(MemPool()): traced, clean
   graph                    torch.cuda.graph capturing an all-reduce, replayed 3 times: graph_begin,
-                           the coll, graph_end, 3 graph_replay, graph_free are traced; clean
+                           the coll, graph_end, 3 graph_replay, graph_free are traced, allocations
+                           during capture are in the graph's pool; clean
   read-before-wait         an async all-reduce's output read by a kernel on the compute stream
                            before Work.wait(): expected unordered-access
 
@@ -24,7 +31,8 @@ capture overhead per decode-like step (a small MLP decode loop) bare vs alloc vs
 allocation sources (HAZSAN_ALLOC_SOURCE=dispatch / history) on the same small program: time per op
 side by side, and the allocator history's agreement with the dispatch mode.
 
-Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run.
+Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run
+(the GPU kit, gpu_kit.py, runs these as its checks C2-C5 and C9).
 The NCCL scenarios rely on collectives recording NCCL waits as stream edges (issue 9's
 collectives.py), so the coll is not treated as done for the host at Work.wait().
 """
