@@ -40,7 +40,7 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	PY=$(VPY) bash reports/scan/fetch_vllm.sh $(VLLM_SCAN_SRC)
 	touch $@
 
-.PHONY: venv test test-e2e vllm-proof test-sanitizers demo bench scan-report gpu-check
+.PHONY: venv test test-e2e vllm-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -93,3 +93,11 @@ scan-report: $(VENV)/.installed
 # On a machine with one CUDA GPU and a CUDA build of torch: capture end to end (under 5 minutes).
 gpu-check:
 	$(PY) -m sanitizer.capture.gpu_selfcheck
+
+# The one-shot kit for a lent GPU machine without a registry (docs/setup.md#the-gpu-kit):
+# build/gpu-kit/ = hazsan's wheel for CPython 3.12 (compiled engine), the 3.12 manylinux wheels a GPU
+# image lacks (downloaded here), examples/mhc_decode, run.sh (C0-C9 -> $OUT/gpu-check.json).
+KIT_PY ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; print("$(p)")' 2>/dev/null)))
+gpu-kit: $(VENV)/.installed
+	@test -n "$(KIT_PY)" || { echo "gpu-kit: no CPython 3.12 found (set KIT_PY=/path/to/python3.12)"; exit 1; }
+	$(VPY) -m sanitizer.capture.gpu_kit build --out build/gpu-kit --python $(KIT_PY)

@@ -72,24 +72,52 @@ class FakeStream:
 
 
 class FakePool:
-    """The symmetric MemPool: an id and the snapshot the test sets."""
+    """The symmetric MemPool: an id and the segments the test sets. Its snapshot() is torch's own
+    MemPool.snapshot (torch/cuda/memory.py: memory_snapshot(self.id, include_traces=...) ->
+    torch._C._cuda_memorySnapshot((id0, id1, include_traces))["segments"]) over a stand-in of that
+    C binding (absent from a CPU build), which answers the segments and records every request."""
 
     def __init__(self):
+        import torch
         self.id = (1, 0)
         self.segments: list[dict] = []
+        self.requests: list[tuple] = []       # what _cuda_memorySnapshot was asked for
+        pools = getattr(torch._C, "_hazsan_fake_pools", None)
+        if pools is None:
+            pools = torch._C._hazsan_fake_pools = {}
 
-    def snapshot(self):
-        return list(self.segments)
+            def memory_snapshot(mempool_id):
+                pool = pools.get(tuple(mempool_id[:2])) if mempool_id is not None else None
+                if pool is None:
+                    return {"segments": [], "device_traces": []}
+                pool.requests.append(tuple(mempool_id))
+                return {"segments": list(pool.segments),
+                        "device_traces": [[{"action": "alloc"}] * 1000] if mempool_id[2:] != (False,) else []}
+            torch._C._cuda_memorySnapshot = memory_snapshot
+        pools[self.id] = self
+
+    def snapshot(self, include_traces=True):
+        import torch
+        return torch.cuda.memory.MemPool.snapshot(self, include_traces)
 
 
 class FakeNccl:
-    """libnccl's functions, called with exactly the ctypes arguments NCCLLibrary passes."""
+    """libnccl's functions, called with exactly the ctypes arguments NCCLLibrary passes.
 
-    def __init__(self, rank: int):
+    ncclCommWindowRegister as NCCL 2.29+ has it (src/dev_runtime.cc): `*win = nullptr` first; a
+    communicator without symmetric support (`symmetric = False` here: NCCL without cuMem, one
+    rank, ...) returns ncclSuccess with the window still NULL; otherwise the registration is a
+    task queued inside ncclGroupStartInternal/EndInternal, so inside the caller's
+    ncclGroupStart/End the handle is written only when the outermost ncclGroupEnd runs."""
+
+    def __init__(self, rank: int, symmetric: bool = True):
         self.rank = rank
+        self.symmetric = symmetric
         self.calls: list[tuple] = []
         self.buffers: dict[int, object] = {}   # ncclMemAlloc: ptr -> ctypes buffer kept alive
         self._next_comm = 0x5000 + rank
+        self._group_depth = 0
+        self._queued_windows: list = []        # (ncclWindow_t*, handle) written at group end
 
     def table(self) -> dict:
         def ok(name):
@@ -124,30 +152,51 @@ class FakeNccl:
             return 0
 
         def window_register(comm, buff, size, win, flags):
-            win._obj.value = 0x7000 + len(self.calls)
+            win._obj.value = None                       # *win = nullptr
             self.calls.append(("ncclCommWindowRegister", comm, buff, size, flags))
+            if not self.symmetric:
+                return 0                                # success, no window
+            handle = 0x7000 + len(self.calls)
+            if self._group_depth:
+                self._queued_windows.append((win._obj, handle))
+            else:
+                win._obj.value = handle
+            return 0
+
+        def group_start():
+            self._group_depth += 1
+            self.calls.append(("ncclGroupStart",))
+            return 0
+
+        def group_end():
+            self._group_depth -= 1
+            self.calls.append(("ncclGroupEnd",))
+            if self._group_depth == 0:
+                for obj, handle in self._queued_windows:
+                    obj.value = handle
+                self._queued_windows = []
             return 0
 
         t = {name: ok(name) for name in (
             "ncclAllReduce", "ncclAllGather", "ncclReduce", "ncclReduceScatter", "ncclSend", "ncclRecv",
-            "ncclBroadcast", "ncclCommDestroy", "ncclGroupStart", "ncclGroupEnd",
-            "ncclCommWindowDeregister")}
+            "ncclBroadcast", "ncclCommDestroy", "ncclCommWindowDeregister")}
         t.update(ncclGetErrorString=lambda r: b"fake error", ncclGetVersion=get_version,
                  ncclGetUniqueId=unique_id, ncclCommInitRank=init_rank,
                  ncclCommInitRankConfig=init_rank, ncclMemAlloc=mem_alloc, ncclMemFree=mem_free,
-                 ncclCommWindowRegister=window_register)
+                 ncclCommWindowRegister=window_register, ncclGroupStart=group_start,
+                 ncclGroupEnd=group_end)
         return t
 
 
 class Boundary:
     """Install every fake listed in the module docstring; returns handles for the test."""
 
-    def __init__(self, rank: int, stream_handle: int = 0):
+    def __init__(self, rank: int, stream_handle: int = 0, symmetric: bool = True):
         import torch
         stub_triton()
         from sglang.srt.distributed.device_communicators import pynccl, pynccl_allocator, pynccl_wrapper
 
-        self.nccl = FakeNccl(rank)
+        self.nccl = FakeNccl(rank, symmetric)
         lib = pynccl_wrapper.NCCLLibrary
         lib.path_to_library_cache[SO] = object()
         lib.path_to_dict_mapping[SO] = self.nccl.table()

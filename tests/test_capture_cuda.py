@@ -234,3 +234,59 @@ def test_level_setting():
     assert Settings.from_env({"HAZSAN_LEVEL": " FULL "})[0].level == "full"
     settings, problems = Settings.from_env({"HAZSAN_LEVEL": "kernels"})
     assert settings.level == "alloc" and problems == ["HAZSAN_LEVEL='kernels' is not one of alloc|full; using 'alloc'"]
+
+
+def test_an_allocation_over_a_held_block_writes_its_free_done_first():
+    """c10/cuda/CUDACachingAllocator.cpp: DeviceCachingAllocator::malloc runs process_events()
+    before its search; that returns to the pool the record_stream'd blocks whose free events are
+    done, and a block still waiting is never handed out. So an allocation overlapping a held
+    block proves that block's free_done, with no host synchronize in the program (an idle side
+    stream). Driven on cuda_hooks' own record_stream bookkeeping; the dispatch mode's call for a
+    real CUDA allocation runs in the GPU kit (C2, record-stream-recycled)."""
+    import types
+
+    from sanitizer.capture.cuda_hooks import CudaOrdering
+    from sanitizer.capture.streams import StreamIds
+
+    events = []
+    cap = types.SimpleNamespace(streams=StreamIds(), event=lambda ev, with_site=True: events.append(ev),
+                                failed=lambda hook, exc: events.append({"ev": "hook_error", "hook": hook}))
+    hooks = CudaOrdering(cap)
+    held = types.SimpleNamespace(id=7, recorded={"cuda:0:s1"}, real=0x10000, nbytes=4096)
+    other = types.SimpleNamespace(id=8, recorded={"cuda:0:s1"}, real=0x40000, nbytes=4096)
+    hooks.on_free(held)
+    hooks.on_free(other)
+    hooks.reused(0x20000, 512)                   # elsewhere: nothing proven
+    assert events == []
+    hooks.reused(0x10000 + 1024, 8192)           # over block 7's bytes
+    assert events == [{"ev": "free_done", "id": 7}]
+    hooks.on_stream_sync(0x7F01)                 # some stream synced: 7 is not written twice
+    hooks.on_device_sync()
+    assert [e for e in events if e["ev"] == "free_done"] == [{"ev": "free_done", "id": 7},
+                                                            {"ev": "free_done", "id": 8}]
+
+
+def test_device_sync_covers_the_current_device_only():
+    """c10/cuda/CUDAFunctions.cpp device_synchronize(): the trace callback carries no device, then
+    cudaDeviceSynchronize() waits for the *current* device (torch.cuda.synchronize(d) makes d
+    current first). With streams on two devices, a sync names the current device's streams."""
+    import types
+
+    from sanitizer.capture.cuda_hooks import CudaOrdering
+    from sanitizer.capture.streams import StreamIds
+
+    events = []
+    cap = types.SimpleNamespace(streams=StreamIds(), event=lambda ev, with_site=True: events.append(ev),
+                                failed=lambda hook, exc: events.append({"ev": "hook_error", "error": repr(exc)}))
+    hooks = CudaOrdering(cap)
+    side0 = cap.streams.of_handle(0x7F10, 0)
+    hooks.on_device_sync()                       # one device so far: a bare sync
+    assert events == [{"ev": "sync"}]
+    side1 = cap.streams.of_handle(0x7F20, 1)
+    assert (side0, side1) == ("cuda:0:s1", "cuda:1:s1")
+    for bid, stream in ((1, side0), (2, side1)):
+        hooks.on_free(types.SimpleNamespace(id=bid, recorded={stream}, real=bid << 20, nbytes=64))
+    events.clear()
+    hooks.on_device_sync()                       # CUDA not initialised here: device 0 is current
+    assert events == [{"ev": "sync", "stream": "cuda:0"}, {"ev": "sync", "stream": "cuda:0:s1"},
+                      {"ev": "free_done", "id": 1}]

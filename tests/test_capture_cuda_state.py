@@ -167,7 +167,9 @@ def test_control_under_capture_the_programs_own_query_is_seen(tmp_path):
 
 # ---------------------------------------------------------------------- the header's device facts
 def test_header_from_nvml_before_cuda_is_initialised(tmp_path):
-    records, headers, _ = run(tmp_path, program=HEADER_PROGRAM, SPY_FAKE_BUILD="1", SPY_FAKE_PYNVML="1")
+    # two different models: NVML's first is CUDA's first only in PCI bus order
+    records, headers, _ = run(tmp_path, program=HEADER_PROGRAM, SPY_FAKE_BUILD="1", SPY_FAKE_PYNVML="1",
+                              CUDA_DEVICE_ORDER="PCI_BUS_ID")
     assert calls(records) == [], describe(records)
     gpu = one(records, "header")["facts"]["gpu"]
     assert gpu == {"count": 2, "name": "NVIDIA H200", "capability": "SM90", "driver": "570.86.15",
@@ -251,6 +253,7 @@ def test_nvml_facts_follow_cuda_visible_devices(monkeypatch, visible, name, coun
     from sanitizer.capture import facts
     nvml = FakeNvml(DEVICES)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")     # CUDA's order is then NVML's
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -258,6 +261,29 @@ def test_nvml_facts_follow_cuda_visible_devices(monkeypatch, visible, name, coun
     gpu = facts._nvml_facts()
     assert gpu["count"] == count and gpu.get("name") == name and gpu["driver"] == "580.1"
     assert nvml.log == ["init", "shutdown"]
+
+
+@pytest.mark.parametrize("order,visible,devices,name", [
+    (None, None, DEVICES, None),                   # fastest first: CUDA's 0 may be NVML's 1 or 2
+    (None, "1", DEVICES, None),
+    ("FASTEST_FIRST", "0,1", DEVICES, None),
+    (None, "GPU-bb22", DEVICES, "H200"),           # a UUID names one device whatever the order
+    (None, "1,0", [DEVICES[1]] * 3, "H200"),       # all alike: any of them says the same
+    (None, None, DEVICES[:1], "A100"),             # one device
+])
+def test_nvml_facts_only_where_cuda_order_is_known(monkeypatch, order, visible, devices, name):
+    """CUDA numbers devices fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID; NVML in PCI bus
+    order. The count is right either way; the first device's name only where it is certain."""
+    from sanitizer.capture import facts
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(devices))
+    for var, value in (("CUDA_DEVICE_ORDER", order), ("CUDA_VISIBLE_DEVICES", visible)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    gpu = facts._nvml_facts()
+    assert gpu.get("name") == name and ("capability" in gpu) == (name is not None)
+    assert gpu["count"] == (len(devices) if visible is None else len(visible.split(",")))
 
 
 def test_nvml_facts_without_a_driver_or_without_pynvml(monkeypatch):
@@ -316,3 +342,42 @@ def test_streams_and_devices_without_cuda_initialised(monkeypatch):
     generic = torch.Stream(stream_id=3, device_index=1, device_type=1)
     hooks = cuda_hooks.CudaOrdering(types.SimpleNamespace(streams=ids))
     assert hooks.stream_of_torch(generic) == "cuda:1"
+
+
+def test_register_mem_pool_marks_a_window_only_with_symm_and_names_the_group(tmp_path):
+    """ProcessGroupNCCL.register_mem_pool (absent from a CPU build) is called on the *backend*:
+    C++ registerMemPool(MemPool* pool, bool symm = false) registers the pool's segments as
+    symmetric windows only with symm=True (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp). A
+    Backend has no group_name; distributed_c10d.py sets `backend_options.group_name`. Driven here
+    on the real backend object of a gloo group, whose options carry the name the same way."""
+    import torch.distributed as dist
+    from sanitizer.capture.torch_hooks import WindowPools, backend_group_name, register_mem_pool_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        pg = dist.new_group([0])
+        backend = pg._get_backend(torch.device("cpu"))
+        assert not hasattr(backend, "group_name")
+        assert backend_group_name(backend) == pg.group_name
+
+        class Capture:
+            failures = []
+
+            def failed(self, hook, exc):
+                self.failures.append((hook, exc))
+
+        class Pool:                      # what WindowPools reads of a torch.cuda.MemPool: its id
+            def __init__(self, pid):
+                self.id = pid
+
+        calls, windows, cap = [], WindowPools(), Capture()
+        hook = register_mem_pool_hook(cap, windows, lambda self, pool, *a, **k: calls.append((pool.id, a, k)))
+        local, symm_kw, symm_pos = Pool((1, 1)), Pool((1, 2)), Pool((1, 3))
+        hook(backend, local)
+        hook(backend, symm_kw, symm=True)
+        hook(backend, symm_pos, True)
+        assert len(calls) == 3 and not cap.failures
+        assert windows.comm(local) is None
+        assert windows.comm(symm_kw) == windows.comm(symm_pos) == pg.group_name
+    finally:
+        dist.destroy_process_group()

@@ -55,3 +55,60 @@ def test_harness_runs_a_scenario_and_judges_it(tmp_path, monkeypatch):
     bad = sc.scenario("wrongly-expected-clean", str(tmp_path))
     assert not bad["ok"]
     assert "expected clean" in bad["why"] and "graph_begin" in bad["why"]
+
+
+# Every file on the GPU path: none of them can run here, so an undefined name (item 1 of issue 29:
+# gpu_selfcheck_nccl printed a `path` it never defined) would only show on the GPU.
+GPU_FILES = ["sanitizer/capture/gpu_selfcheck.py", "sanitizer/capture/gpu_selfcheck_nccl.py",
+             "sanitizer/capture/gpu_kit.py", "sanitizer/capture/nccl.py",
+             "sanitizer/capture/allocator_history.py", "sanitizer/capture/cuda_hooks.py",
+             "sanitizer/capture/cuda_state.py", "sanitizer/capture/window.py",
+             "sanitizer/capture/facts.py", "sanitizer/place/allocator.py", "sanitizer/place/gpu_check.py",
+             "sanitizer/testbed/cuda.py", "examples/mhc_decode/gpu_check.py"]
+
+
+def test_gpu_files_are_pyflakes_clean():
+    from pathlib import Path
+
+    api = pytest.importorskip("pyflakes.api")
+    from pyflakes.reporter import Reporter
+    import io
+
+    root = Path(__file__).resolve().parents[1]
+    out, err = io.StringIO(), io.StringIO()
+    n = sum(api.checkPath(str(root / f), Reporter(out, err)) for f in GPU_FILES)
+    assert n == 0, out.getvalue() + err.getvalue()
+
+
+def test_pynccl_wrapper_imports_without_the_server_and_is_hooked(tmp_path):
+    """C6 on a GPU image that lacks SGLang's server dependencies (0.5.23's package __init__ files
+    import IPython, pydantic, starlette, pyzmq, triton...; here triton is missing): the real
+    pynccl_wrapper.py is imported with its parent packages left empty, and capture's post-import
+    hook patches its NCCLLibrary as in a server."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        if version("sglang") != "0.5.23":
+            pytest.skip("SGLang 0.5.23 is installed by `make test`")
+    except PackageNotFoundError:
+        pytest.skip("SGLang 0.5.23 is installed by `make test`")
+    import json
+    import os
+    code = textwrap.dedent("""
+        import json, os, sys
+        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+        import torch
+        from sanitizer.capture.gpu_selfcheck_nccl import import_wrapper
+        mod, how = import_wrapper("sglang.srt.distributed.device_communicators.pynccl_wrapper")
+        from sanitizer.capture import runtime
+        print(json.dumps({"how": how, "file": mod.__file__,
+                          "hooked": bool(getattr(mod.NCCLLibrary.ncclAllReduce, "_hazsan", False)),
+                          "installed": runtime.active().installed}))
+    """)
+    env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(tmp_path / "t"))
+    env.pop("PYTHONPATH", None)                 # no tests/ stub of triton on the path
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["how"].startswith("file alone") and "triton" in r["how"], r
+    assert r["file"].endswith("sglang/srt/distributed/device_communicators/pynccl_wrapper.py")
+    assert r["hooked"] and "sglang.NCCLLibrary" in r["installed"]

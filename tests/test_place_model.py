@@ -311,14 +311,38 @@ def test_gpu_check_sequence_model_side_hand_worked():
     m = run_model()
     assert m["e"] == (1, 8 * MB, 12 * MB)        # 12 MiB reuses the exact 12 MiB rest of c's segment
     assert m["h"] == (1, 0, 3 * MB)              # 2 MiB in c's freed 3 MiB: 1 MiB left, not split
-    assert m["i"] == (0, 1024 + 200 * KB, 1024)  # a is held (record_stream): i goes after f
-    assert m["j"] == (0, 0, 1024)                # after the sync, a's bytes are free again
+    # a was freed with record_stream on an idle side stream: malloc's process_events() finds the
+    # free's event done and returns a to the pool first (c10/cuda/CUDACachingAllocator.cpp,
+    # DeviceCachingAllocator::malloc), so i takes a's bytes
+    assert m["i"] == (0, 0, 1024)
+    assert m["j"] == (0, 1024 + 200 * KB, 1024)  # after f, in the rest of b's freed bytes
     assert m["n"] == (1, 3 * MB, 9 * MB) and m["o"][1:] == (0, 20 * MB)
     assert m["k"][0] == m["m"][0] != m["a"][0]   # the MemPool has its own segments
     observed = dict(m)
     observed["j"] = (0, 1024, None)
     rate, bad = compare(m, observed)
     assert rate == (len(m) - 1) / len(m) and bad[0].startswith("j:")
+
+
+def test_malloc_recycles_a_record_stream_block_whose_streams_are_done():
+    """DeviceCachingAllocator::malloc begins with process_events(): the events recorded at the free
+    of record_stream'd blocks are queried, and completed ones return their blocks to the pool
+    (c10/cuda/CUDACachingAllocator.cpp). Whether a stream is done is the caller's knowledge."""
+    busy = {"side"}
+    a = CachingAllocator(stream_done=lambda s: s not in busy)
+    x = a.malloc(4096, "main")
+    a.record_stream(x, "side")
+    assert a.free(x) is False                    # held: the event on side is pending
+    y = a.malloc(4096, "main")                   # side still busy: y goes elsewhere
+    assert y.addr != x.addr and x.pending
+    busy.clear()                                 # side finished its work
+    z = a.malloc(4096, "main")
+    assert z.addr == x.addr and not a.held
+    plain = CachingAllocator()                   # no stream knowledge: held until free_done
+    x2 = plain.malloc(4096, "main")
+    plain.record_stream(x2, "side")
+    plain.free(x2)
+    assert plain.malloc(4096, "main").addr != x2.addr and plain.held
 
 
 def test_placement_package_does_not_import_torch():

@@ -34,10 +34,10 @@ def gpu_ready() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "CuPy is not installed (pip install -e '.[gpu]')"
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        return ("CuPy is not installed (pip install -e '.[gpu-cu13]' for a CUDA 13 torch, "
+                "'.[gpu-cu12]' for a CUDA 12 one)")
     return None
 
 

@@ -164,6 +164,7 @@ class DispatchedCollectives:
         self.issued_cids: set[int] = set()      # recorded, not yet done
         self.handlers: dict = {}                # OpOverload -> bound recorder, or False
         self.custom = dict(CUSTOM)
+        self.nccl_works = NcclWorkLifetimes(self)   # PyTorch >= 2.8's NCCL streams and stashes
 
     # ------------------------------------------------------------------ which ops are collectives
     def handler(self, func):
@@ -260,6 +261,7 @@ class DispatchedCollectives:
             self.emit({"ev": "record", "event": event, "stream": _current_stream(cap), "t": t})
             self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
             self.device_streamed[cid] = stream
+            self.nccl_works.stashed(cid, bufs)
         cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
                    "stream": stream, "bufs": bufs})
         return cid
@@ -272,12 +274,16 @@ class DispatchedCollectives:
             entry = C10D[func._schema.name.partition("::")[2]]
             self.poll()
             comm, stream, pg = self.group(named.get("process_group"))
+            group_stream = stream
+            stream = self.nccl_works.stream(stream, named)
             if "root" in entry:
                 named["__is_root__"] = named.get(entry["root"]) == pg.rank()
             if "peer" in entry:
                 comm = _p2p_comm(comm, pg, named.get(entry["peer"]) if entry["peer"] else None)
             bufs = self._bufs(entry, named)
             cid = self._record(f"c10d.{func._schema.name[6:]}", comm, stream, bufs)
+            if stream != group_stream:
+                self.nccl_works.current.add(cid)
         except Exception as exc:
             self.capture.failed(_hook_name(func), exc)
         out = func(*args, **kwargs)
@@ -500,6 +506,8 @@ class DispatchedCollectives:
 
     def done(self, cid, waited: bool = False) -> None:
         self.issued_cids.discard(cid)
+        if self.nccl_works.finished(cid):
+            return
         nccl_stream = self.device_streamed.pop(cid, None)
         if nccl_stream is not None and waited:
             # NCCL: wait() orders the current stream after the collective; the host goes on
@@ -514,6 +522,74 @@ class DispatchedCollectives:
         for key, (ref, cids) in list(self.pending.items()):
             if cid in cids and not any(c in self.issued_cids for c in cids):
                 self.pending.pop(key, None)
+
+
+# ---------------------------------------------------------------------------- NCCL, PyTorch >= 2.8
+class NcclWorkLifetimes:
+    """Where ProcessGroupNCCL runs a collective, and how long its Work keeps the tensors
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ProcessGroupNCCL::collective, since the c10d
+    ops carry `async_op`, PyTorch 2.8):
+
+        // in asyncOp=false [default] mode, we use currentStream as ncclStream
+        auto ncclStream = asyncOp ? ncclStreams_.at(key) : at::cuda::getCurrentCUDAStream(...);
+        if (asyncOp) { work->stashed_for_allocator_safety_->stash(inputs); ...(outputs); }
+
+    * async_op=False: the collective is enqueued on the caller's current stream; later work on
+      that stream is ordered after it, the Work's wait() adds nothing. Recorded on the current
+      stream, with no edges and no `coll_done` (the host observed nothing).
+    * async_op=True: on the group's NCCL stream, its tensors stashed in the Work until
+      WorkNCCL::synchronizeStream() (wait(): the current stream waits, then unstash) or, for a Work
+      never waited for, until the watchdog finds it complete and hands the shelf to the main
+      thread, which unstashes at the next collective it enqueues (Watchdog: "In case user didn't
+      call `work.wait()` with async collectives, watchdog would unstage the stashed tensors when
+      detecting completion"). So a stashed tensor's storage dies before wait() only after the
+      collective completed: the free of a block of a collective not yet waited for is preceded by
+      that collective's `coll_done` (the watchdog's observation), never flagged free-in-flight.
+    Older PyTorch (no `async_op` in the op) is left as it was: the NCCL stream for every op."""
+
+    def __init__(self, colls):
+        self.colls = colls
+        self.current: set[int] = set()      # cids enqueued on the caller's current stream
+        self.async_ops = False              # the ops carry async_op: stashes (>= 2.8)
+        table = getattr(colls.capture, "blocks", None)
+        self.ranges: dict[int, list] = {}   # cid -> [(lo, hi)] of a stashed, unwaited collective
+        if table is not None:
+            table.stashed = self.ranges     # non-empty: the table asks `released` at each free
+            table.on_stash_release = self.released
+
+    def stream(self, stream: str, named: dict) -> str:
+        if not stream.startswith("nccl:") or "async_op" not in named:
+            return stream
+        self.async_ops = True
+        if named["async_op"]:
+            return stream
+        return _current_stream(self.colls.capture)
+
+    def stashed(self, cid: int, bufs: list) -> None:
+        if self.async_ops and bufs:
+            self.ranges[cid] = [(b["addr"], b["addr"] + b["size"]) for b in bufs]
+
+    def finished(self, cid: int) -> bool:
+        """done() of cid: True when there is nothing to write (a current-stream collective)."""
+        self.ranges.pop(cid, None)
+        if cid in self.current:
+            self.current.discard(cid)
+            return True
+        return False
+
+    def released(self, addr: int, size: int) -> None:
+        """memory.BlockTable: the block [addr, addr+size) is about to be freed."""
+        try:
+            end = addr + size
+            for cid, ranges in list(self.ranges.items()):
+                if any(lo < end and addr < hi for lo, hi in ranges):
+                    self.ranges.pop(cid, None)
+                    if cid in self.colls.issued_cids:
+                        self.colls.issued_cids.discard(cid)
+                        self.colls.device_streamed.pop(cid, None)
+                        self.colls.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+        except Exception as exc:
+            self.colls.capture.failed("coll.stash_release", exc)
 
 
 # ---------------------------------------------------------------------------- helpers

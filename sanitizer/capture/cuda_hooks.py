@@ -14,6 +14,11 @@ What is recorded, and from where
     observes each of those streams finished after the free: a device synchronize, a synchronize
     of that stream, or a synchronize of an event recorded on it after the free. `free_done` is
     written then (never earlier, so the analysis never assumes an order the program lacks).
+    The allocator itself also observes it: DeviceCachingAllocator::malloc first runs
+    process_events(), which queries those events and returns the blocks whose events are done
+    to the pool (c10/cuda/CUDACachingAllocator.cpp), and it never hands out bytes of a block
+    still waiting. So a CUDA allocation that overlaps such a block proves its events were done:
+    its `free_done` is written just before that `alloc` (memory.BlockTable asks `reused`).
   * `graph_begin` / `graph_end` / `graph_replay` / `graph_free`: wrappers of torch.cuda.CUDAGraph's
     capture_begin / capture_end / replay / reset (torch.cuda.graph and make_graphed_callables go
     through them), plus a finalizer for a graph object that dies without reset. Each capture gets a
@@ -46,7 +51,8 @@ class CudaOrdering:
         self._lock = threading.Lock()
         self._tick = itertools.count(1)
         self.recorded_on: dict = {}   # event handle -> (stream id, tick of the record)
-        self.pending: dict = {}       # block id -> [streams not yet seen finished, tick of the free]
+        # block id -> [streams not yet seen finished, tick of the free, (start, end) of its bytes]
+        self.pending: dict = {}
         self._graphs = itertools.count(1)
 
     # ------------------------------------------------------------------ naming
@@ -117,9 +123,21 @@ class CudaOrdering:
             self.capture.failed("cuda.sync", exc)
 
     def on_device_sync(self) -> None:
+        """torch.cuda.synchronize(device) sets `device` current, then c10's device_synchronize()
+        fires this callback (no device argument) and runs cudaDeviceSynchronize(): the streams of
+        the current device only. A process that named streams on one device gets a bare `sync`
+        (the same thing, cheaper); one with several gets a `sync` per stream of that device."""
         try:
-            self.capture.event({"ev": "sync"})
-            self._finished(lambda s, tick: True)
+            device = _current_device()
+            if not self.streams.devices - {device}:
+                self.capture.event({"ev": "sync"})
+                self._finished(lambda s, tick: True)
+                return
+            mine = self.streams.of_device(device)
+            for sid in mine:
+                self.capture.event({"ev": "sync", "stream": sid})
+            prefix = f"cuda:{device}:"
+            self._finished(lambda s, tick: s == mine[0] or s.startswith(prefix))
         except Exception as exc:
             self.capture.failed("cuda.sync", exc)
 
@@ -143,7 +161,25 @@ class CudaOrdering:
     def on_free(self, block) -> None:
         """memory.BlockTable: `block` (with record_stream streams) was just freed."""
         with self._lock:
-            self.pending[block.id] = [set(block.recorded), next(self._tick)]
+            self.pending[block.id] = [set(block.recorded), next(self._tick),
+                                      (block.real, block.real + block.nbytes)]
+
+    def reused(self, ptr: int, nbytes: int) -> None:
+        """memory.BlockTable: a CUDA allocation at [ptr, ptr + nbytes) is about to be recorded.
+        The allocator recycled every pending block it overlaps: their free_done comes first."""
+        try:
+            end = ptr + nbytes
+            done = []
+            with self._lock:
+                for bid, entry in list(self.pending.items()):
+                    lo, hi = entry[2]
+                    if lo < end and ptr < hi:
+                        del self.pending[bid]
+                        done.append(bid)
+            for bid in done:
+                self.capture.event({"ev": "free_done", "id": bid}, with_site=False)
+        except Exception as exc:
+            self.capture.failed("cuda.free_done", exc)
 
     def _finished(self, covers) -> None:
         """Streams seen finished: covers(stream, tick_of_free) says which pending streams. Writes
@@ -153,7 +189,7 @@ class CudaOrdering:
         done = []
         with self._lock:
             for bid, entry in list(self.pending.items()):
-                left, tick = entry
+                left, tick = entry[0], entry[1]
                 for s in [s for s in left if covers(s, tick)]:
                     left.discard(s)
                 if not left:
@@ -229,6 +265,8 @@ def install(capture) -> CudaOrdering:
     capture.cuda = hooks
     if capture.blocks is not None:
         capture.blocks.on_free = hooks.on_free
+        capture.blocks.held_frees = hooks.pending     # the same dict: non-empty = ask `reused`
+        capture.blocks.on_reuse = hooks.reused
     _register_gpu_trace(capture, hooks)
     _wrap(capture, torch.Tensor, "record_stream", lambda orig: _after(orig, hooks.on_record_stream, "record_stream"))
     graph_cls = getattr(torch.cuda, "CUDAGraph", None)

@@ -86,16 +86,15 @@ def _nvml_facts() -> dict | None:
         return None
     try:
         gpu: dict = {}
-        visible = _visible(pynvml, int(pynvml.nvmlDeviceGetCount()))
+        n = int(pynvml.nvmlDeviceGetCount())
+        visible = _visible(pynvml, n)
         gpu["count"] = len(visible)
-        if visible:
+        if visible and _same_first_device(pynvml, n):
             h = visible[0]
             gpu["name"] = _text(pynvml.nvmlDeviceGetName(h))
-            try:
-                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-                gpu["capability"] = f"SM{int(major)}{int(minor)}"
-            except Exception:
-                pass
+            capability = _capability(pynvml, h)
+            if capability:
+                gpu["capability"] = capability
         try:
             gpu["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
         except Exception:
@@ -108,6 +107,32 @@ def _nvml_facts() -> dict | None:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _capability(pynvml, h) -> str | None:
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+        return f"SM{int(major)}{int(minor)}"
+    except Exception:
+        return None
+
+
+def _same_first_device(pynvml, n: int) -> bool:
+    """Whether NVML's answer for CUDA's device 0 can be trusted. NVML numbers devices in PCI bus
+    order; CUDA numbers them fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA programming
+    guide, environment variables), and CUDA_VISIBLE_DEVICES indices are in CUDA's order. So an
+    index may name another device in NVML: trusted when the order is PCI_BUS_ID, when the
+    devices are given by UUID, or when every device is the same model (then any of them says
+    the same)."""
+    import os
+    if n <= 1 or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+        return True
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if spec and spec.split(",")[0].strip().startswith("GPU-"):
+        return True
+    models = {(_text(pynvml.nvmlDeviceGetName(h)), _capability(pynvml, h))
+              for h in (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n))}
+    return len(models) == 1
 
 
 def _visible(pynvml, n: int) -> list:

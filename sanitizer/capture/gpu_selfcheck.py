@@ -13,9 +13,16 @@ torch.distributed (the collective runs on the process group's NCCL stream):
   side-stream-record       the same with x.record_stream(side) before the drop: expected clean
   side-stream-event        the same with the compute stream waiting for an event recorded on the
                            side stream before the drop: expected clean
+  record-stream-recycled   record_stream on an idle side stream, free, a same-size allocation: the
+                           allocator recycles the block at once (malloc's process_events); the
+                           trace has its free_done before that alloc; clean; stream ids of an
+                           allocation and an event record on the side stream agree
+  never-waited             an async all-reduce whose Work is dropped unwaited (PyTorch >= 2.8
+                           stashes its tensors until the watchdog sees it done): clean
   mempool                  allocations inside torch.cuda.use_mem_pool(MemPool()): traced, clean
   graph                    torch.cuda.graph capturing an all-reduce, replayed 3 times: graph_begin,
-                           the coll, graph_end, 3 graph_replay, graph_free are traced; clean
+                           the coll, graph_end, 3 graph_replay, graph_free are traced, allocations
+                           during capture are in the graph's pool; clean
   read-before-wait         an async all-reduce's output read by a kernel on the compute stream
                            before Work.wait(): expected unordered-access
 
@@ -24,7 +31,8 @@ capture overhead per decode-like step (a small MLP decode loop) bare vs alloc vs
 allocation sources (HAZSAN_ALLOC_SOURCE=dispatch / history) on the same small program: time per op
 side by side, and the allocator history's agreement with the dispatch mode.
 
-Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run.
+Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run
+(the GPU kit, gpu_kit.py, runs these as its checks C2-C5 and C9).
 The NCCL scenarios rely on collectives recording NCCL waits as stream edges (issue 9's
 collectives.py), so the coll is not treated as done for the host at Work.wait().
 """
@@ -39,10 +47,16 @@ import tempfile
 import textwrap
 import time
 
-PRELUDE = textwrap.dedent('''
+# What every child program of the GPU checks starts with: capture activated as the .pth line does,
+# so that a child captures from a plain checkout too (no installed .pth); child_env() puts the
+# checkout on PYTHONPATH. gpu_selfcheck_nccl.py and gpu_kit.py use the same two.
+ACTIVATE = textwrap.dedent('''
     import os
     if os.environ.get("HAZSAN"):    # as the .pth line does (works without an installed .pth)
         __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+''')
+
+PRELUDE = ACTIVATE + textwrap.dedent('''
     import torch, torch.distributed as dist
     import sanitizer
     torch.cuda.set_device(0)
@@ -91,6 +105,42 @@ SCENARIOS = {
         y.fill_(2.0)
         torch.cuda.synchronize()
     ''', {"clean": True, "events": {"record", "wait", "sync"}}),
+    # c10/cuda/CUDACachingAllocator.cpp: malloc() first runs process_events(), which queries the
+    # events recorded at the free of record_stream'd blocks and returns those already done to the
+    # pool. On an idle side stream that is at once: y gets x's block without any synchronize. The
+    # trace must then say free_done before y's alloc (capture/memory.py), and be clean.
+    "record-stream-recycled": ('''
+        import time
+        x = torch.empty(N, device="cuda")
+        x.record_stream(side)            # side has no work: the event recorded at the free is done at once
+        del x
+        time.sleep(0.05)                 # the GPU has processed that event record; the host saw nothing
+        y = torch.empty(N, device="cuda")
+        y.fill_(2.0)
+        with torch.cuda.stream(side):    # stream ids: an allocation and an event record on side
+            z = torch.empty(1024, device="cuda")
+            z.fill_(1.0)
+            mark = torch.cuda.Event()
+            mark.record(side)
+        compute.wait_event(mark)
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"record_stream", "free_done"}, "recycled": True, "stream_ids": True}),
+    # ProcessGroupNCCL (PyTorch >= 2.8) stashes an async collective's tensors in its Work; one
+    # never waited for is released by the watchdog once complete, unstashed at the next enqueue:
+    # x dies inside the second all_reduce, after its collective finished. Clean (NcclWorkLifetimes).
+    "never-waited": ('''
+        import time
+        x = torch.ones(N, device="cuda")
+        work = dist.all_reduce(x, async_op=True)
+        del x, work                      # never waited for
+        torch.cuda.synchronize()
+        time.sleep(2.0)                  # the watchdog sees the Work complete
+        y = torch.ones(1024, device="cuda")
+        dist.all_reduce(y)               # this enqueue unstashes x
+        z = torch.empty(N, device="cuda")
+        z.fill_(3.0)
+        torch.cuda.synchronize()
+    ''', {"clean": True, "events": {"coll", "coll_done"}}),
     "mempool": ('''
         pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool):
@@ -117,7 +167,7 @@ SCENARIOS = {
         del g, out
         torch.cuda.synchronize()
     ''', {"clean": True, "events": {"graph_begin", "graph_end", "graph_replay", "graph_free", "coll"},
-          "replays": 3}),
+          "replays": 3, "graph_pool": True}),
     "read-before-wait": ('''
         x = torch.ones(N, device="cuda")
         work = dist.all_reduce(x, async_op=True)
@@ -127,10 +177,7 @@ SCENARIOS = {
     ''', {"any_of": {"unordered-access"}}),
 }
 
-DECODE_STEP = textwrap.dedent('''
-    import os
-    if os.environ.get("HAZSAN"):    # as the .pth line does (works without an installed .pth)
-        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+DECODE_STEP = ACTIVATE + textwrap.dedent('''
     import sys, time, json, torch
     import sanitizer
     torch.cuda.set_device(0)
@@ -159,10 +206,7 @@ DECODE_STEP = textwrap.dedent('''
 # The same small program under each allocation source (HAZSAN_ALLOC_SOURCE): allocating ops on the
 # compute stream, a side stream and a MemPool, a step boundary every 200 ops. It prints the time
 # per op (step boundaries included: the history is drained there) and the history's agreement.
-ALLOC_SOURCES_PROGRAM = textwrap.dedent('''
-    import os
-    if os.environ.get("HAZSAN"):    # as the .pth line does (works without an installed .pth)
-        __import__("sanitizer.capture.bootstrap").capture.bootstrap.activate()
+ALLOC_SOURCES_PROGRAM = ACTIVATE + textwrap.dedent('''
     import json, time, torch
     import sanitizer
     from sanitizer.capture import allocator_history
@@ -191,15 +235,23 @@ ALLOC_SOURCES_PROGRAM = textwrap.dedent('''
 ''')
 
 
-def _env(level: str | None, directory: str, store: str) -> dict:
+def child_env(level: str | None, directory: str, **extra: str) -> dict:
+    """The environment of a child program: no HAZSAN* setting of ours leaks in, the tree holding
+    this `sanitizer` package is on PYTHONPATH (a plain checkout works), output unbuffered, one GPU;
+    capture at `level` into `directory` unless level is None (a bare run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
-    env["SELFCHECK_STORE"] = store
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0")
+    env["PYTHONUNBUFFERED"] = "1"
     if level is not None:
         env.update(HAZSAN="1", HAZSAN_LEVEL=level, HAZSAN_DIR=directory)
+    env.update(extra)
     return env
+
+
+def _env(level: str | None, directory: str, store: str) -> dict:
+    return child_env(level, directory, SELFCHECK_STORE=store)
 
 
 def _run(code: str, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
@@ -258,8 +310,42 @@ def scenario(name: str, work: str) -> dict:
         n = sum(1 for e in evs if e["ev"] == "graph_replay")
         if n != expect["replays"]:
             problems.append(f"{n} graph_replay events, expected {expect['replays']}")
+    if expect.get("recycled"):
+        problems += _recycled(evs)
+    if expect.get("stream_ids"):
+        side = {e["stream"] for e in evs if e["ev"] == "alloc" and ":s" in e["stream"]}
+        marks = {e["stream"] for e in evs if e["ev"] == "record"}
+        if not side or not side & marks:
+            problems.append(f"stream ids differ: side-stream allocations on {sorted(side)}, "
+                            f"event records on {sorted(marks)}")
+    if expect.get("graph_pool"):
+        inside, pools = False, set()
+        for e in evs:
+            if e["ev"] in ("graph_begin", "graph_end"):
+                inside = e["ev"] == "graph_begin"
+            elif inside and e["ev"] == "alloc":
+                pools.add(e["pool"])
+        if not pools or not all(p.startswith("graph") for p in pools):
+            problems.append(f"allocations during capture in pools {sorted(pools)}, not the graph's")
     return {**result, "ok": not problems, "rules": sorted(rules), "events": len(evs),
             "why": "; ".join(problems)}
+
+
+def _recycled(evs: list) -> list[str]:
+    """The record_stream'd block's free_done comes before the allocation that reuses its bytes."""
+    allocs = {e["id"]: e for e in evs if e["ev"] == "alloc"}
+    marked = [e["id"] for e in evs if e["ev"] == "record_stream"]
+    if not marked:
+        return ["no record_stream in the trace"]
+    x = allocs[marked[0]]
+    done = False
+    for e in evs:
+        if e["ev"] == "free_done" and e["id"] == x["id"]:
+            done = True
+        elif e["ev"] == "alloc" and e["id"] != x["id"] and e["addr"] < x["addr"] + x["size"] \
+                and x["addr"] < e["addr"] + e["size"]:
+            return [] if done else [f"alloc {e['id']} reuses block {x['id']} before its free_done"]
+    return [f"no allocation reused block {x['id']} (the allocator held it: was the side stream idle?)"]
 
 
 def placement() -> dict:

@@ -3,12 +3,16 @@
     python -m sanitizer.capture.gpu_selfcheck_nccl [--dir DIR]
 
 Needs one CUDA GPU (one rank: NCCL runs a one-rank communicator for real). Runs a child interpreter
-with HAZSAN=1 (capture starts from the installed .pth line, as in a server) that
+with HAZSAN=1 (capture activated by the child itself, as the .pth line does in a server, so that a
+plain checkout works too: gpu_selfcheck.ACTIVATE and child_env) that
   1. through SGLang's NCCLLibrary (or vLLM's) on torch's libnccl: ncclCommInitRank, ncclMemAlloc,
      ncclCommWindowRegister, an ncclAllReduce on the window and one on a torch tensor slice, on the
-     current CUDA stream; then deregisters and frees;
+     current CUDA stream; then deregisters and frees. NCCL >= 2.29 returns a NULL window where the
+     communicator has no symmetric support (src/dev_runtime.cc): then no `window` may be recorded;
   2. through torch.distributed's NCCL backend (one rank): a blocking all_reduce and an async one
-     followed by Work.wait() (recorded as stream waits, not as host completion);
+     followed by Work.wait() (recorded as stream waits, not as host completion). Capture records
+     them as `c10d.allreduce_`; where the op carries `async_op` (PyTorch >= 2.8) the blocking one
+     runs on the current stream (ProcessGroupNCCL::collective);
 then prints the trace header (hooks, versions, GPU name, SM capability, driver), every event
 other than allocations, and `hazsan check`'s summary. Exit 0 when the expected events are there,
 1 when some are missing, 2 when there is no GPU.
@@ -23,18 +27,21 @@ import sys
 import tempfile
 import textwrap
 
-CHILD = textwrap.dedent(r'''
+from sanitizer.capture.gpu_selfcheck import ACTIVATE, child_env
+
+CHILD = ACTIVATE + textwrap.dedent(r'''
     import os, sys, json
     import torch
     import torch.distributed as dist
     report = {"library": None}
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
+    from sanitizer.capture.gpu_selfcheck_nccl import import_wrapper
     lib_mod = None
     for name in ("sglang.srt.distributed.device_communicators.pynccl_wrapper",
                  "vllm.distributed.device_communicators.pynccl_wrapper"):
         try:
-            lib_mod = __import__(name, fromlist=["NCCLLibrary"])
+            lib_mod, report["import_path"] = import_wrapper(name)
             break
         except Exception as exc:
             report.setdefault("import_errors", {})[name] = f"{type(exc).__name__}: {exc}"
@@ -49,7 +56,8 @@ CHILD = textwrap.dedent(r'''
         win = None
         if hasattr(lib, "ncclCommWindowRegister") and "ncclCommWindowRegister" in lib._funcs:
             win = lib.ncclCommWindowRegister(comm, lib_mod.buffer_type(ptr), size, 1)
-        report["window"] = win is not None
+        # SGLang's wrapper returns the ncclWindow_t object; NULL (.value None) = no symmetric support
+        report["window"] = win is not None and bool(getattr(win, "value", win))
         lib.ncclAllReduce(lib_mod.buffer_type(ptr), lib_mod.buffer_type(ptr), 4096,
                           lib_mod.ncclDataTypeEnum.ncclFloat32, 0, comm, lib_mod.cudaStream_t(stream.cuda_stream))
         x = torch.ones(8192, device=dev)
@@ -58,7 +66,7 @@ CHILD = textwrap.dedent(r'''
                           lib_mod.ncclDataTypeEnum.ncclFloat32, 0, comm, lib_mod.cudaStream_t(stream.cuda_stream))
         torch.cuda.synchronize()
         report["x_ptr"], report["raw_ptr"] = x.data_ptr(), ptr
-        if win is not None:
+        if report["window"]:
             lib.ncclCommWindowDeregister(comm, win)
         lib.ncclMemFree(ptr)
     store = dist.FileStore(os.path.join(sys.argv[1], "store"), 1)
@@ -74,40 +82,84 @@ CHILD = textwrap.dedent(r'''
 ''')
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sanitizer.capture.gpu_selfcheck_nccl", description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", help="where the trace goes (default: a new temporary folder)")
-    args = ap.parse_args(argv)
+def import_wrapper(name: str):
+    """The real `pynccl_wrapper` module `name` of an installed SGLang (or vLLM), and how it was
+    imported. Its own imports are the standard library and torch, but its packages' __init__
+    files import the whole server (SGLang 0.5.23: IPython, pydantic, starlette, pyzmq, ...), which a
+    GPU image may lack. When the plain import fails, the parent packages are made empty packages
+    over their installed folders (their __init__ files not run) and the import is tried again:
+    the file itself is SGLang's, imported by the import system, so capture's post-import hook
+    patches it as in a server."""
+    import importlib
+    import importlib.util
+    import types
+    try:
+        return importlib.import_module(name), "package"
+    except ImportError as first:
+        top = name.split(".")[0]
+        spec = importlib.util.find_spec(top) if top not in sys.modules else None
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        root = list(spec.submodule_search_locations)[0]
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            pkg = ".".join(parts[:i])
+            if pkg not in sys.modules:
+                m = types.ModuleType(pkg)
+                m.__path__ = [os.path.join(root, *parts[1:i])]
+                sys.modules[pkg] = m
+        try:
+            return importlib.import_module(name), f"file alone ({type(first).__name__}: {first})"
+        except ImportError:
+            raise first from None
+
+
+def run(work: str) -> dict:
+    """Run the child, judge its trace. {"status": pass|fail|skip, "reason", "figures", "traces"}."""
     try:
         import torch
-        if not torch.cuda.is_available():
-            print("gpu_selfcheck_nccl: no CUDA GPU visible; nothing checked", file=sys.stderr)
-            return 2
     except ImportError:
-        print("gpu_selfcheck_nccl: torch is not installed", file=sys.stderr)
-        return 2
-    work = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="hazsan-nccl-"))
+        return {"status": "skip", "reason": "torch is not installed", "figures": {}}
+    if not torch.cuda.is_available():
+        return {"status": "skip", "reason": "no CUDA GPU visible", "figures": {}}
+    work = os.path.abspath(work)
     os.makedirs(work, exist_ok=True)
     traces = os.path.join(work, "traces")
-    env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=traces, RANK="0", WORLD_SIZE="1",
-               NCCL_CUMEM_ENABLE="1")
+    env = child_env("alloc", traces, RANK="0", WORLD_SIZE="1", NCCL_CUMEM_ENABLE="1")
     child = subprocess.run([sys.executable, "-c", CHILD, work], env=env, text=True, capture_output=True,
                            timeout=300)
     if child.returncode != 0:
-        print(child.stdout[-4000:], child.stderr[-4000:], sep="\n", file=sys.stderr)
-        print(f"gpu_selfcheck_nccl: the child failed (exit {child.returncode})", file=sys.stderr)
-        return 1
+        return {"status": "fail", "traces": traces, "figures": {},
+                "reason": f"the child failed (exit {child.returncode}): {child.stderr[-3000:]}"}
     with open(os.path.join(work, "report.json")) as f:
         report = json.load(f)
     from sanitizer.trace.reader import expand_paths, open_trace
 
-    tf = open_trace(next(p for p in expand_paths([traces]) if p.name.startswith("rank0.")))
+    rank0 = [p for p in expand_paths([traces]) if p.name.startswith("rank0.")]
+    if not rank0:
+        return {"status": "fail", "traces": traces, "figures": {},
+                "reason": "no rank0 trace: capture did not start in the child (" + child.stderr[-1500:] + ")"}
+    tf = open_trace(rank0[0])
     header, events = tf.header, [ev for _, ev in tf.events() if isinstance(ev, dict)]
-    print("header:", json.dumps(header, indent=1))
-    print("library:", report.get("library"), report.get("import_errors", ""))
-    for e in events:
-        if e["ev"] not in ("alloc", "free"):
-            print(json.dumps({k: v for k, v in e.items() if k not in ("t", "stack")}))
+    missing = judge(report, header, events)
+    check = subprocess.run([sys.executable, "-m", "sanitizer", "check", traces, "--format", "json"],
+                           text=True, capture_output=True, env=child_env(None, ""))
+    try:
+        rules = sorted({f["rule"] for f in json.loads(check.stdout).get("findings", [])})
+    except ValueError:
+        rules = None
+        missing.append("hazsan check failed: " + (check.stdout + check.stderr)[-1000:])
+    figures = {"library": report.get("library"), "import": report.get("import_path"),
+               "window_handle": report.get("window"),
+               "events": len(events), "rules": rules,
+               "windows": sum(1 for e in events if e["ev"] == "window"),
+               "versions": header.get("versions"), "gpu": header.get("gpu")}
+    return {"status": "fail" if missing else "pass", "reason": "; ".join(missing), "figures": figures,
+            "traces": traces, "report": report, "header": header, "events": events}
+
+
+def judge(report: dict, header: dict, events: list) -> list[str]:
+    """What is missing from the trace (empty: everything expected is there)."""
     missing = []
     colls = [e for e in events if e["ev"] == "coll"]
     if report.get("library"):
@@ -118,21 +170,49 @@ def main(argv=None) -> int:
             missing.append("the slice's exact byte range")
         if not [e for e in events if e["ev"] == "segment" and e["addr"] == report["raw_ptr"]]:
             missing.append("segment of ncclMemAlloc")
-        if report.get("window") and not [e for e in events if e["ev"] == "window" and e["addr"] == report["raw_ptr"]]:
+        windows = [e for e in events if e["ev"] == "window" and e["addr"] == report["raw_ptr"]]
+        if report.get("window") and not windows:
             missing.append("window of ncclCommWindowRegister")
+        if not report.get("window") and windows:
+            missing.append("no window for a NULL ncclWindow_t (the communicator has no symmetric support)")
     else:
-        missing.append("SGLang or vLLM (NCCLLibrary) importable")
-    torch_colls = [c for c in colls if c["op"] == "all_reduce"]
-    waits = [e for e in events if e["ev"] == "wait"]
-    if len(torch_colls) != 2 or len(waits) < 2:
-        missing.append("torch NCCL all_reduce x2 with stream waits")
+        missing.append("SGLang or vLLM (NCCLLibrary) importable: " + json.dumps(report.get("import_errors")))
+    # capture names the dispatcher's op (collectives.py), c10d::allreduce_
+    torch_colls = [c for c in colls if c["op"] == "c10d.allreduce_"]
+    if len(torch_colls) != 2:
+        missing.append(f"torch NCCL c10d.allreduce_ x2 (got {len(torch_colls)})")
+    else:
+        waited = torch_colls[1]
+        event = f"coll{waited['cid']}"
+        if not waited["stream"].startswith("nccl:"):
+            missing.append("the async all_reduce on the process group's NCCL stream")
+        elif not [e for e in events if e["ev"] == "wait" and e["event"] == event]:
+            missing.append("Work.wait() recorded as a stream wait")
     if not (header.get("gpu") or {}).get("capability"):
         missing.append("GPU facts in the header")
-    check = subprocess.run([sys.executable, "-m", "sanitizer", "check", traces], text=True, capture_output=True)
-    print(check.stdout[-3000:])
-    print(f"trace: {path}")
-    if missing:
-        print("gpu_selfcheck_nccl: MISSING: " + "; ".join(missing))
+    if any(e["ev"] == "hook_error" for e in events):
+        missing.append("hook errors: " + json.dumps([e for e in events if e["ev"] == "hook_error"])[:1000])
+    return missing
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sanitizer.capture.gpu_selfcheck_nccl", description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", help="where the trace goes (default: a new temporary folder)")
+    args = ap.parse_args(argv)
+    work = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="hazsan-nccl-"))
+    result = run(work)
+    if result["status"] == "skip":
+        print(f"gpu_selfcheck_nccl: {result['reason']}; nothing checked", file=sys.stderr)
+        return 2
+    if "header" in result:
+        print("header:", json.dumps(result["header"], indent=1))
+        print("library:", result["report"].get("library"), result["report"].get("import_errors", ""))
+        for e in result["events"]:
+            if e["ev"] not in ("alloc", "free"):
+                print(json.dumps({k: v for k, v in e.items() if k not in ("t", "stack")}))
+    print(f"trace: {result.get('traces')}")
+    if result["status"] != "pass":
+        print("gpu_selfcheck_nccl: MISSING: " + result["reason"])
         return 1
     print("gpu_selfcheck_nccl: OK")
     return 0

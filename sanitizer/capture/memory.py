@@ -101,6 +101,17 @@ class BlockTable:
         self._plans: dict = {}               # OpOverload -> launch plan (or False: no kernel)
         self.graph_pool: str | None = None   # set by cuda_hooks while a CUDA graph is captured
         self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
+        # cuda_hooks: its record_stream'd blocks freed and not yet free_done (non-empty: ask
+        # on_reuse before a CUDA alloc), and the call that writes the free_done of those it overlaps
+        self.held_frees: dict = {}
+        self.on_reuse = None
+        # collectives.NcclWorkLifetimes: buffers a Work still stashes (non-empty: ask
+        # on_stash_release before a free)
+        self.stashed: dict = {}
+        self.on_stash_release = None
+        # pool name -> callable(comm, ptr, nbytes): a CUDA allocation inside a scope of that pool,
+        # before its `alloc` is written (sglang_hooks: the pool segment's window, learnt early)
+        self.scope_allocs: dict = {}
         # Ops the mode does not simply run and record: OpOverload -> handler (collectives.py
         # records collectives) or False, filled on an op's first sight. Emptied when the
         # collectives are installed, so no op classified before stays plain.
@@ -289,8 +300,14 @@ class BlockTable:
                     self.capture.failed("window", exc)
         else:
             stream = self.stream_of_device(s.device)
+            if self.held_frees:
+                # the caching allocator placed this block over freed record_stream'd bytes only
+                # if their events were done (malloc runs process_events first): free_done first
+                self.on_reuse(real, nbytes)
             if stack:
-                pool = stack[-1][0]
+                pool, comm = stack[-1]
+                if pool in self.scope_allocs:
+                    self.scope_allocs[pool](comm, real, nbytes)
             elif self.graph_pool is not None and placed_by_scope:
                 pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
         key = s._cdata
@@ -310,6 +327,8 @@ class BlockTable:
         return b
 
     def _release(self, b: Block) -> None:
+        if self.stashed:
+            self.on_stash_release(b.addr, b.size)
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
         self.emit({"ev": "free", "id": b.id, "t": time_ns()})

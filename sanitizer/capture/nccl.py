@@ -17,7 +17,14 @@ What each method becomes
   * ncclSend / ncclRecv (alone, or a group whose parts all talk to one peer): comm
     "<comm>:p2p:<lo>-<hi>" (the pair of ranks in the communicator), so seq is equal on both ends.
   * ncclMemAlloc / ncclMemFree -> `segment` / `segment_free` (pool "ncclMemAlloc");
-    ncclCommWindowRegister / Deregister -> `window` / `window_free`.
+    ncclCommWindowRegister / Deregister -> `window` / `window_free`, only for a window NCCL made.
+    NCCL >= 2.29 (src/dev_runtime.cc) sets `*win = nullptr` and returns ncclSuccess without a
+    window when the communicator has no symmetric support (no cuMem, ...), and SGLang
+    (pynccl_allocator.allocate_symmetric_buffer) treats that NULL as "no window": so does capture,
+    and it remembers the communicator (`no_symmetric`: the pool windows SGLang's C++ plugin
+    registers for it, out of Python's sight, are not windows either). The registration is a task
+    run at group end: inside ncclGroupStart/End the handle is written by the outermost
+    ncclGroupEnd, so the decision waits for it. Windows are keyed by (communicator, address).
   * ncclCommInitRank(Config) -> the communicator is learnt: its rank count, this process's rank in
     it, and its name. The name is "pynccl:<group_name>" when a PyNcclCommunicator creates it (the
     ProcessGroup it is built on; equal on every rank), else "nccl:<hash of the unique id>".
@@ -74,8 +81,9 @@ class NcclCalls:
         self.capture = capture
         self.comms: dict[int, Comm] = {}       # ncclComm_t value -> Comm
         self.seq: dict[str, int] = {}
-        self.windows: dict[int, tuple[int, str]] = {}   # ncclWindow_t value -> (addr, comm)
-        self.local = threading.local()          # .group_depth, .parts, .pending_name
+        self.windows: dict[tuple[str, int], object] = {}   # (comm, addr) -> its ncclWindow_t
+        self.no_symmetric: set[str] = set()     # comms whose registration returned a NULL window
+        self.local = threading.local()          # .group_depth, .parts, .windows, .pending_name
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ communicators
@@ -142,6 +150,7 @@ class NcclCalls:
         depth = getattr(local, "group_depth", 0)
         if depth == 0:
             local.parts = []
+            local.windows = []
         local.group_depth = depth + 1
 
     def group_end(self) -> None:
@@ -151,6 +160,9 @@ class NcclCalls:
             return
         local.group_depth = depth - 1
         if depth == 1:
+            windows, local.windows = getattr(local, "windows", []), []
+            for w in windows:                  # their handles are written now (dev_runtime.cc)
+                self._window_made(*w)
             parts, local.parts = local.parts, []
             if parts:
                 by_comm: dict = {}
@@ -161,7 +173,7 @@ class NcclCalls:
 
     def _emit(self, parts) -> None:
         cap = self.capture
-        method, comm, handle = parts[0][0], parts[0][1], parts[0][2]
+        comm, handle = parts[0][1], parts[0][2]
         ops = []
         for p in parts:
             if p[0] not in ops:
@@ -202,15 +214,30 @@ class NcclCalls:
         self.capture.event({"ev": "segment_free", "addr": _int(ptr), "pool": "ncclMemAlloc"}, with_site=False)
 
     def window_register(self, comm, buff, size, window) -> None:
-        name = self.comm(comm).name
-        addr = _int(buff)
-        self.windows[_int(window)] = (addr, name)
-        self.capture.event({"ev": "window", "addr": addr, "size": int(size), "comm": name})
+        """`window`: the ncclWindow_t object the call filled (or will fill at group end)."""
+        entry = (self.comm(comm).name, _int(buff), int(size), window)
+        if getattr(self.local, "group_depth", 0):
+            self.local.windows.append(entry)
+        else:
+            self._window_made(*entry)
+
+    def _window_made(self, name, addr, size, window) -> None:
+        if not _int(window):
+            self.no_symmetric.add(name)        # success without a window: no symmetric support
+            return
+        self.no_symmetric.discard(name)
+        self.windows[(name, addr)] = window
+        self.capture.event({"ev": "window", "addr": addr, "size": size, "comm": name})
 
     def window_deregister(self, comm, window) -> None:
-        entry = self.windows.pop(_int(window), None)
-        if entry is not None:
-            self.capture.event({"ev": "window_free", "addr": entry[0], "comm": entry[1]}, with_site=False)
+        name, handle = self.comm(comm).name, _int(window)
+        if not handle:
+            return
+        for key, win in list(self.windows.items()):
+            if key[0] == name and _int(win) == handle:
+                del self.windows[key]
+                self.capture.event({"ev": "window_free", "addr": key[1], "comm": name}, with_site=False)
+                return
 
 
 def _current_device() -> int:

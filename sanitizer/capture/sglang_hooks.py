@@ -11,6 +11,13 @@ and a missing one is a counted hook failure, never an error in the server.
     `segment` and `window` events for every segment of the pool's own snapshot not yet reported
     for that communicator. (allocate_symmetric_buffer goes through NCCLLibrary.ncclMemAlloc and
     ncclCommWindowRegister: nccl.py records those.)
+  * A CUDA allocation inside the scope that lands in a pool segment not yet reported: that
+    segment will be registered for the scope's communicator at this scope's exit (the plugin
+    registers every segment it allocated since the comm's last registration), so its `segment`
+    and `window` are written before that allocation's `alloc`. Otherwise a transient allocated
+    and freed inside the scope (an einsum's scratch in a fresh segment) would never be seen in
+    the window it shifts. The segment is found in the pool's snapshot only when an allocation
+    falls outside every segment known: once per new segment.
   * pynccl_wrapper.NCCLLibrary and pynccl.PyNcclCommunicator: nccl.py's class-level hooks.
   * Scheduler.run_batch(batch) -> a `step` event per batch (phase = forward mode, tokens =
     len(batch.reqs) where known) and a flush: SGLang's decode-step boundary.
@@ -70,6 +77,9 @@ def on_pynccl_allocator(capture, module) -> None:
         raise RuntimeError("sglang: SymmetricMemoryContext._register_segments_for_comm not found; "
                            "pool windows are not recorded")
     reported: set = set()     # (segment address, comm) already written
+    early = PoolSegments(capture, module, reported)
+    if capture.blocks is not None:
+        capture.blocks.scope_allocs["symm"] = early.allocated
 
     def _register_segments_for_comm(self, *args, **kwargs):
         r = register(self, *args, **kwargs)
@@ -84,19 +94,73 @@ def on_pynccl_allocator(capture, module) -> None:
     capture.installed.append("sglang.pool-windows")
 
 
+class PoolSegments:
+    """The symmetric pool's segments, learnt at the first allocation inside a scope that lands in
+    one (memory.BlockTable calls `allocated` before writing that allocation)."""
+
+    def __init__(self, capture, module, reported: set):
+        self.capture, self.module, self.reported = capture, module, reported
+        self.starts: list[int] = []         # known segments, sorted by address
+        self.ends: list[int] = []
+
+    def _known(self, ptr: int) -> bool:
+        import bisect
+        i = bisect.bisect_right(self.starts, ptr) - 1
+        return i >= 0 and ptr < self.ends[i]
+
+    def allocated(self, comm: str, ptr: int, nbytes: int) -> None:
+        try:
+            if self._known(ptr):
+                return
+            import bisect
+            pool = getattr(self.module, "_mem_pool", None)
+            if pool is None:
+                return
+            for seg in _pool_segments(pool):
+                addr, size = int(seg["address"]), int(seg["total_size"])
+                if not self._known(addr):
+                    i = bisect.bisect_right(self.starts, addr)
+                    self.starts.insert(i, addr)
+                    self.ends.insert(i, addr + size)
+                if addr <= ptr < addr + size:
+                    _report_segment(self.capture, addr, size, comm, self.reported)
+        except Exception as exc:
+            self.capture.failed("sglang.windows", exc)
+
+
+def _report_segment(capture, addr: int, size: int, comm: str, reported: set) -> None:
+    """`segment` (once per address) and `window` (once per (address, comm)) of a pool segment."""
+    if not any(a == addr for a, _ in reported):
+        capture.event({"ev": "segment", "addr": addr, "size": size, "pool": "symm"})
+    if (addr, comm) in reported:
+        return
+    reported.add((addr, comm))
+    # the C++ plugin drops the ncclWindow_t it gets; a communicator whose registrations through
+    # NCCLLibrary came back NULL (no symmetric support: nccl.py) gets NULL ones here too
+    calls = getattr(capture, "nccl", None)
+    if calls is None or comm not in calls.no_symmetric:
+        capture.event({"ev": "window", "addr": addr, "size": size, "comm": comm})
+
+
 def _report_pool_windows(capture, module, ctx, reported: set) -> None:
     """`segment` + `window` for the pool's segments newly registered with ctx's communicator."""
     pool = getattr(module, "_mem_pool", None)
     if pool is None:
         return
     comm = getattr(ctx, "_hazsan_comm", None) or _comm_name(ctx)
-    for seg in pool.snapshot():
-        addr, size = int(seg["address"]), int(seg["total_size"])
-        if not any(a == addr for a, _ in reported):
-            capture.event({"ev": "segment", "addr": addr, "size": size, "pool": "symm"})
-        if (addr, comm) not in reported:
-            reported.add((addr, comm))
-            capture.event({"ev": "window", "addr": addr, "size": size, "comm": comm})
+    for seg in _pool_segments(pool):
+        _report_segment(capture, int(seg["address"]), int(seg["total_size"]), comm, reported)
+
+
+def _pool_segments(pool) -> list:
+    """The pool's segments without their allocation history: MemPool.snapshot() defaults to
+    include_traces=True (torch/cuda/memory.py), which turns the allocator's whole trace ring buffer
+    (up to HAZSAN_ALLOC_HISTORY_ENTRIES = 1M entries under HAZSAN_ALLOC_SOURCE=history) into
+    Python dicts at every scope exit. Older torch has no such parameter."""
+    try:
+        return pool.snapshot(include_traces=False)
+    except TypeError:
+        return pool.snapshot()
 
 
 def on_pynccl_wrapper(capture, module) -> None:

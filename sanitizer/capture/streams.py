@@ -24,11 +24,14 @@ class StreamIds:
         self._ids: dict = {}          # handle (or (device, sentinel)) -> id
         self._count: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.devices: set[int] = set()   # every device a stream was named on
 
     def of_handle(self, handle: int, device: int = 0) -> str:
         """The id of raw stream handle `handle` (a cudaStream_t as an int) on device `device`."""
         handle = int(handle or 0)
         device = int(device or 0)
+        if device not in self.devices:
+            self.devices.add(device)
         if handle in DEFAULT_STREAM_HANDLES:
             return f"cuda:{device}"
         sid = self._ids.get(handle)
@@ -59,6 +62,11 @@ class StreamIds:
             return f"cuda:{int(index or 0)}"
         import torch
         return self.of_torch(torch.cuda.current_stream(device))
+
+    def of_device(self, device: int) -> list[str]:
+        """The ids of every stream of `device` named so far, its default stream first."""
+        prefix = f"cuda:{device}:"
+        return [f"cuda:{device}"] + sorted(s for s in list(self._ids.values()) if s.startswith(prefix))
 
     def known(self) -> dict:
         """handle -> id for every non-default stream seen (for the trace header and tests)."""

@@ -118,19 +118,38 @@ def _patch_mem_pools(capture) -> None:
     if getattr(torch.cuda, "use_mem_pool", None) is original:
         torch.cuda.use_mem_pool = use_mem_pool
 
-    # Pools that become windows: ProcessGroupNCCL.register_mem_pool (NCCL window registration)
-    # and torch symmetric memory's get_mem_pool.
+    # Pools that become windows: ProcessGroupNCCL.register_mem_pool(pool, symm=True). (Torch
+    # symmetric memory's get_mem_pool is not hooked: docs/capture-details.md, limits.)
     c10d = getattr(torch._C, "_distributed_c10d", None)
     pg_nccl = getattr(c10d, "ProcessGroupNCCL", None)
     reg = getattr(pg_nccl, "register_mem_pool", None)
     if reg is not None and not getattr(reg, "_hazsan", False):
-        def register_mem_pool(self, pool, *args, **kwargs):
-            r = reg(self, pool, *args, **kwargs)
-            try:
-                name = getattr(self, "group_name", None) or getattr(self, "uid", None) or "nccl"
-                windows.mark(pool, str(name))
-            except Exception as exc:
-                capture.failed("register_mem_pool", exc)
-            return r
-        register_mem_pool._hazsan = True
-        pg_nccl.register_mem_pool = register_mem_pool
+        pg_nccl.register_mem_pool = register_mem_pool_hook(capture, windows, reg)
+
+
+def register_mem_pool_hook(capture, windows: WindowPools, original):
+    """ProcessGroupNCCL.register_mem_pool: C++ `registerMemPool(MemPool* pool, bool symm = false)`
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp): every segment of the pool is registered
+    with the communicator, as a symmetric window only with symm=True; without it the registration
+    is local (zero-copy user buffers), not a window. `self` is the backend, which has no
+    `group_name`: distributed_c10d.py sets `backend_options.group_name = group_name`, the name the
+    group's collectives carry (collectives.py)."""
+    def register_mem_pool(self, pool, *args, **kwargs):
+        r = original(self, pool, *args, **kwargs)
+        try:
+            symm = args[0] if args else kwargs.get("symm", False)
+            if symm:
+                windows.mark(pool, backend_group_name(self))
+        except Exception as exc:
+            capture.failed("register_mem_pool", exc)
+        return r
+    register_mem_pool._hazsan = True
+    register_mem_pool.__doc__ = getattr(original, "__doc__", None)
+    return register_mem_pool
+
+
+def backend_group_name(backend) -> str:
+    """The process group name of a c10d Backend (ProcessGroupNCCL, ProcessGroupGloo, ...)."""
+    options = getattr(backend, "options", None)
+    name = getattr(options, "group_name", None) or getattr(backend, "group_name", None)
+    return str(name) if name else f"nccl:{id(backend):x}"

@@ -14,6 +14,12 @@ The placement rules below are identical in both except where a comment names a v
 max_non_split_rounding_mb defaults to the 20 MiB that 2.4 hard-wires).
 
 The algorithm, in the allocator's own order (malloc):
+  0. process_events: the events recorded at the free of record_stream'd blocks are queried, and
+     the blocks whose events have all completed go back to their pools (free_block) before the
+     search. Here a held block goes back when `stream_done` (a constructor argument) says each of
+     its record_stream streams has finished its work, e.g. an idle side stream: the real allocator
+     then reuses the block at once, with no synchronize in the program. Without `stream_done`
+     held blocks wait for free_done / process_events (a trace says when: its `free_done`).
   1. size = round_size(request)                       512-byte granularity, optional power-2 divisions
   2. pool = small blocks of P if size <= 1 MiB else large blocks of P   (P: default or a private pool)
   3. get_free_block: the smallest free block of the *same stream* with size >= request, ties by
@@ -200,8 +206,9 @@ class CachingAllocator:
     """
 
     def __init__(self, config: AllocatorConfig | None = None, *, driver: SegmentSource | None = None,
-                 on_segment=None):
+                 on_segment=None, stream_done=None):
         self.config = config or AllocatorConfig()
+        self.stream_done = stream_done       # (stream) -> bool: its queued work is finished
         self.driver = driver or DeviceDriver(DEFAULT_DEVICE_BASE)
         self.pools: dict[str, Pool] = {DEFAULT_POOL: Pool(DEFAULT_POOL, self.driver)}
         self.live: set[Block] = set()        # allocated blocks
@@ -235,6 +242,10 @@ class CachingAllocator:
         if size < 0:
             raise PlacementError(f"negative allocation size {size}")
         p = self.pool(pool)
+        if self.held and self.stream_done is not None:
+            # DeviceCachingAllocator::malloc runs process_events() first (outside graph capture)
+            done = self.stream_done
+            self.process_events([s for b in self.held for s in b.stream_uses if done(s)])
         rounded = round_size(size, self.config)
         bp = p.block_pool(rounded)
         block = self._get_free_block(bp, stream, rounded)

@@ -18,7 +18,10 @@ from .config import MB, AllocatorConfig
 KB = 1024
 
 # (op, name, size or stream, stream, pool). "sync" = every stream finished (torch.cuda.synchronize),
-# after which the next malloc's process_events returns record_stream blocks to the pool.
+# after which the next malloc's process_events returns record_stream blocks to the pool. No kernel
+# runs in the sequence, so every stream is idle: the event recorded at the free of a
+# record_stream'd block is done by the next malloc, whose process_events() returns the block to
+# the pool (c10/cuda/CUDACachingAllocator.cpp): the model runs with stream_done = every stream.
 SEQUENCE = [
     ("malloc", "a", 1000, "main", None), ("malloc", "b", 300 * KB, "main", None),
     ("malloc", "c", 3 * MB, "main", None), ("malloc", "d", 5 * MB, "main", None),
@@ -34,7 +37,7 @@ SEQUENCE = [
 
 def run_model(sequence=SEQUENCE, config: AllocatorConfig | None = None) -> dict:
     """name -> (segment key, offset, block size) as the model places them."""
-    a = CachingAllocator(config)
+    a = CachingAllocator(config, stream_done=lambda stream: True)
     a.create_pool("pool")
     blocks, out, seg_keys = {}, {}, {}
     pending_sync = False
@@ -77,8 +80,13 @@ def run_gpu(sequence=SEQUENCE) -> dict:  # pragma: no cover - needs a GPU
             tensors[name] = t
             ptrs[name] = t.data_ptr()
         elif op[0] == "free":
+            recorded = getattr(tensors[op[1]], "_gpu_check_recorded", False)
             del tensors[op[1]]
+            if recorded:      # idle streams: the free's events complete now, before the next malloc
+                for s in streams.values():
+                    s.synchronize()
         elif op[0] == "record":
+            tensors[op[1]]._gpu_check_recorded = True
             tensors[op[1]].record_stream(streams[op[2]])
         elif op[0] == "sync":
             torch.cuda.synchronize()

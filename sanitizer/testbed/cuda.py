@@ -16,7 +16,10 @@ kernels, so that what the placement model and hazsan say can be checked on the h
     on CPU; `end_barrier=False` is the barrier-less (successor) variant;
   * each collective's input readiness and completion are CUDA events: the comm thread waits for
     the event recorded on the producer's stream at enqueue time, and Work.wait() makes the
-    caller's current stream wait for the completion event.
+    caller's current stream wait for the completion event. They are torch.cuda.Event objects
+    (the comm stream seen by torch as an ExternalStream), so that torch.cuda._gpu_trace reports
+    their records, waits and synchronizations to capture as it does the program's own; streams
+    are named as capture names them (`cuda:<d>`, `cuda:<d>:s<n>`: capture/streams.py).
 
 CuPy and a CUDA build of torch are needed only here: `import sanitizer.testbed.cuda` works
 without them, `CudaSymmetricCommunicator(...)` raises TestbedError naming what is missing.
@@ -85,16 +88,30 @@ def _require():
         import torch
     except ImportError as exc:
         raise TestbedError(f"the GPU testbed needs CuPy and a CUDA build of torch ({exc}); "
-                           f"install with `pip install hazsan[gpu]` (cupy-cuda12x)") from None
+                           f"install with `pip install hazsan[gpu-cu13]` (CUDA 13; gpu-cu12 for "
+                           f"CUDA 12)") from None
     if not torch.cuda.is_available():
         raise TestbedError("the GPU testbed needs a CUDA device (torch.cuda.is_available() is False)")
     return cupy, torch
 
 
+_STREAM_IDS = None
+
+
 def stream_name(device: int, handle: int) -> str:
-    """Stream names as hazsan capture writes them (capture/streams.py): the default stream is
-    `cuda:<device>`, others `cuda:<device>:0x<handle>` here."""
-    return f"cuda:{device}" if not handle else f"cuda:{device}:{handle:#x}"
+    """The stream's id as hazsan capture writes it: capture's own table when capture runs in this
+    process (so the testbed's events and capture's name one stream alike), else a table of the
+    same kind: `cuda:<device>` for the default stream, `cuda:<device>:s<n>` for others."""
+    global _STREAM_IDS
+    from sanitizer.capture import runtime
+    from sanitizer.capture.streams import StreamIds
+    cap = runtime.active()
+    table = getattr(cap, "streams", None)
+    if table is None:
+        if _STREAM_IDS is None:
+            _STREAM_IDS = StreamIds()
+        table = _STREAM_IDS
+    return table.of_handle(handle, device)
 
 
 class DeviceWindow:
@@ -154,11 +171,11 @@ class CudaWork(Work):
     def wait(self, timeout: float | None = None) -> bool:
         super().wait(timeout)
         if self.event is not None:
-            self.comm._current_stream().wait_event(self.event)
+            self.comm.torch.cuda.current_stream(self.comm.device_index).wait_event(self.event)
         return True
 
     def is_completed(self) -> bool:
-        if self.event is not None and not self.event.done:
+        if self.event is not None and not self.event.query():
             return False
         return super().is_completed()
 
@@ -189,6 +206,8 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
         self.comm_stream = None
         super().__init__(files, rank, **kwargs)
         self.comm_stream = self.cupy.cuda.Stream(non_blocking=True)
+        # the same cudaStream_t for torch: events recorded on it go through torch's GPU trace
+        self.comm_stream_torch = self.torch.cuda.ExternalStream(self.comm_stream.ptr, device=self.device)
         self.stream = stream_name(device, self.comm_stream.ptr)
         cp = self.cupy
         self._bases = cp.asarray([w.base for w in self.windows], dtype=cp.uint64)
@@ -231,19 +250,12 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
                                         alloc_stream=alloc_stream))
         return windows
 
-    def _current_stream(self):
-        import warnings
-        handle = self.torch.cuda.current_stream(self.device_index).cuda_stream
-        with warnings.catch_warnings():      # deprecated in CuPy 14 for Stream.from_external; still there
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return self.cupy.cuda.ExternalStream(handle, self.device_index)
-
     # ---- collectives: enqueue records readiness on the caller's stream ---------------------------
     def _enqueue(self, op, in_off, nbytes, dtype, out_off, bufs) -> Work:
         if str(dtype) not in _DTYPES and op == "all_reduce":
             raise TestbedError(f"{op}: the GPU testbed sums float32 and bfloat16, not {dtype}")
-        ready = self.cupy.cuda.Event(disable_timing=True)
-        ready.record(self._current_stream())
+        ready = self.torch.cuda.Event()
+        ready.record(self.torch.cuda.current_stream(self.device_index))
         with self._enqueue_lock:          # the comm thread takes jobs and events in the same order
             self._ready.append(ready)
             return super()._enqueue(op, in_off, nbytes, dtype, out_off, bufs)
@@ -265,8 +277,8 @@ class CudaSymmetricCommunicator(SymmetricCommunicator):
         self.comm_stream.synchronize()
         if self.end_barrier:
             self.counters.barrier(self.timeout, what)
-        done = self.cupy.cuda.Event(disable_timing=True)
-        done.record(self.comm_stream)
+        done = self.torch.cuda.Event()
+        done.record(self.comm_stream_torch)
         job.work.event = done
 
     def _all_reduce(self, job: _Job, torch) -> None:
