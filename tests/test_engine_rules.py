@@ -64,6 +64,47 @@ def test_record_stream_without_free_done_still_collides_on_reuse(tmp_path):
     assert rules(run(tmp_path, t)) == [("reuse-in-flight", line)]
 
 
+def side_stream_collective(t: Trace, side_waits: bool):
+    """The GPU kit's C2 `side-stream-record` (sanitizer/capture/gpu_selfcheck.py), as capture wrote
+    it on an H200: x on the compute stream, an all-reduce issued from a side stream whose Work.wait()
+    makes the side stream wait for the NCCL stream (ProcessGroupNCCL's synchronizeStream), then
+    x.record_stream(side) and the drop."""
+    t.alloc(1, A, KB4, stream="cuda:0", site="kit.py:15:<module>")
+    t.launch("cuda:0", writes=[(A, KB4)])
+    t.ev("record", event="e0", stream="cuda:0")
+    t.ev("wait", event="e0", stream="cuda:0:s1")
+    t.ev("record", event="coll1:in", stream="cuda:0:s1")
+    t.ev("wait", event="coll1:in", stream="nccl:0")
+    t.coll(1, stream="nccl:0", bufs=[(A, KB4, "rw")], site="kit.py:18:<module>")
+    if side_waits:
+        t.ev("record", event="coll1", stream="nccl:0")
+        t.ev("wait", event="coll1", stream="cuda:0:s1")
+    t.ev("record_stream", id=1, stream="cuda:0:s1")
+    return t.free(1)
+
+
+def test_record_stream_on_a_stream_that_waited_for_the_collective_is_clean(tmp_path):
+    """The allocator reuses the block only after the event it records on the side stream at the
+    free completes (CUDACachingAllocator.cpp: insert_events, then process_events in a later
+    malloc); that event follows the side stream's wait for the collective. So the free and the
+    reuse are clean though the collective is not done for the block's own stream."""
+    t = Trace()
+    side_stream_collective(t, side_waits=True)
+    t.ev("free_done", id=1)
+    t.alloc(2, A, KB4, stream="cuda:0", site="kit.py:22:<module>")
+    t.launch("cuda:0", writes=[(A, KB4)])
+    for engine in ("compiled", "interpreted"):
+        a = run(tmp_path, t, engine=engine) if engine == "interpreted" else run(tmp_path, t)
+        assert a.findings == [], engine
+
+
+def test_record_stream_on_a_stream_that_never_waited_still_flags_the_free(tmp_path):
+    t = Trace()
+    free_line = side_stream_collective(t, side_waits=False)
+    assert rules(run(tmp_path, t)) == [("free-in-flight", free_line)]
+    assert rules(run(tmp_path, t, engine="interpreted")) == [("free-in-flight", free_line)]
+
+
 @pytest.mark.parametrize("ordering", ["event", "sync_device", "sync_stream", "sync_event", "coll_done"])
 def test_ordering_edges_make_reuse_clean(tmp_path, ordering):
     t = Trace()

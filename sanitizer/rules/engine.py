@@ -1072,7 +1072,11 @@ class RankAnalyzer:
             h = vh.get(s, 0)
             if h > known:
                 known = h
-            if fl.last <= known or (protected and s in protected):
+            if protected:
+                if s in protected:
+                    continue
+                known = _known_by_recorded(self.clocks, protected, s, known)
+            if fl.last <= known:
                 continue
             if unfinished is None:
                 unfinished = []
@@ -1148,7 +1152,11 @@ class RankAnalyzer:
             h = vh.get(s, 0)
             if h > known:
                 known = h
-            if op.epoch <= known or (protected and s in protected):
+            if protected:
+                if s in protected:
+                    continue
+                known = _known_by_recorded(clocks, protected, s, known)
+            if op.epoch <= known:
                 continue
             if found is None:
                 found = {}
@@ -1781,6 +1789,23 @@ def _position(entry):
 
 def _entered(item):
     return item[0].order
+
+
+
+def _known_by_recorded(clocks, protected, s, known):
+    """How far `s` is known once the streams a freed block was record_stream'd on are counted:
+    the allocator hands the block out again only after the events it records on each of them at
+    the free complete, and each such event follows everything its stream had waited for. So an op
+    done for any of them is done for the block (c10/cuda/CUDACachingAllocator.cpp, insert_events
+    at free, process_events before a later malloc)."""
+    streams = clocks.streams
+    for p in protected:
+        vp = streams.get(p)
+        if vp is not None:
+            k = vp.get(s, 0)
+            if k > known:
+                known = k
+    return known
 
 
 def _widen(hits: dict, op, lo, hi) -> None:
