@@ -99,3 +99,38 @@ def test_engine_verdict_on_the_never_waited_trace(tmp_path, released):
                          capture_output=True, text=True, timeout=60)
     rules = {f["rule"] for f in json.loads(out.stdout)["findings"]}
     assert rules == (set() if released else {"free-in-flight"}), (cid, out.stdout[-2000:])
+
+
+def test_async_op_left_out_at_its_default_is_bound_from_the_schema():
+    """A dispatch mode is handed c10d::allreduce_ without its trailing arguments equal to their
+    defaults: async_op=True (the default) arrives as 4 arguments, async_op=False as 5. The H200 run
+    of the GPU kit (C2 never-waited) showed the consequence: no Work was taken for async and its
+    stash was never tracked. Driven here through torch's real dispatcher on a 1-rank gloo group."""
+    import os
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sanitizer.capture.collectives import _bind
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.c10d.allreduce_.default:
+                seen.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        x = torch.ones(4)
+        with Record():
+            dist.all_reduce(x, async_op=True).wait()
+            dist.all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+    (f1, a1, k1), (f2, a2, k2) = seen
+    assert len(a1) < len(a2)                      # the default was left out
+    assert _bind(f1, a1, k1)["async_op"] is True
+    assert _bind(f2, a2, k2)["async_op"] is False
+    assert _bind(f1, a1, k1)["timeout"] == -1

@@ -635,11 +635,19 @@ def _hook_name(func) -> str:
 
 
 def _bind(func, args, kwargs) -> dict:
+    """The op's arguments by name, defaults included: a dispatch mode is handed the arguments with
+    the trailing ones equal to their defaults left out (c10d::allreduce_ with async_op=True arrives
+    without async_op: torch/_ops.py, OpOverload.__call__ through the Python dispatcher's
+    normalization), so an absent argument has its schema default."""
     named = {}
-    for arg, value in zip(func._schema.arguments, args):
+    arguments = func._schema.arguments
+    for arg, value in zip(arguments, args):
         named[arg.name] = value
     if kwargs:
         named.update(kwargs)
+    for arg in arguments[len(args):]:
+        if arg.name not in named and arg.has_default_value():
+            named[arg.name] = arg.default_value
     return named
 
 

@@ -132,9 +132,8 @@ SCENARIOS = {
         import time
         x = torch.ones(N, device="cuda")
         work = dist.all_reduce(x, async_op=True)
-        del x, work                      # never waited for
-        torch.cuda.synchronize()
-        time.sleep(2.0)                  # the watchdog sees the Work complete
+        del x, work                      # never waited for, and no synchronize: only the
+        time.sleep(2.0)                  # watchdog sees the Work complete
         y = torch.ones(1024, device="cuda")
         dist.all_reduce(y)               # this enqueue unstashes x
         z = torch.empty(N, device="cuda")
