@@ -134,3 +134,32 @@ def test_async_op_left_out_at_its_default_is_bound_from_the_schema():
     assert _bind(f1, a1, k1)["async_op"] is True
     assert _bind(f2, a2, k2)["async_op"] is False
     assert _bind(f1, a1, k1)["timeout"] == -1
+
+
+class _Handle:
+    """Stands for the Future of a Work (weak-referenceable, known by identity as capture knows it)."""
+
+
+def test_an_nccl_future_done_at_enqueue_is_no_completion():
+    """ProcessGroupNCCL.cpp, collective(): `work->future_->markCompleted(at::IValue(*work->outputs_))`
+    right after the enqueue: done() is True at once for a CUDA Future whose completion is events on
+    the NCCL stream. It must not become a coll_done; its wait() is the usual stream edge."""
+    colls, events = _collectives()
+    cid = _issue(colls, True, 0x1000)
+    fut = _Handle()
+    colls._remember(fut, cid)
+    colls.observed(fut, waited=False, future_done=True)
+    assert not [e for e in events if e["ev"] == "coll_done"]
+    colls.observed(fut)                                   # Future.wait()
+    assert [e["ev"] for e in events[-2:]] == ["record", "wait"]
+    assert events[-2]["event"] == f"coll{cid}" and events[-2]["stream"] == "nccl:0"
+    assert not [e for e in events if e["ev"] == "coll_done"]
+
+
+def test_a_host_backend_future_done_is_a_completion():
+    colls, events = _collectives()
+    cid = colls._record("c10d.allreduce_", "0", "gloo:0", [{"addr": 0x1000, "size": 64, "access": "rw"}])
+    fut = _Handle()
+    colls._remember(fut, cid)
+    colls.observed(fut, waited=False, future_done=True)
+    assert [e["cid"] for e in events if e["ev"] == "coll_done"] == [cid]

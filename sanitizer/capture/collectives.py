@@ -463,11 +463,22 @@ class DispatchedCollectives:
         del self.pending[id(handle)]
         return entry[1]
 
-    def observed(self, handle, waited: bool = True, settle: bool = True) -> None:
+    def observed(self, handle, waited: bool = True, settle: bool = True,
+                 future_done: bool = False) -> None:
         """The host saw `handle` (a Work or its Future) complete (waited=True: through wait()).
         settle=False: a blocking call of the Python API waited for its own Work, whose buffers
-        the caller still holds (nothing to let the worker release first)."""
+        the caller still holds (nothing to let the worker release first).
+        future_done: a Future's done() returned True. ProcessGroupNCCL marks its Work's Future
+        completed at enqueue (ProcessGroupNCCL.cpp, collective(): `work->future_->markCompleted(
+        at::IValue(*work->outputs_))`, a CUDA Future whose completion is events on the NCCL
+        stream), so for a collective on a device stream done() proves nothing on the host: it is
+        not an observation (its wait()/value() still orders the current stream after it)."""
         try:
+            if future_done:
+                entry = self.pending.get(id(handle))
+                if entry is not None and entry[0]() is handle and \
+                        any(c in self.device_streamed for c in entry[1]):
+                    return
             cids = self._take(handle)
             if cids is not None:
                 for cid in cids:
@@ -846,7 +857,7 @@ def _patch_work(capture, colls) -> None:
     def fdone(self):
         r = f_done(self)
         if r:
-            observe(self, waited=False)
+            observe(self, waited=False, future_done=True)
         return r
 
     def fthen(self, *a, **k):
