@@ -103,6 +103,11 @@ def _register_import_hooks(cap) -> None:
         from sanitizer.capture import vllm_hooks
         vllm_hooks.on_model_runner(cap, module)
 
+    def on_functional_collectives(module):
+        from sanitizer.capture import compiled
+        compiled.on_functional_collectives(cap, module)
+
+    hook("torch.distributed._functional_collectives", on_functional_collectives)
     hook(SGLANG_ALLOCATOR, on_allocator)
     hook(SGLANG_SCHEDULER, on_scheduler)
     for name in PYNCCL_WRAPPERS:
