@@ -346,3 +346,82 @@ def test_vllm_terminate_then_kill(tmp_path, hang):
     core = [p for p in traces.iterdir() if str(p) == doc["incomplete_files"][0]["file"]][0]
     shapes = [e.get("shape") for e in records(core)[1:] if e["ev"] == "alloc"]
     assert shapes.count([9]) == 6          # flushed when SIGTERM arrived
+
+
+# ------------------------------------------------------------------ the writer's part, in process
+def _header(path):
+    return records(path)[0]
+
+
+def test_quiet_is_said_after_the_time_flush_and_taken_back_before_the_next_event(tmp_path):
+    from sanitizer.trace.writer import TraceWriter
+    w = TraceWriter(str(tmp_path), flush_seconds=0.05, trace_format="binary")
+    w.start()
+    try:
+        w.emit({"ev": "step", "n": 0})
+        deadline = time.monotonic() + 30
+        while not _header(w.path)["progress"]["quiet"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert [e["ev"] for e in records(w.path)[1:]] == ["step"]       # written before it said so
+        w.emit({"ev": "step", "n": 1})
+        # back to "not everything is in the file" before emit returned, the event still buffered
+        assert _header(w.path)["progress"]["quiet"] is False
+        assert [e["n"] for e in records(w.path)[1:]] == [0]
+        w.hook_failed("x", RuntimeError("y"))                        # a count is something to write too
+        assert _header(w.path)["progress"]["quiet"] is False
+    finally:
+        w.close()
+
+
+def test_a_signal_handler_inside_emit_runs_after_the_append(tmp_path):
+    """Python may run a signal handler between any two bytecodes of the main thread, inside the
+    writer too: its flush must not swap the buffer between emit's read and append."""
+    from sanitizer.trace.writer import TraceWriter
+    w = TraceWriter(str(tmp_path), flush_seconds=1000, trace_format="binary")
+    w.start()
+    ran = []
+
+    class Interrupted(list):
+        def append(self, ev):
+            w.when_outside(lambda: (ran.append(len(self)), w.flush()))  # the "handler": a flush
+            super().append(ev)
+
+    w._buf = Interrupted()
+    w.emit({"ev": "step", "n": 7})
+    assert ran == [1]                          # after the append, not in the middle of it
+    assert [e["n"] for e in records(w.path)[1:] if e["ev"] == "step"] == [7]
+    w.close()
+    assert records(w.path)[-1]["ev"] == "end"
+
+
+def test_signal_functions_behave_as_stock_under_capture(tmp_path):
+    code = """
+    import signal, threading
+    out = []
+    def h(s, f): pass
+    out.append(signal.signal(signal.SIGTERM, h) is signal.SIG_DFL)
+    out.append(signal.signal(signal.SIGTERM, signal.SIG_IGN) is h)
+    out.append(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)
+    out.append(signal.signal(signal.SIGTERM, signal.SIG_DFL) is signal.SIG_IGN)
+    out.append(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    out.append(signal.signal(signal.SIGUSR1, h) is signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) is h)
+    try:
+        signal.signal(signal.SIGTERM, 42)
+    except TypeError as e:
+        out.append("TypeError")
+    errs = []
+    t = threading.Thread(target=lambda: errs.append(_try()))
+    def _try():
+        try:
+            signal.signal(signal.SIGTERM, h)
+        except ValueError:
+            return "ValueError"
+    t.start(); t.join()
+    out += errs
+    out.append(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    print(out)
+    """
+    bare = _start(code, _bare_env()).communicate(timeout=60)[0]
+    cap = _start(code, _env(tmp_path / "t")).communicate(timeout=60)[0]
+    assert bare == cap and "False" not in cap and "TypeError" in cap and "ValueError" in cap, (bare, cap)

@@ -202,22 +202,23 @@ class TraceWriter:
             with self._buf_lock:
                 self._quiet = False
 
-    def _settle(self) -> None:
+    def _settle(self) -> bool:
         """The time flush found everything written: say so in the header (`quiet`), so that a
         process killed now (SGLang's Engine.shutdown SIGKILLs its schedulers) is known to have
         lost nothing. Any later event, drop or hook error first takes it back (_wake)."""
         with self._lock:
             if self._quiet or self.closed or self._fd is None:
-                return
+                return False
             with self._buf_lock:
                 if self._buf or self._dropped or self._hook_errors:
-                    return
+                    return False
                 self._quiet = True
             self.progress["quiet"] = True
             self._write_progress()
             if not self._quiet:           # woken inside (a GC finalizer on this thread): say so again
                 self.progress["quiet"] = False
                 self._write_progress()
+            return True
 
     def _write_progress(self) -> None:
         if self._fd is not None:
@@ -245,7 +246,8 @@ class TraceWriter:
         with self._lock:
             self.progress.update(signal=name, signal_t=time.time_ns())
             self.flush()
-            self._write_progress()
+            if not self._settle():        # nothing left to write: quiet too (one header write)
+                self._write_progress()
         if self._deferred:
             self._run_deferred()
 
