@@ -202,8 +202,7 @@ def test_sigkill_of_an_idle_process_loses_nothing(tmp_path):
     assert doc["complete"] is True and not doc["incomplete_files"], doc
     notes = [w for w in doc["warnings"] if str(path) in w]
     assert notes == [f"{path}: no end record, nothing missing: the process was killed, or ended without a "
-                     "clean exit, while idle: every event it recorded is in the file (it had recorded "
-                     "nothing since its last flush)"]
+                     "clean exit, while idle: every event it recorded is in the file"]
     assert "INCOMPLETE" not in text.stdout
     shapes = [e.get("shape") for e in records(path)[1:] if e["ev"] == "alloc"]
     assert shapes.count([5]) == 4
@@ -226,7 +225,11 @@ def rank(r, port, ready, work_after):
         zs = [torch.ones(7) for _ in range(5)]   # after the last step, never flushed
     ready.put(r)
     while True:                              # SGLang's event loop, idle: polls for requests
-        time.sleep(0.01)
+        if POLL:                             # TP > 1: broadcast_pyobj of no request, every loop
+            size = torch.tensor([0], dtype=torch.long)
+            dist.broadcast(size, src=0)
+            del size
+        time.sleep(0.002)
 
 if __name__ == "__main__":
     import psutil, socket
@@ -247,11 +250,12 @@ if __name__ == "__main__":
 """
 
 
-def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds):
+def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False):
     pytest.importorskip("psutil")
     traces = tmp_path / "t"
     script = tmp_path / "engine.py"
-    script.write_text(RANKS.replace("WORK_AFTER", str(work_after)).replace("IDLE", str(idle)))
+    script.write_text(RANKS.replace("WORK_AFTER", str(work_after)).replace("IDLE", str(idle))
+                      .replace("POLL", str(poll)))
     out = subprocess.run([sys.executable, str(script)], env=_env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
@@ -260,8 +264,11 @@ def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds):
     return traces
 
 
-def test_sglang_engine_shutdown_of_idle_schedulers_leaves_complete_traces(tmp_path):
-    traces = _sglang_shutdown(tmp_path, work_after=False, idle=1.5, flush_seconds="0.2")
+@pytest.mark.parametrize("poll", [False, True])
+def test_sglang_engine_shutdown_of_idle_schedulers_leaves_complete_traces(tmp_path, poll):
+    """Idle: nothing recorded (TP=1), or a broadcast every loop (TP>1's idle polling: written as
+    each event comes once a flush period passed with no step)."""
+    traces = _sglang_shutdown(tmp_path, work_after=False, idle=1.5, flush_seconds="0.2", poll=poll)
     names = sorted(p.name for p in traces.iterdir())
     # the two ranks and the engine process itself; the SIGKILLed resource tracker never imported
     # torch and left no header-only pid file
@@ -273,6 +280,8 @@ def test_sglang_engine_shutdown_of_idle_schedulers_leaves_complete_traces(tmp_pa
         evs = records(traces / f"rank{r}.hzs")
         assert [e["n"] for e in evs[1:] if e["ev"] == "step"] == [0, 1, 2, 3]
         assert evs[0]["progress"]["quiet"] is True and evs[0]["progress"]["step_ended"] is True
+        polls = sum(e["ev"] == "coll" and e["op"] == "c10d.broadcast_" for e in evs[1:])
+        assert polls > 50 if poll else polls == 0
 
 
 def test_sglang_engine_shutdown_right_after_work_names_what_may_be_missing(tmp_path):
@@ -425,3 +434,33 @@ def test_signal_functions_behave_as_stock_under_capture(tmp_path):
     bare = _start(code, _bare_env()).communicate(timeout=60)[0]
     cap = _start(code, _env(tmp_path / "t")).communicate(timeout=60)[0]
     assert bare == cap and "False" not in cap and "TypeError" in cap and "ValueError" in cap, (bare, cap)
+
+
+def test_between_steps_idle_events_are_written_as_they_come_until_the_next_step(tmp_path):
+    from sanitizer.trace.writer import TraceWriter
+    w = TraceWriter(str(tmp_path), flush_seconds=0.05, trace_format="binary")
+    w.start()
+    try:
+        w.mark_step(0, ended=False)
+        w.emit({"ev": "step", "n": 0})
+        w.flush()
+        w.mark_step(0, ended=True)
+        deadline = time.monotonic() + 30
+        while True:                        # an idle loop that records all the time
+            w.emit({"ev": "free", "id": 1})
+            if _header(w.path)["progress"]["quiet"]:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        for i in range(3):                 # each on disk before emit returns, the header still quiet
+            before = len(records(w.path))
+            w.emit({"ev": "free", "id": 100 + i})
+            assert len(records(w.path)) == before + 1
+            assert _header(w.path)["progress"]["quiet"] is True
+        w.mark_step(1, ended=False)        # a step: buffered again, said before its first event
+        assert _header(w.path)["progress"] == {"quiet": False, "step": 1, "step_ended": False}
+        before = len(records(w.path))
+        w.emit({"ev": "step", "n": 1})
+        assert len(records(w.path)) == before
+    finally:
+        w.close()

@@ -40,7 +40,7 @@ def no_end_record(header: dict, header_only: bool) -> tuple[bool, str]:
                 "died before it exited)") if signal else None
     if progress.get("quiet") is True:
         what = ("it had recorded nothing" if header_only
-                else "every event it recorded is in the file (it had recorded nothing since its last flush)")
+                else "every event it recorded is in the file")
         when = f"killed {shutdown}" if shutdown else "killed, or ended without a clean exit,"
         return True, f"no end record, nothing missing: the process was {when} while idle: {what}"
     if header_only:

@@ -113,7 +113,9 @@ class TraceWriter:
         # termination signal received. Rewritten in place when it changes.
         self.progress: dict = {"quiet": False}
         self._quiet = False          # every event recorded so far is in the file; the header says so
+        self._through = False        # (quiet) idle between steps: each event is written as it comes
         self.step_ends = False       # the program marks where its steps end (progress says so then)
+        self._step_end_at = 0.0      # monotonic time the last step ended
         self._flush_thread = None    # ident of the thread inside flush() (a GC free there must not re-enter)
         self._written = 0            # events accepted into the file (header excluded)
         self._dropped = 0            # dropped since the last `dropped` record
@@ -155,8 +157,10 @@ class TraceWriter:
                 buf = self._buf
                 buf.append(ev)
                 n = len(buf)
-        if n < 0:             # the header says nothing is missing: say otherwise before buffering
-            self._wake()
+        if n < 0:             # the header says nothing is missing
+            if self._through and self._write_through(ev):
+                return
+            self._wake()      # say otherwise before buffering
             self.emit(ev)
             return
         if n >= self.buffer_events and self._flush_thread != threading.get_ident():
@@ -200,19 +204,44 @@ class TraceWriter:
             self.progress["quiet"] = False
             self._write_progress()
             with self._buf_lock:
-                self._quiet = False
+                self._quiet = self._through = False
+
+    def _write_through(self, ev: dict) -> bool:
+        """Idle between steps (see _settle): write `ev` now, so that the file keeps holding every
+        event recorded. False when that cannot be done here (the mode ended meanwhile; this thread
+        is inside a flush, a GC finalizer): the caller buffers it the usual way."""
+        with self._lock:
+            if not (self._quiet and self._through) or self._flush_thread == threading.get_ident():
+                return False
+            with self._buf_lock:
+                self._buf.append(ev)
+            self.flush()              # a failed write counts a drop, which ends the quiet state
+        if self._deferred:
+            self._run_deferred()
+        return True
 
     def _settle(self) -> bool:
         """The time flush found everything written: say so in the header (`quiet`), so that a
         process killed now (SGLang's Engine.shutdown SIGKILLs its schedulers) is known to have
-        lost nothing. Any later event, drop or hook error first takes it back (_wake)."""
+        lost nothing. Any later event, drop or hook error first takes it back (_wake).
+
+        A program between steps for a whole flush period (its last step ended, no step started
+        since) may still record events, an idle server's polling (SGLang's TP ranks broadcast the
+        requests they receive, none, every loop): it is made quiet anyway, everything buffered
+        written first, and each event after that is written as it is recorded, until the next
+        step starts (mark_step) or a write fails."""
         with self._lock:
             if self._quiet or self.closed or self._fd is None:
                 return False
+            idle = (self.step_ends and self.progress.get("step_ended") is True
+                    and time.monotonic() - self._step_end_at >= max(self.flush_seconds, MIN_FLUSH_SECONDS))
             with self._buf_lock:
+                if idle:    # appends wait meanwhile: an idle loop's events cannot slip in between
+                    self.flush()
                 if self._buf or self._dropped or self._hook_errors:
                     return False
                 self._quiet = True
+                self._through = idle
             self.progress["quiet"] = True
             self._write_progress()
             if not self._quiet:           # woken inside (a GC finalizer on this thread): say so again
@@ -232,10 +261,17 @@ class TraceWriter:
         with self._lock:
             if ended:
                 self.step_ends = True
+                self._step_end_at = time.monotonic()
             if not self.step_ends:
                 return
             self.progress.update(step=int(n), step_ended=bool(ended))
-            self._write_progress()
+            if not ended and self._quiet:     # the step's events are buffered again
+                self.progress["quiet"] = False
+                self._write_progress()
+                with self._buf_lock:
+                    self._quiet = self._through = False
+            else:
+                self._write_progress()
         if self._deferred:
             self._run_deferred()
 
@@ -715,7 +751,7 @@ class TraceWriter:
             self.flush()
             self._finish_file()
             with self._buf_lock:
-                self._quiet = False       # the new file starts with what the preamble re-declares
+                self._quiet = self._through = False   # the new file starts with what the preamble re-declares
                 self.progress["quiet"] = False
                 self.path = None
                 self._written = 0
@@ -741,7 +777,7 @@ class TraceWriter:
         self._count_lock = threading.RLock()
         self._deferred = []
         self.progress = {"quiet": False}
-        self._quiet = False
+        self._quiet = self._through = False
         self._flush_thread = None
         self._buf = []
         self._fd = None
