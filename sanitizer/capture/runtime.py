@@ -175,8 +175,9 @@ class Capture:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Capture is on: the trace file and its header are written now, before any event, so a
-        process killed before its first flush still leaves one; the time flush starts."""
+        """Capture is on: the time flush starts; the trace file and its header are written when
+        torch is imported (bootstrap), before any event, so a process killed before its first
+        flush still leaves one."""
         try:
             # The file is made when torch is imported (bootstrap), the first moment anything can be
             # recorded: a process that never imports torch (a launcher, multiprocessing's resource

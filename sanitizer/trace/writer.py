@@ -36,6 +36,18 @@ every ``flush_seconds``, so a process whose events are rare still has them on di
 no clock reads. The thread is stopped before a fork (no thread is copied into the child, none runs
 while the fork happens) and started again in both processes. A writer whose process recorded
 nothing and must leave no file (``write_empty`` false) removes its header-only file at close.
+Capture starts its writer with ``open_file=False`` and makes the file (``open_now()``) when torch is
+imported: a process that never records anything leaves none, even killed.
+
+What a killed process proves (sanitizer/trace/progress.py reads it): the header's ``progress`` is
+rewritten in place whenever it changes. ``quiet``: every event recorded is in the file (set by the
+time flush when nothing is left to write; taken back, header first, before the next event is
+buffered; between steps of a program that marks their ends, after a whole flush period without a
+step, each event is written as it comes instead). ``step``/``step_ended``: the last step and
+whether it ended (only where ends are marked: the start must reach the header before its events).
+``signal``: a terminating signal the program's handler took. Signal handlers that interrupt the
+writer (Python runs them between any two bytecodes) are deferred until it is left
+(``when_outside``).
 
 File naming: ``rank<R>.jsonl`` once the rank is known (torch.distributed, else RANK / LOCAL_RANK),
 else ``pid<PID>.jsonl`` with header rank ``-PID`` (a process without a distributed rank; distinct
