@@ -7,8 +7,8 @@ but the standard library.
     import sanitizer
 
     for n in range(steps):
-        sanitizer.step(n, phase="decode", tokens=batch)     # decode-step boundary: flushes the trace
-        ...
+        with sanitizer.step(n, phase="decode", tokens=batch):  # decode step n: flushes the trace
+            ...
         with sanitizer.symmetric_scope(group, pool="symm"):  # allocations here go to the window
             out = torch.empty(...)
 """
@@ -30,15 +30,43 @@ def enabled() -> bool:
     return _capture() is not None
 
 
-def step(n: int, phase: str | None = None, tokens: int | None = None) -> None:
-    """Mark the start of decode step `n` (optionally its phase and token count) and flush the trace."""
+def step(n: int, phase: str | None = None, tokens: int | None = None) -> "_StepEnd":
+    """Mark the start of decode step `n` (optionally its phase and token count) and flush the trace.
+
+    Used as a context manager (`with sanitizer.step(n): ...`) it also marks where the step ends:
+    then a process killed between steps is reported as such, with nothing recorded during a step
+    missing (docs/capture.md, "Files")."""
     cap = _capture()
     if cap is None:
-        return
+        return _NO_STEP
     try:
         cap.mark_step(n, phase, tokens)
     except Exception as exc:
         cap.failed("step", exc)
+    return _StepEnd(cap, n)
+
+
+class _StepEnd:
+    """What step() returns: as a context manager, its exit marks the end of the step."""
+
+    __slots__ = ("cap", "n")
+
+    def __init__(self, cap, n):
+        self.cap, self.n = cap, n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.cap is not None:
+            try:
+                self.cap.end_step(self.n)
+            except Exception as exc:
+                self.cap.failed("step", exc)
+        return False
+
+
+_NO_STEP = _StepEnd(None, 0)
 
 
 class symmetric_scope:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import sys
-import threading
 
 SGLANG_ALLOCATOR = "sglang.srt.distributed.device_communicators.pynccl_allocator"
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler"
@@ -38,7 +36,9 @@ def activate(environ=os.environ):
             cap.failed("settings", ValueError(p))
         _register_import_hooks(cap)
         atexit.register(cap.close)
-        _install_sigterm(cap)
+        from sanitizer.capture.signals import SignalChain
+        cap.signals = SignalChain(cap)
+        cap.signals.install()
         os.register_at_fork(after_in_child=cap.after_fork_in_child)
         cap.start()        # the file and its header now; then the time flush
         return cap
@@ -72,6 +72,7 @@ def _register_import_hooks(cap) -> None:
 
     def on_torch(module):
         from sanitizer.capture import torch_hooks
+        cap.writer.open_now()     # from here on events can be recorded: the file exists before any
         torch_hooks.on_torch(cap)
         # torch.distributed is imported while torch itself loads: patch it once torch is complete.
         hook("torch.distributed", lambda m: torch_hooks.on_distributed(cap))
@@ -102,6 +103,11 @@ def _register_import_hooks(cap) -> None:
         from sanitizer.capture import vllm_hooks
         vllm_hooks.on_model_runner(cap, module)
 
+    def on_functional_collectives(module):
+        from sanitizer.capture import compiled
+        compiled.on_functional_collectives(cap, module)
+
+    hook("torch.distributed._functional_collectives", on_functional_collectives)
     hook(SGLANG_ALLOCATOR, on_allocator)
     hook(SGLANG_SCHEDULER, on_scheduler)
     for name in PYNCCL_WRAPPERS:
@@ -119,18 +125,3 @@ def _register_import_hooks(cap) -> None:
     from sanitizer.capture.ops import OPS     # a plain table: imports nothing
     for name in OPS:
         hook(name, on_op_module)
-
-
-def _install_sigterm(cap) -> None:
-    """Flush on SIGTERM, then die of it as before. A handler the program installed wins."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-
-    def on_sigterm(signum, frame):
-        cap.close()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)

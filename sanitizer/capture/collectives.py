@@ -339,22 +339,26 @@ class DispatchedCollectives:
         finally:
             self.slot.quiet -= 1
         try:
-            t = args[0] if args else kwargs.get("tensor")
-            if type(t) in _PLAIN_SET:
-                key = t.untyped_storage()._cdata
-                entry = self.functional.pop(key, None)
-                table = self.capture.blocks
-                b = table.live.get(key) if table is not None else None
-                # the storage still the one the collective wrote (not a later one at that address)
-                if entry is not None and (entry[1] is None or (b is not None and b.id == entry[1])):
-                    cid = entry[0]
-                    # every other tensor of the same (coalesced) collective is complete too
-                    for k in [k for k, e in self.functional.items() if e[0] == cid]:
-                        del self.functional[k]
-                    self.done(cid, waited=True)
+            self.waited(args[0] if args else kwargs.get("tensor"))
         except Exception as exc:
             self.capture.failed("coll.wait_tensor", exc)
         return out
+
+    def waited(self, t) -> None:
+        """`t`, a functional collective's result, was waited on: its collective is done (once:
+        a tensor already waited on names no collective any more)."""
+        if type(t) in _PLAIN_SET:
+            key = t.untyped_storage()._cdata
+            entry = self.functional.pop(key, None)
+            table = self.capture.blocks
+            b = table.live.get(key) if table is not None else None
+            # the storage still the one the collective wrote (not a later one at that address)
+            if entry is not None and (entry[1] is None or (b is not None and b.id == entry[1])):
+                cid = entry[0]
+                # every other tensor of the same (coalesced) collective is complete too
+                for k in [k for k, e in self.functional.items() if e[0] == cid]:
+                    del self.functional[k]
+                self.done(cid, waited=True)
 
     # ------------------------------------------------------------------ ops that wrap collectives
     def _transparent(self, func, args, kwargs, mode=None):

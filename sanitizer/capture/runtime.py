@@ -56,6 +56,7 @@ class Capture:
         self.cuda = None          # cuda_hooks.CudaOrdering, once torch is imported
         self.alloc_history = None # allocator_history.AllocatorHistory under HAZSAN_ALLOC_SOURCE=history
         self.host_work_unsynced = False   # a CPU `launch` was written since the last cpu sync
+        self.signals = None       # signals.SignalChain, once installed (bootstrap)
         self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
         self.hooks_failed: dict[str, int] = {}   # hook name -> failures (trace header)
         self.versions: dict[str, str] = {}       # versions hooks learnt (the NCCL pynccl loaded)
@@ -142,8 +143,16 @@ class Capture:
         if tokens is not None:
             ev["tokens"] = int(tokens)
         self.step = int(n)
+        self.writer.mark_step(int(n), ended=False)
         self.emit(ev)
         self.writer.flush()
+
+    def end_step(self, n: int) -> None:
+        """Step n's own call returned (SGLang's run_batch, vLLM's execute_model): its events are
+        flushed, and the header says the step ended (what `hazsan check` tells of a process
+        killed afterwards: nothing recorded during a step is missing)."""
+        self.writer.flush()
+        self.writer.mark_step(int(n), ended=True)
 
     # ---------------------------------------------------------------- scopes
     def enter_scope(self, pool: str, comm: str, name: str = "symm") -> None:
@@ -166,10 +175,14 @@ class Capture:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Capture is on: the trace file and its header are written now, before any event, so a
-        process killed before its first flush still leaves one; the time flush starts."""
+        """Capture is on: the time flush starts; the trace file and its header are written when
+        torch is imported (bootstrap), before any event, so a process killed before its first
+        flush still leaves one."""
         try:
-            self.writer.start()
+            # The file is made when torch is imported (bootstrap), the first moment anything can be
+            # recorded: a process that never imports torch (a launcher, multiprocessing's resource
+            # tracker, which SGLang's shutdown SIGKILLs with the rest) leaves no header-only file.
+            self.writer.start(open_file=False)
         except Exception as exc:
             self.failed("writer.start", exc)
 

@@ -20,7 +20,8 @@ and a missing one is a counted hook failure, never an error in the server.
     falls outside every segment known: once per new segment.
   * pynccl_wrapper.NCCLLibrary and pynccl.PyNcclCommunicator: nccl.py's class-level hooks.
   * Scheduler.run_batch(batch) -> a `step` event per batch (phase = forward mode, tokens =
-    len(batch.reqs) where known) and a flush: SGLang's decode-step boundary.
+    len(batch.reqs) where known) and a flush: SGLang's decode-step boundary; when it returns, a
+    flush and the step's end in the header (what a scheduler SIGKILLed by Engine.shutdown proves).
 """
 from __future__ import annotations
 
@@ -193,14 +194,21 @@ def on_scheduler(capture, module) -> None:
     counter = itertools.count()
 
     def wrapped(self, batch, *args, **kwargs):
+        n = next(counter)
         try:
             mode = getattr(getattr(batch, "forward_mode", None), "name", None)
             reqs = getattr(batch, "reqs", None)
-            capture.mark_step(next(counter), phase=mode.lower() if mode else None,
+            capture.mark_step(n, phase=mode.lower() if mode else None,
                               tokens=len(reqs) if reqs is not None else None)
         except Exception as exc:
             capture.failed("sglang.step", exc)
-        return run_batch(self, batch, *args, **kwargs)
+        try:
+            return run_batch(self, batch, *args, **kwargs)
+        finally:
+            try:
+                capture.end_step(n)
+            except Exception as exc:
+                capture.failed("sglang.step", exc)
 
     wrapped._hazsan = True
     sched.run_batch = wrapped

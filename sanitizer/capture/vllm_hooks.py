@@ -11,7 +11,7 @@ the server.
     `vllm.v1.worker.cpu.model_runner.CPUModelRunner`), XPU's and others subclass them without
     overriding it. One `step` per call, in every worker (each TP/PP rank runs every step the
     engine core broadcasts, so `n` is equal across ranks), then a flush: vLLM's step boundary, as
-    SGLang's Scheduler.run_batch is. `tokens` is the step's scheduled token count
+    SGLang's Scheduler.run_batch is; when it returns, a flush and the step's end in the header. `tokens` is the step's scheduled token count
     (`total_num_scheduled_tokens`, speculative draft tokens included); `phase` is `prefill` (every
     scheduled request computes prompt tokens: a new request, one with no output token yet, one
     recomputing after preemption), `decode` (every one computes one token plus its drafts),
@@ -84,6 +84,7 @@ def on_model_runner(capture, module) -> None:
     @functools.wraps(execute_model)
     def wrapped(self, scheduler_output, *args, **kwargs):
         depth = getattr(_inside, "depth", 0)
+        n = None
         if not depth:
             try:
                 n = next(_steps)            # taken first: ranks keep equal numbers whatever fails
@@ -100,6 +101,11 @@ def on_model_runner(capture, module) -> None:
             return execute_model(self, scheduler_output, *args, **kwargs)
         finally:
             _inside.depth = depth
+            if n is not None:
+                try:
+                    capture.end_step(n)     # flushed, and the header says the step ended
+                except Exception as exc:
+                    capture.failed("vllm.step", exc)
 
     wrapped._hazsan = True
     cls.execute_model = wrapped

@@ -22,6 +22,7 @@ from typing import Iterator
 import orjson
 
 from sanitizer.trace import binary as B
+from sanitizer.trace.progress import no_end_record
 from sanitizer.trace.schema import NON_TRACE_FILES, SCHEMA_VERSION, is_trace_name
 
 
@@ -223,12 +224,13 @@ class TraceFile:
     def _end_check(self, wants_end: bool, first: int) -> None:
         """The header announced an end record and none was read: a truncated trace."""
         if wants_end and not self.ended and not self.truncated and not self.live:
-            if first == 2:     # the header alone: capture started, no event was ever flushed
-                self._truncate(first, "header only, no end record: the process was killed, or ended "
-                               "without a clean exit, before its first flush; its events are missing")
+            # first == 2: the header alone, no event was ever flushed. What the header's
+            # `progress` proves decides between "nothing missing" and what may be (progress.py).
+            complete, why = no_end_record(self.header, header_only=first == 2)
+            if complete:
+                self.warnings.append(f"{self.path}: {why}")
             else:
-                self._truncate(first, "no end record: the process was killed, or its last writes "
-                               "failed; events may be missing")
+                self._truncate(first, why)
 
     def batches(self, size: int = 4096) -> Iterator[tuple[int, list]]:
         """Yield (line_no of the first item, [parsed event or TraceError, ...]) in file order.

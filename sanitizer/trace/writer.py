@@ -36,6 +36,18 @@ every ``flush_seconds``, so a process whose events are rare still has them on di
 no clock reads. The thread is stopped before a fork (no thread is copied into the child, none runs
 while the fork happens) and started again in both processes. A writer whose process recorded
 nothing and must leave no file (``write_empty`` false) removes its header-only file at close.
+Capture starts its writer with ``open_file=False`` and makes the file (``open_now()``) when torch is
+imported: a process that never records anything leaves none, even killed.
+
+What a killed process proves (sanitizer/trace/progress.py reads it): the header's ``progress`` is
+rewritten in place whenever it changes. ``quiet``: every event recorded is in the file (set by the
+time flush when nothing is left to write; taken back, header first, before the next event is
+buffered; between steps of a program that marks their ends, after a whole flush period without a
+step, each event is written as it comes instead). ``step``/``step_ended``: the last step and
+whether it ended (only where ends are marked: the start must reach the header before its events).
+``signal``: a terminating signal the program's handler took. Signal handlers that interrupt the
+writer (Python runs them between any two bytecodes) are deferred until it is left
+(``when_outside``).
 
 File naming: ``rank<R>.jsonl`` once the rank is known (torch.distributed, else RANK / LOCAL_RANK),
 else ``pid<PID>.jsonl`` with header rank ``-PID`` (a process without a distributed rank; distinct
@@ -106,7 +118,16 @@ class TraceWriter:
         self._buf: list = []
         self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
         self._buf_lock = threading.RLock()  # the buffer append/swap only
-        self._count_lock = threading.Lock() # drop and hook-error counts: hooks add, a flush (any thread) takes
+        self._count_lock = threading.RLock() # drop and hook-error counts: hooks add, a flush (any thread) takes
+        self._deferred: list = []    # actions a signal handler asked for while this thread was inside the writer
+        # What the header says about the file's progress (docs/trace-format.md, "progress"): whether
+        # everything recorded is in the file (`quiet`), the last step and whether it ended, a
+        # termination signal received. Rewritten in place when it changes.
+        self.progress: dict = {"quiet": False}
+        self._quiet = False          # every event recorded so far is in the file; the header says so
+        self._through = False        # (quiet) idle between steps: each event is written as it comes
+        self.step_ends = False       # the program marks where its steps end (progress says so then)
+        self._step_end_at = 0.0      # monotonic time the last step ended
         self._flush_thread = None    # ident of the thread inside flush() (a GC free there must not re-enter)
         self._written = 0            # events accepted into the file (header excluded)
         self._dropped = 0            # dropped since the last `dropped` record
@@ -142,15 +163,28 @@ class TraceWriter:
         Called from any thread (frees arrive on whichever thread drops a storage): the append and
         the swap in flush() share a lock, so no event can land in a batch already written."""
         with self._buf_lock:
-            buf = self._buf
-            buf.append(ev)
-            n = len(buf)
+            if self._quiet:
+                n = -1
+            else:
+                buf = self._buf
+                buf.append(ev)
+                n = len(buf)
+        if n < 0:             # the header says nothing is missing
+            if self._through and self._write_through(ev):
+                return
+            self._wake()      # say otherwise before buffering
+            self.emit(ev)
+            return
         if n >= self.buffer_events and self._flush_thread != threading.get_ident():
             self.flush()      # (on the flushing thread itself: a free fired by GC inside flush(), next time)
+        if self._deferred:
+            self._run_deferred()
 
     def hook_failed(self, hook: str, exc: BaseException) -> None:
         """Count a caught hook failure; written into the trace at the next flush."""
         text = f"{type(exc).__name__}: {exc}"[:300]
+        if self._quiet:
+            self._wake()
         with self._count_lock:
             entry = self._hook_errors.get(hook)
             if entry is None:
@@ -158,12 +192,130 @@ class TraceWriter:
             else:
                 entry[0] += 1
                 entry[1] = text
+        if self._deferred:
+            self._run_deferred()
 
     def count_drop(self, n: int, reason: str) -> None:
+        if self._quiet:
+            self._wake()
         with self._count_lock:
             self._dropped += n
             self.dropped_total += n
             self._drop_reason = reason
+        if self._deferred:
+            self._run_deferred()
+
+    # ------------------------------------------------------------------ progress (what a killed process proves)
+    def _wake(self) -> None:
+        """Leave the quiet state: the header stops saying that nothing is missing before the
+        event that ends it is buffered (the header first: a kill in between loses nothing that
+        the header vouches for)."""
+        with self._lock:
+            if not self._quiet:
+                return
+            self.progress["quiet"] = False
+            self._write_progress()
+            with self._buf_lock:
+                self._quiet = self._through = False
+
+    def _write_through(self, ev: dict) -> bool:
+        """Idle between steps (see _settle): write `ev` now, so that the file keeps holding every
+        event recorded. False when that cannot be done here (the mode ended meanwhile; this thread
+        is inside a flush, a GC finalizer): the caller buffers it the usual way."""
+        with self._lock:
+            if not (self._quiet and self._through) or self._flush_thread == threading.get_ident():
+                return False
+            with self._buf_lock:
+                self._buf.append(ev)
+            self.flush()              # a failed write counts a drop, which ends the quiet state
+        if self._deferred:
+            self._run_deferred()
+        return True
+
+    def _settle(self) -> bool:
+        """The time flush found everything written: say so in the header (`quiet`), so that a
+        process killed now (SGLang's Engine.shutdown SIGKILLs its schedulers) is known to have
+        lost nothing. Any later event, drop or hook error first takes it back (_wake).
+
+        A program between steps for a whole flush period (its last step ended, no step started
+        since) may still record events, an idle server's polling (SGLang's TP ranks broadcast the
+        requests they receive, none, every loop): it is made quiet anyway, everything buffered
+        written first, and each event after that is written as it is recorded, until the next
+        step starts (mark_step) or a write fails."""
+        with self._lock:
+            if self._quiet or self.closed or self._fd is None:
+                return False
+            idle = (self.step_ends and self.progress.get("step_ended") is True
+                    and time.monotonic() - self._step_end_at >= max(self.flush_seconds, MIN_FLUSH_SECONDS))
+            with self._buf_lock:
+                if idle:    # appends wait meanwhile: an idle loop's events cannot slip in between
+                    self.flush()
+                if self._buf or self._dropped or self._hook_errors:
+                    return False
+                self._quiet = True
+                self._through = idle
+            self.progress["quiet"] = True
+            self._write_progress()
+            if not self._quiet:           # woken inside (a GC finalizer on this thread): say so again
+                self.progress["quiet"] = False
+                self._write_progress()
+            return True
+
+    def _write_progress(self) -> None:
+        if self._fd is not None:
+            self._refresh_header()
+
+    def mark_step(self, n: int, ended: bool) -> None:
+        """Step `n` starts (`ended` false: before its first event is buffered) or ended (after
+        its events were flushed). Only a program that marks ends (SGLang's and vLLM's step hooks)
+        has the header say which: the start of a step must reach the header before its events,
+        so that a kill during it is never read as "after its last step"."""
+        with self._lock:
+            if ended:
+                self.step_ends = True
+                self._step_end_at = time.monotonic()
+            if not self.step_ends:
+                return
+            self.progress.update(step=int(n), step_ended=bool(ended))
+            if not ended and self._quiet:     # the step's events are buffered again
+                self.progress["quiet"] = False
+                self._write_progress()
+                with self._buf_lock:
+                    self._quiet = self._through = False
+            else:
+                self._write_progress()
+        if self._deferred:
+            self._run_deferred()
+
+    def note_signal(self, name: str) -> None:
+        """A termination signal arrived and the program handles it: flush, and let the header say
+        when, so that a kill during the shutdown that follows (vLLM: SIGKILL 5 s after SIGTERM) is
+        named as such."""
+        with self._lock:
+            self.progress.update(signal=name, signal_t=time.time_ns())
+            self.flush()
+            if not self._settle():        # nothing left to write: quiet too (one header write)
+                self._write_progress()
+        if self._deferred:
+            self._run_deferred()
+
+    # ------------------------------------------------------------------ signal handlers
+    def when_outside(self, fn) -> None:
+        """Run `fn` now, or, when this thread is inside the writer (a signal handler: Python runs
+        them on the main thread between any two bytecodes, also in the middle of a flush or an
+        append), as soon as it leaves: a flush nested there would write events out of order or
+        lose the batch being appended to."""
+        if self._inside():
+            self._deferred.append(fn)
+        else:
+            fn()
+
+    def _inside(self) -> bool:
+        return self._lock._is_owned() or self._buf_lock._is_owned() or self._count_lock._is_owned()
+
+    def _run_deferred(self) -> None:
+        while self._deferred and not self._inside():
+            self._deferred.pop(0)()
 
     # ------------------------------------------------------------------ identity
     def set_rank(self, rank: int, world_size: int | None = None, device: str | None = None) -> None:
@@ -192,7 +344,8 @@ class TraceWriter:
         header_source was not asked: capture just started)."""
         rank = self.rank if self.rank is not None else -os.getpid()
         h = {"hazsan": SCHEMA_VERSION, "rank": rank, "world_size": self.world_size or 1,
-             "device": self.device, "pid": os.getpid(), "end_record": True}
+             "device": self.device, "pid": os.getpid(), "end_record": True,
+             "flush_seconds": max(self.flush_seconds, MIN_FLUSH_SECONDS), "progress": dict(self.progress)}
         h.update(self.header_extra)
         state = _NO_FACTS
         if facts or self.header_source is None:
@@ -370,22 +523,32 @@ class TraceWriter:
         self._header_len = len(header)
 
     # ------------------------------------------------------------------ start and the time flush
-    def start(self) -> None:
+    def start(self, open_file: bool = True) -> None:
         """Capture started: the file and its header are written now, before any event is
-        buffered, and the time flush starts. Never raises: a file that cannot be made now is tried
-        again at the next flush, which counts and reports the failure."""
+        buffered (`open_file` false: at open_now(), capture's first hook, or the first flush), and
+        the time flush starts. Never raises: a file that cannot be made now is tried again at the
+        next flush, which counts and reports the failure."""
         try:
             with self._lock:
                 self._started = True
+            if open_file:
+                self.open_now()
+            self._start_timer()
+            if not self._fork_hooks:
+                self._fork_hooks = True
+                os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent)
+        except Exception as exc:
+            self.hook_failed("writer.start", exc)
+
+    def open_now(self) -> None:
+        """Make the file and write its header now, if not yet made (never raises)."""
+        try:
+            with self._lock:
                 if self._fd is None and not self.closed:
                     try:
                         self._open(facts=False)
                     except Exception:
                         pass
-            self._start_timer()
-            if not self._fork_hooks:
-                self._fork_hooks = True
-                os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent)
         except Exception as exc:
             self.hook_failed("writer.start", exc)
 
@@ -420,6 +583,7 @@ class TraceWriter:
                 wait = period
                 if self._buf or self._dropped or self._hook_errors:
                     self.flush()
+                self._settle()
             except Exception:             # never raise, not even at interpreter exit
                 pass
 
@@ -454,6 +618,8 @@ class TraceWriter:
                     pass
             finally:
                 self._flush_thread = outer
+        if self._deferred:
+            self._run_deferred()
 
     def _flush_locked(self) -> None:
         self._last_flush = time.monotonic()
@@ -551,6 +717,8 @@ class TraceWriter:
                     self.hook_failed("writer.open", exc)
             self.closed = True
             self._finish_file(remove_empty=not self.write_empty)
+        if self._deferred:
+            self._run_deferred()
 
     def _finish_file(self, remove_empty: bool = False) -> None:
         """Close the current file: its header brought up to date, then the `end` record (unless
@@ -595,6 +763,8 @@ class TraceWriter:
             self.flush()
             self._finish_file()
             with self._buf_lock:
+                self._quiet = self._through = False   # the new file starts with what the preamble re-declares
+                self.progress["quiet"] = False
                 self.path = None
                 self._written = 0
                 self._in_file = 0
@@ -613,9 +783,13 @@ class TraceWriter:
         """In a forked child: forget the parent's buffer and file (they belong to the parent). A
         started writer then starts again, its own file and header at once and its time flush
         (threads do not survive a fork); `start=False` leaves that to the first flush."""
+        had_file = self._fd is not None   # the parent's: the child of a process with a file makes its own at once
         self._lock = threading.RLock()
         self._buf_lock = threading.RLock()
-        self._count_lock = threading.Lock()
+        self._count_lock = threading.RLock()
+        self._deferred = []
+        self.progress = {"quiet": False}
+        self._quiet = self._through = False
         self._flush_thread = None
         self._buf = []
         self._fd = None
@@ -636,7 +810,7 @@ class TraceWriter:
         self.rank = env_rank
         self.world_size = None
         if start and self._started:
-            self.start()
+            self.start(open_file=had_file)
 
 
 _NO_FACTS = object()   # a header written before its facts were asked (capture start)
