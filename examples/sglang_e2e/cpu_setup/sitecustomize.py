@@ -9,7 +9,11 @@ SGLang processes only, bare and captured alike). Each piece is named for what it
     qnms) are defined here when torch is imported; SGLang's text path never calls them.
   * torch_native_verify.py: the TARGET_VERIFY forward (speculative verification) that SGLang's
     torch_native attention backend lacks, patched in when that module is imported.
+  * seed_early_read.py, only under SGLANG_E2E_SEED=early-read: the seeded hazard run.py checks
+    hazsan flags.
 """
+import os
+
 import wrapt
 
 
@@ -31,3 +35,12 @@ def _torch_native(module):
 
 wrapt.register_post_import_hook(_torchvision_schemas, "torch")
 wrapt.register_post_import_hook(_torch_native, "sglang.srt.layers.attention.torch_native_backend")
+
+
+def _seed(module):
+    from seed_early_read import install
+    install(module)
+
+
+if os.environ.get("SGLANG_E2E_SEED") == "early-read":
+    wrapt.register_post_import_hook(_seed, "sglang.srt.distributed.parallel_state")
