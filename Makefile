@@ -62,8 +62,11 @@ test-e2e: $(VENV_E2E)/.installed
 # `make test-sglang` (opt-in, like test-e2e): real SGLang 0.5.23 serving on CPU under capture, in a
 # venv of its own, .venv-sglang. The wheel pins torch==2.14.1: it is installed --no-deps, then its
 # dependencies less the torch family and the CUDA-only kernels (examples/sglang_e2e/requirements.txt),
-# with torch pinned to the CPU build; then hazsan.
+# with torch pinned to the CPU build; torchvision (SGLang and transformers import it at start-up: only
+# a CUDA build exists, made importable by examples/sglang_e2e/cpu_setup) --no-deps; then hazsan.
+# 3.4 GB, about 5 minutes.
 VENV_SGLANG := .venv-sglang
+TORCHVISION_PIN ?= torchvision==0.28.0
 SGPY := $(VENV_SGLANG)/bin/python
 
 $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $(ENGINE_SRC)
@@ -72,7 +75,7 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 	$(SGPY) -m pip install -q "$(TORCH_PIN)"
 	$(SGPY) -m pip install -q --no-deps "$(SGLANG_PIN)"
 	$(SGPY) -m pip install -q -r examples/sglang_e2e/requirements.txt "$(TORCH_PIN)"
-	$(SGPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(SGPY) -m pip install -q --no-deps "$(TORCHVISION_PIN)"
 	$(SGPY) -m pip install -q -e ".[proof]" pytest
 	touch $@
 
@@ -80,7 +83,7 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 # then the SGLang hook tests on its real classes. A few minutes after a first build of .venv-sglang.
 test-sglang: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_e2e/run.py
-	$(SGPY) -m pytest -q -p no:cacheprovider tests/test_capture_sglang_real.py
+	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/test_capture_sglang_real.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.
