@@ -80,7 +80,8 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 	touch $@
 
 # SGLang (Engine and launch_server, TP=1 and TP=2, plain and NGRAM speculative) bare and captured,
-# then the SGLang hook tests on its real classes. A few minutes after a first build of .venv-sglang.
+# then the SGLang hook tests on its real classes. 7 SGLang runs of 1.5-2.5 minutes each on 2 shared cores
+# (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
 test-sglang: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_e2e/run.py
 	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/test_capture_sglang_real.py
