@@ -40,7 +40,7 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	PY=$(VPY) bash reports/scan/fetch_vllm.sh $(VLLM_SCAN_SRC)
 	touch $@
 
-.PHONY: venv test test-e2e vllm-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
+.PHONY: venv test test-e2e test-sglang vllm-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -62,6 +62,33 @@ $(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE
 test-e2e: $(VENV_E2E)/.installed
 	$(E2EPY) examples/vllm_e2e/run.py
 	$(E2EPY) -m pytest -q -p no:cacheprovider tests/test_capture_vllm_hooks.py tests/test_vllm_mhc_plugin.py
+
+# `make test-sglang` (opt-in, like test-e2e): real SGLang 0.5.23 serving on CPU under capture, in a
+# venv of its own, .venv-sglang. The wheel pins torch==2.14.1: it is installed --no-deps, then its
+# dependencies less the torch family and the CUDA-only kernels (examples/sglang_e2e/requirements.txt),
+# with torch pinned to the CPU build; torchvision (SGLang and transformers import it at start-up: only
+# a CUDA build exists, made importable by examples/sglang_e2e/cpu_setup) --no-deps; then hazsan.
+# 3.4 GB, about 5 minutes.
+VENV_SGLANG := .venv-sglang
+TORCHVISION_PIN ?= torchvision==0.28.0
+SGPY := $(VENV_SGLANG)/bin/python
+
+$(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $(ENGINE_SRC)
+	$(PY) -m venv $(VENV_SGLANG)
+	$(SGPY) -m pip install -q --upgrade pip
+	$(SGPY) -m pip install -q "$(TORCH_PIN)"
+	$(SGPY) -m pip install -q --no-deps "$(SGLANG_PIN)"
+	$(SGPY) -m pip install -q -r examples/sglang_e2e/requirements.txt "$(TORCH_PIN)"
+	$(SGPY) -m pip install -q --no-deps "$(TORCHVISION_PIN)"
+	$(SGPY) -m pip install -q -e ".[proof]" pytest
+	touch $@
+
+# SGLang (Engine and launch_server, TP=1 and TP=2, plain and NGRAM speculative) bare and captured,
+# then the SGLang hook tests on its real classes. 7 SGLang runs of 1.5-2.5 minutes each on 2 shared cores
+# (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
+test-sglang: $(VENV_SGLANG)/.installed
+	$(SGPY) examples/sglang_e2e/run.py
+	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/test_capture_sglang_real.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.

@@ -109,6 +109,14 @@ SERVER = textwrap.dedent(r'''
         tp._all_gather_into_tensor(g2, torch.ones(8))
         r2 = torch.empty(6)
         tp._reduce_scatter_tensor(r2, torch.ones(12))
+        # the Triton multimem all-gather (op hook) on a path its kernel does not take (here disabled:
+        # no multicast memory; on CPU float32 never fits it): it falls back to GroupCoordinator.all_gather,
+        # torch's _allgather_base_ on the device group, recorded there with its completion
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.distributed.device_communicators.triton_symm_mem_ag import MultimemAllGatherer
+        gatherer = MultimemAllGatherer(64, enabled=False, skip_entry_sync=True)
+        with get_parallel().override(tp_group=tp):           # the TP group, as the server states it
+            ptr["mm"] = list(gatherer(torch.ones(4, 8)).shape)
         with open(os.path.join(outdir, f"ptr{rank}.json"), "w") as fh:
             json.dump(ptr, fh)
         dist.barrier()
@@ -205,7 +213,8 @@ def test_torch_single_collectives_from_sglang(run):
                    and "sglang/srt/distributed/parallel_state.py" in e.get("site", "")]
         assert [(e["op"], [(b["size"], b["access"]) for b in e["bufs"]]) for e in singles] == [
             ("c10d._allgather_base_", [(32, "r"), (64, "w")]),
-            ("c10d._reduce_scatter_base_", [(48, "r"), (24, "w")])]
+            ("c10d._reduce_scatter_base_", [(48, "r"), (24, "w")]),
+            ("c10d._allgather_base_", [(128, "r"), (256, "w")])]     # the multimem fallback
         assert all(e["stream"].startswith("gloo:") and "sglang/srt/distributed/parallel_state.py" in e["site"]
                    for e in singles)
         done = {e["cid"] for e in events if e["ev"] == "coll_done"}
@@ -220,6 +229,29 @@ def test_custom_all_reduce_op_hook(run):
         assert c["comm"].startswith("custom_ar:") and c["seq"] == 0 and c["stream"] == "cpu"
         assert [(b["size"], b["access"]) for b in c["bufs"]] == [(256, "r"), (256, "w")]
         assert c["site"].startswith("server.py:") and c["site"].endswith(":worker")
+
+
+def test_op_hook_whose_call_falls_back_to_a_recorded_collective_leaves_no_second_record(run):
+    """MultimemAllGatherer.__call__ (ops.py) ended up in torch's _allgather_base_, which the
+    dispatcher recorded with its completion: the hook's own record (which would never complete,
+    and made every TP=2 + NGRAM run report thousands of unordered-access errors) is not written."""
+    d, ranks = run
+    for header, events, ptr in ranks.values():
+        assert "sglang.MultimemAllGatherer.__call__" in header["hooks"]["installed"]
+        assert ptr["mm"] == [4, 16]
+        assert not [e for e in events if e["ev"] == "coll" and e["comm"].startswith("multimem_ag")]
+        (fallback,) = [e for e in events if e["ev"] == "coll" and e["op"] == "c10d._allgather_base_"
+                       and (e["bufs"][0]["size"], e["bufs"][-1]["size"]) == (128, 256)]
+        assert "sglang/srt/distributed/parallel_state.py" in fallback["site"]
+        assert fallback["site"].endswith(":all_gather")           # GroupCoordinator.all_gather
+        done = {e["cid"] for e in events if e["ev"] == "coll_done"}
+        assert fallback["cid"] in done
+        # no collective recorded anywhere in the run is left without its completion, but pynccl's
+        # (NCCL completes on its stream: test_no_coll_done_for_nccl) and the custom all-reduce's
+        # warm-up call (the op hook's own record: ordered on the current stream, no completion)
+        pending = [e for e in events if e["ev"] == "coll" and e["cid"] not in done
+                   and not e["comm"].startswith(("pynccl:", "custom_ar:"))]
+        assert not pending, pending
 
 
 def test_no_coll_done_for_nccl(run):

@@ -40,10 +40,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+import tiny_llama  # noqa: E402  (examples/tiny_llama.py: the model and the prompts)
+from tiny_llama import MODEL, make_model  # noqa: E402
 
-MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             bos_token_id=1, eos_token_id=2)
 MAX_TOKENS = 64
 N_PROMPTS = 16
 REPEAT = 5
@@ -66,13 +66,7 @@ ALL_GATHER = {"_C.shm_all_gather", "c10d._allgather_base_", "c10d.allgather_"}
 
 
 def prompts() -> list[list[int]]:
-    """Token-id prompts of several lengths, some repetitive (ngram drafts find matches)."""
-    out = []
-    for i in range(N_PROMPTS):
-        n = 6 + 5 * i
-        base = [3 + (11 * i + 5 * j) % 500 for j in range(4 + i)]
-        out.append([1] + [base[j % len(base)] for j in range(n)])
-    return out
+    return tiny_llama.prompts(N_PROMPTS)
 
 
 # --------------------------------------------------------------------------- child: one vLLM run
@@ -134,16 +128,6 @@ def cpu_seconds() -> float:
 
 
 # --------------------------------------------------------------------------- parent
-def make_model(path: Path) -> None:
-    if (path / "config.json").exists():
-        return
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL))
-    model.save_pretrained(path)       # safetensors, float32; no tokenizer (token-id prompts)
-
-
 def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
     eager, level, spec, kernels = CONFIGS[name]
     traces = work / "traces" / name

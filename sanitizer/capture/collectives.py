@@ -12,9 +12,10 @@ Python namespace is replaced, so every public function keeps its identity (`dist
 `op` against `dist.isend`), and Dynamo traces the stock functions.
 
 Exactly once: inside a dispatched op's own kernel the mode is off (the dispatcher pops it for the
-handler), so the c10d op a functional collective issues underneath is not seen again; a Python
-hook that records a collective itself (ops.py, the NCCL wrapper) holds `capture.collective_depth`
-and the dispatcher side stands back.
+handler), so the c10d op a functional collective issues underneath is not seen again. A Python
+hook that records a collective itself (ops.py) holds `capture.collective_depth` (runtime.py):
+the registered kernel it stands for (CUSTOM) stands back inside it, and the hook itself stands
+back when its call went out through a collective recorded here or by the NCCL wrapper.
 
 What a `coll` carries
   comm    the process group's `group_name` (equal on every rank); point-to-point:
@@ -380,10 +381,9 @@ class DispatchedCollectives:
     # ------------------------------------------------------------------ registered custom ops
     def _custom(self, func, args, kwargs, mode=None):
         try:
-            py_hook = getattr(self.capture, "op_collectives", None)
-            inside = py_hook is not None and getattr(py_hook.local, "depth", 0)
+            inside = self.capture.collective_depth.depth
         except Exception:
-            inside = False
+            inside = 0
         out = func(*args, **kwargs)
         if inside:
             return out                       # a Python-level hook (ops.py) records this call itself

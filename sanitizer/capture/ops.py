@@ -55,7 +55,6 @@ class OpCollectives:
     def __init__(self, capture):
         self.capture = capture
         self.seq: dict[str, int] = {}
-        self.local = threading.local()
         self._lock = threading.Lock()
 
     def record(self, kind, method, obj, args, result, spec) -> None:
@@ -106,14 +105,19 @@ def install_for(capture, module) -> list[str]:
         def make(original=original, method=method, kind=kind, spec=spec):
             @functools.wraps(original)
             def wrapper(self, *args, **kwargs):
-                local = ops.local
-                if getattr(local, "depth", 0):          # nested (pymscclpp inside custom AR ...)
+                scope = capture.collective_depth
+                if scope.depth:         # nested (pymscclpp inside custom AR ...): the outer records
                     return original(self, *args, **kwargs)
-                local.depth = 1
+                before = scope.recorded
+                scope.depth = 1
                 try:
                     result = original(self, *args, **kwargs)
                 finally:
-                    local.depth = 0
+                    scope.depth = 0
+                if scope.recorded != before:
+                    # the call went out through torch.distributed or pynccl (a fallback path),
+                    # which recorded it with its completion: no second record
+                    return result
                 if result is not None or method in ("all_gather",):
                     try:
                         a = list(args)

@@ -39,6 +39,22 @@ class ScopeStack(threading.local):
         return s[-1] if s else None
 
 
+class CollectiveDepth(threading.local):
+    """Exactly one `coll` per collective, whichever layers it passes (docs/capture.md, "Exactly
+    once"). A Python-level hook that records a collective itself (ops.py: SGLang's custom
+    communicators) holds `depth` while its call runs. Inside it, the registered kernel it stands
+    for (collectives.CUSTOM) and nested hooks stand back: the hook records that kernel once, named
+    by its group. But when the call goes out through a path that records itself (torch.distributed
+    at the dispatcher, pynccl's NCCLLibrary: a fallback, such as the multimem all-gather on a
+    tensor its kernel does not take), that record carries the real op, comm and completion, and
+    the hook must not add a second one that never completes: `recorded` counts the `coll` events
+    written on this thread, and the hook records only when its call added none."""
+
+    def __init__(self):
+        self.depth = 0
+        self.recorded = 0
+
+
 class Capture:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -49,6 +65,7 @@ class Capture:
         self.emit = self.writer.emit
         self.sites = SiteFinder(settings.stacks, settings.max_stack)
         self.scopes = ScopeStack()
+        self.collective_depth = CollectiveDepth()
         self.streams = StreamIds()    # one id per device stream, shared by every hook
         self.step: int | None = None
         self.blocks = None        # memory.BlockTable, once torch is imported
@@ -116,6 +133,8 @@ class Capture:
         """Stamp and queue one event (t, and site/stack as configured)."""
         if self.host_work_unsynced and ev["ev"] in _ENQUEUES and ev.get("stream") != "cpu":
             self.host_ran_cpu_work()
+        if ev["ev"] == "coll":
+            self.collective_depth.recorded += 1
         ev["t"] = time.time_ns()
         if with_site:
             site, stack = self.sites.where()
