@@ -1006,7 +1006,7 @@ def _patch_backend(capture, colls) -> None:
                 return __original(self, *args, **kwargs)
             slot.in_backend += 1
             try:
-                work = __original(self, *args, **kwargs)
+                work = _without_capture_mode(__original, self, *args, **kwargs)
             finally:
                 slot.in_backend -= 1
             try:
@@ -1029,6 +1029,19 @@ def _patch_backend(capture, colls) -> None:
             capture.failed(f"install.Backend.{name}", exc)
             colls.coverage.static.append(f"Backend.{name} could not be wrapped: its calls on "
                                          "Backend objects used directly are not recorded")
+
+
+def _without_capture_mode(fn, *args, **kwargs):
+    """Call a Backend method as the dispatcher calls a c10d op's kernel: with capture's dispatch
+    mode off (when it is the innermost mode). The backend's own ops are the collective's work,
+    not the program's: gloo's Works capture the caller's thread-local state, so with the mode on
+    the copies its worker threads make would be recorded as the program's launches."""
+    from torch.utils import _python_dispatch as pd
+    from sanitizer.capture.memory import AllocationMode
+    if not isinstance(pd._get_current_dispatch_mode(), AllocationMode):
+        return fn(*args, **kwargs)
+    with pd._pop_mode_temporarily():
+        return fn(*args, **kwargs)
 
 
 def _patch_collect_all(capture, colls) -> None:
