@@ -344,3 +344,43 @@ def test_backend_collectives_recorded_alike_on_both_ranks(run):
     # send on one rank, recv on the other: the same comm and seq, the rest identical
     strip = lambda sig: [(c, q, n) for o, c, q, n in sig]
     assert strip(sigs[0]) == strip(sigs[1])
+
+
+COVERAGE = textwrap.dedent(r'''
+    import os, sys
+    import torch, torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[1]
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    # a collective op in c10d's namespace that no table of capture describes (a newer torch's)
+    lib = torch.library.Library("c10d", "FRAGMENT")
+    lib.define("hazsan_probe_(Tensor[] tensors) -> Tensor[]")
+    lib.impl("hazsan_probe_", lambda ts: [t.add_(1) for t in ts], "CPU")
+    x = torch.zeros(4)
+    torch.ops.c10d.hazsan_probe_([x])
+    torch.ops.c10d.hazsan_probe_([x])
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+''')
+
+
+def test_what_capture_cannot_see_is_said(tmp_path):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL (ProcessGroupWrapper's own check collectives, from C++) and
+    a collective op no table describes: both in the header's `coverage`, both warned by check."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "prog.py").write_text(COVERAGE)
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "run", "--dir", str(tmp_path / "t"),
+                          "--format", "json", "--", sys.executable, "prog.py", str(port)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    report = json.loads(out.stdout)
+    header = json.loads(next((tmp_path / "t").glob("*rank0*")).read_text().splitlines()[0])
+    cov = header["coverage"]
+    assert cov["unrecorded"] == {"c10d.hazsan_probe_": 2}, cov
+    assert any("TORCH_DISTRIBUTED_DEBUG=DETAIL" in g for g in cov["unseen"]), cov
+    warnings = "\n".join(report["summary"]["warnings"])
+    assert "2 collective call(s) capture could not record (c10d.hazsan_probe_ x2)" in warnings
+    assert "ProcessGroupWrapper" in warnings
+    assert report["summary"]["hook_errors"] == 0
