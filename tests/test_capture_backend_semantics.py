@@ -12,6 +12,7 @@ One program runs, a decode step per case, under `hazsan run` at `alloc` and at `
   40     a reduce-scatter's padded input freed right after enqueue: gloo cloned it in the call
   50     an all-gather's padded input dies inside `wait_tensor` (the Work held the last reference)
   60     `torch.futures.wait_all` on the Works' futures, then the outputs read
+  65     all-reduces whose handles are dropped, then a barrier (gloo's waits for them), then read
   70     `all_to_all_single` on a transposed input raises "Tensors must be contiguous": never ran
   80/81  a Backend built directly (`ProcessGroupGloo(store, rank, size, opts)`, as PyTorch's own
          tests do): an all-reduce's tensor read before its wait (80), after it (81)
@@ -162,6 +163,16 @@ PROGRAM = textwrap.dedent(r'''
         res["wait_all"] = [float(t.sum()) for t in ts]
         del ts, futs
 
+        # 65: gloo's barrier waits for every collective of its group enqueued before it
+        # (PyTorch's test_barrier_implies_wait: the all-reduces' handles leaked)
+        sanitizer.step(65)
+        ts = [torch.full((100,), float(i)) for i in range(4)]
+        for t in ts:
+            dist.all_reduce(t, async_op=True)
+        dist.barrier()
+        res["barrier"] = [float(t[0]) for t in ts]
+        del ts, t
+
         # 70: a collective whose kernel raises never ran
         sanitizer.step(70)
         src = torch.arange(16.0).reshape(4, 4)
@@ -218,7 +229,7 @@ PROGRAM = textwrap.dedent(r'''
 ''')
 
 BUGS = {10: "DeepSpeed#8539", 20: "vllm-ascend#11961", 30: "gloo out-of-order", 80: "Backend read before wait"}
-CLEAN = (11, 21, 31, 40, 50, 60, 70, 81, 82)
+CLEAN = (11, 21, 31, 40, 50, 60, 65, 70, 81, 82)
 
 
 def _run(tmp, level):
@@ -262,6 +273,7 @@ def test_program_ran_as_upstream_torch_runs_it(run):
     assert r0["rs"] == [2.0] * 4 and r1["rs"] == [2.0, 2.0, 0.0, 0.0]     # 6 ones padded to 8
     assert r0["ag"] == r1["ag"] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
     assert r0["backend"][0] == [1.0] * 8 and r0["backend"][1] == [0.0] * 8
+    assert r0["barrier"] == [0.0, 2.0, 4.0, 6.0]
     print(f"\n[{level}] later small all-gather completed first in {r0['later_small_first']}/10 "
           f"and {r1['later_small_first']}/10 trials (ranks 0, 1)")
 

@@ -163,6 +163,16 @@ COPIED_AT_ENQUEUE = {
 # completes each Work on its own (CompletionStreams).
 IN_ORDER_BACKENDS = frozenset({"nccl"})
 
+# Barriers that complete every Work of their group enqueued before them: backend -> barrier ops.
+#   gloo: ProcessGroupGloo::barrier (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp) snapshots
+#     workInProgress_ and workQueue_ (every collective enqueued before it), and AsyncBarrierWork::run
+#     waits on each before its own barrier. Point-to-point Works (SendWork, RecvWork) are never
+#     enqueued there, so a barrier says nothing of them (P2P_OPS).
+BARRIER_COMPLETES_PRIOR = {"gloo": frozenset({"c10d.barrier", "Backend.barrier"})}
+P2P_OPS = frozenset({"c10d.send", "c10d.recv_", "c10d.recv_any_source_", "Backend.send",
+                     "Backend.recv", "Backend.recv_anysource", "_c10d_functional.isend",
+                     "_c10d_functional.irecv", "_c10d_functional.batch_p2p_ops"})
+
 # Methods of a Backend object (torch._C._distributed_c10d.Backend: ProcessGroupGloo built
 # directly), whose C++ bodies call the backend without the dispatcher ops. Each: its leading
 # positional arguments as (key, access) (the pybind overloads of a method share the positions),
@@ -245,9 +255,9 @@ class CompletionStreams:
     def __init__(self):
         self._lock = threading.Lock()
         self._busy: dict[str, set] = {}       # group stream -> lanes held by Works in flight
-        self._held: dict[int, tuple] = {}     # cid -> (group stream, lane)
+        self._held: dict[int, tuple] = {}     # cid -> (group stream, lane, op)
 
-    def stream_for(self, stream: str, cid: int) -> str:
+    def stream_for(self, stream: str, cid: int, op: str = "") -> str:
         if stream.partition(":")[0] in IN_ORDER_BACKENDS:
             return stream
         with self._lock:
@@ -256,8 +266,21 @@ class CompletionStreams:
             while lane in busy:
                 lane += 1
             busy.add(lane)
-            self._held[cid] = (stream, lane)
+            self._held[cid] = (stream, lane, op)
         return stream if lane == 0 else f"{stream}#{lane}"
+
+    def completed_with(self, cid: int) -> list[int]:
+        """The Works that the completion of `cid` completes too: for a barrier that waits on its
+        group's earlier Works (BARRIER_COMPLETES_PRIOR), those still in flight, in order."""
+        with self._lock:
+            held = self._held.get(cid)
+            if held is None:
+                return []
+            stream, _, op = held
+            if op not in BARRIER_COMPLETES_PRIOR.get(stream.partition(":")[0], ()):
+                return []
+            return sorted(c for c, (s, _, o) in self._held.items()
+                          if c < cid and s == stream and o not in P2P_OPS)
 
     def complete(self, cid: int) -> None:
         with self._lock:
@@ -405,7 +428,7 @@ class DispatchedCollectives:
         self.issued_cids.add(cid)
         seq = self._next_seq(comm)
         if by_backend:
-            stream = self.streams.stream_for(stream, cid)
+            stream = self.streams.stream_for(stream, cid, op)
         if stream.startswith("nccl:"):
             # ProcessGroupNCCL's stream first waits for the caller's current stream (its inputs
             # were written there): without this edge every NCCL collective whose input a kernel
@@ -689,6 +712,14 @@ class DispatchedCollectives:
             self.capture.failed("coll.future", exc)
 
     def done(self, cid, waited: bool = False) -> None:
+        # a gloo barrier has waited for every collective of its group enqueued before it
+        prior = self.streams.completed_with(cid)
+        self._done(cid, waited)
+        for c in prior:
+            if c in self.issued_cids:
+                self._done(c, waited)
+
+    def _done(self, cid, waited: bool = False) -> None:
         self.issued_cids.discard(cid)
         nccl_stream = self.device_streamed.pop(cid, None)
         if nccl_stream is not None and waited:
