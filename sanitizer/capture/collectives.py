@@ -429,16 +429,23 @@ class DispatchedCollectives:
         seq = self._next_seq(comm)
         if by_backend:
             stream = self.streams.stream_for(stream, cid, op)
-        if stream.startswith("nccl:"):
-            # ProcessGroupNCCL's stream first waits for the caller's current stream (its inputs
-            # were written there): without this edge every NCCL collective whose input a kernel
-            # wrote would read as unordered.
-            event, t = f"coll{cid}:in", time.time_ns()
-            self.emit({"ev": "record", "event": event, "stream": _current_stream(cap), "t": t})
-            self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
-            self.device_streamed[cid] = stream
-        cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
-                   "stream": stream, "bufs": bufs})
+        try:
+            if stream.startswith("nccl:"):
+                # ProcessGroupNCCL's stream first waits for the caller's current stream (its
+                # inputs were written there): without this edge every NCCL collective whose input
+                # a kernel wrote would read as unordered.
+                event, t = f"coll{cid}:in", time.time_ns()
+                self.emit({"ev": "record", "event": event, "stream": _current_stream(cap), "t": t})
+                self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
+                self.device_streamed[cid] = stream
+            cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
+                       "stream": stream, "bufs": bufs})
+        except BaseException:
+            # not written: nothing may complete it later (a barrier completes what is in flight)
+            self.issued_cids.discard(cid)
+            self.device_streamed.pop(cid, None)
+            self.streams.complete(cid)
+            raise
         return cid
 
     # ------------------------------------------------------------------ c10d::*

@@ -311,8 +311,15 @@ class BlockTable:
                 ev["stack"] = frames
         b = Block(bid, key, real, nbytes, addr, size, model, stream)
         b.ref = weakref.ref(s, partial(self.died, key, bid))
+        # registered once written: a block whose alloc a failing emit lost must get no free
+        # (it may die steps later, when emitting works again)
+        try:
+            self.emit(ev)
+        except BaseException:
+            if model is not None:
+                self.capture.arenas_model().free(model)
+            raise
         live[key] = b
-        self.emit(ev)
         return b
 
     def _release(self, b: Block) -> None:
