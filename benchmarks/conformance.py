@@ -17,6 +17,18 @@ generated directory sets it before the test's setUp spawns the ranks, which inhe
     .venv/bin/python benchmarks/conformance.py -k "all_reduce_sum or barrier" --modes bare full
     .venv/bin/python benchmarks/conformance.py --timeout 120 --keep --json out.json
 
+PyTorch's own test files from its repository (not in the wheel: test/distributed/test_c10d_gloo.py,
+test_c10d_object_collectives.py, tensor/test_redistribute.py, taken at a commit whose helpers
+import on the installed torch) run the same way with --upstream: the files are copied beside the
+generated conftest and run as they are, each test keyed `<Class>.<test>`; modules they import
+(test_c10d_common.py) are copied along with --upstream-helpers and not run themselves:
+
+    .venv/bin/python benchmarks/conformance.py --upstream ~/pytorch/test/distributed/test_c10d_gloo.py \
+        --upstream-helpers ~/pytorch/test/distributed/test_c10d_common.py -k ProcessGroupGlooTest
+
+Each test's traces are checked, and their `coll` events counted: a passing test whose ranks
+recorded no collective is listed ("no collective recorded").
+
 Exit status: 0 when every mode gives the same outcome for every test and the traces are clean and
 whole; 1 when the sets differ, or there are findings, hook errors, dropped events, incomplete or
 unusable traces; 2 when the harness itself could not run (e.g. nothing collected).
@@ -115,7 +127,10 @@ CONFTEST = textwrap.dedent('''\
         if not _ROOT:
             yield
             return
-        d = os.path.join(_ROOT, request.node.name)
+        name = request.node.name
+        if os.environ.get("CONFORMANCE_QUALIFIED") and request.node.cls is not None:
+            name = f"{request.node.cls.__name__}.{name}"     # several files and classes
+        d = os.path.join(_ROOT, name)
         os.makedirs(d, exist_ok=True)
         old = os.environ.get("HAZSAN_DIR")
         os.environ["HAZSAN_DIR"] = d
@@ -131,12 +146,18 @@ CONFTEST = textwrap.dedent('''\
 PYTEST_INI = "[pytest]\naddopts =\n"
 
 
-def generate(directory: Path) -> Path:
-    """Write the driver module, its conftest and an empty pytest.ini into `directory`."""
+def generate(directory: Path, upstream: list[str] | None = None,
+             helpers: list[str] | None = None) -> Path:
+    """Write the driver module (or copy the upstream test files and their helper modules), its
+    conftest and an empty pytest.ini into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / DRIVER_NAME).write_text(DRIVER)
     (directory / "conftest.py").write_text(CONFTEST)
     (directory / "pytest.ini").write_text(PYTEST_INI)
+    if upstream:
+        for f in list(upstream) + list(helpers or ()):
+            shutil.copy(f, directory / Path(f).name)
+        return directory / Path(upstream[0]).name
+    (directory / DRIVER_NAME).write_text(DRIVER)
     return directory / DRIVER_NAME
 
 
@@ -154,7 +175,7 @@ def base_env(init_method: str, temp_dir: Path) -> dict:
 
 def run_mode(mode: str, driver: Path, work: Path, *, k: str | None, node_ids: list[str] | None,
              timeout: int | None, jobs: int, init_method: str, python: str,
-             tag: str = "") -> dict:
+             tag: str = "", files: list[str] | None = None) -> dict:
     """Run the suite once in `mode`; returns outcomes, timings and where its traces are."""
     name = mode + tag
     mdir = work / name
@@ -173,6 +194,8 @@ def run_mode(mode: str, driver: Path, work: Path, *, k: str | None, node_ids: li
         (traces / "_pytest").mkdir(parents=True)
         env["HAZSAN_DIR"] = str(traces / "_pytest")     # the driving pytest process itself
         env["CONFORMANCE_TRACE_ROOT"] = str(traces)
+    if files:
+        env["CONFORMANCE_QUALIFIED"] = "1"
     if timeout:
         env["CONFORMANCE_TIMEOUT"] = str(timeout)
         env["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(timeout)
@@ -182,7 +205,11 @@ def run_mode(mode: str, driver: Path, work: Path, *, k: str | None, node_ids: li
            "--junitxml", str(xml), "-o", "junit_family=xunit1"]
     if jobs > 1:
         cmd += ["-n", str(jobs)]
-    if node_ids:
+    if files:                       # upstream files; node ids are <Class>.<test>
+        cmd += [_upstream_node(driver.parent, files, n) for n in node_ids or ()] or list(files)
+        if k:
+            cmd += ["-k", k]
+    elif node_ids:
         cmd += [f"{driver.name}::{CLASS_NAME}::{n}" for n in node_ids]
     else:
         cmd.append(driver.name)
@@ -200,11 +227,20 @@ def run_mode(mode: str, driver: Path, work: Path, *, k: str | None, node_ids: li
     # multiprocessing's resource tracker outlives pytest by a moment (it exits on EOF): its trace
     # is whole only once it is gone, so wait for every process of the session before checking
     lingering = wait_session(proc.pid)
-    outcomes, messages, durations = parse_junit(xml)
+    outcomes, messages, durations = parse_junit(xml, qualified=bool(files))
     return {"mode": mode, "rc": proc.returncode, "wall": wall, "cpu": ru.ru_utime + ru.ru_stime,
             "outcomes": outcomes, "messages": messages, "durations": durations,
             "traces": str(traces) if traces else None, "log": str(log), "cmd": cmd,
             "lingering": lingering}
+
+
+def _upstream_node(directory: Path, files: list[str], name: str) -> str:
+    """The pytest node id of `<Class>.<test>`: in the file that defines the class."""
+    cls, _, test = name.partition(".")
+    for f in files:
+        if re.search(rf"^class {re.escape(cls)}\b", (directory / f).read_text(), re.M):
+            return f"{f}::{cls}::{test}"
+    return f"{files[0]}::{cls}::{test}"
 
 
 def wait_session(sid: int, grace: float = 30.0) -> list[str]:
@@ -228,13 +264,16 @@ def wait_session(sid: int, grace: float = 30.0) -> list[str]:
         time.sleep(0.2)
 
 
-def parse_junit(path: Path) -> tuple[dict, dict, dict]:
-    """test name -> passed | failed | error | skipped; failure text; seconds."""
+def parse_junit(path: Path, qualified: bool = False) -> tuple[dict, dict, dict]:
+    """test name (qualified: `<Class>.<test>`) -> passed | failed | error | skipped; failure
+    text; seconds."""
     outcomes, messages, durations = {}, {}, {}
     if not path.exists():
         return outcomes, messages, durations
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name")
+        if qualified:
+            name = f"{(case.get('classname') or '').rsplit('.', 1)[-1]}.{name}"
         durations[name] = float(case.get("time") or 0.0)
         outcome = "passed"
         for kind in ("failure", "error", "skipped"):
@@ -312,7 +351,19 @@ def check_dir(directory: Path, python: str) -> dict:
                                 "detail": f.get("detail")})
     if res["hook_errors"]:
         res["hook_error_detail"] = _hook_errors(directory)
+    res["colls"] = _count_colls(directory)
     return res
+
+
+def _count_colls(directory: Path) -> int:
+    """`coll` events in a test's traces: a test that ran collectives must have recorded them."""
+    n = 0
+    for f in trace_files(directory):
+        try:
+            n += sum(1 for ev in trace_events(f) if ev.get("ev") == "coll")
+        except Exception:
+            continue            # an unreadable file is reported by hazsan check
+    return n
 
 
 def check_mode(result: dict, python: str, jobs: int) -> dict:
@@ -353,6 +404,10 @@ def compare(results: dict) -> dict:
              # a test that ran its ranks and left no trace (a skip decorator spawns nothing)
              "no_trace": sorted(n for n in tested if results[m]["outcomes"][n] != "skipped"
                                 and (n not in checks or not checks[n]["files"]))}
+        # reported, not part of the verdict: some tests issue no collective (store, options)
+        p["no_collectives"] = sorted(n for n in tested if results[m]["outcomes"][n] == "passed"
+                                     and n in checks and checks[n]["files"]
+                                     and not checks[n].get("colls", 1))
         for n, c in checks.items():
             if c["by_rule"]:
                 p["findings"][n] = c["by_rule"]
@@ -452,6 +507,10 @@ def report(results: dict, cmp: dict, out=sys.stdout, max_text: int = 25) -> None
         if p["no_trace"]:
             w(f"  tests with no trace file: {len(p['no_trace'])}: {', '.join(p['no_trace'][:20])}"
               + (" ..." if len(p["no_trace"]) > 20 else ""))
+        colls = sum(c.get("colls", 0) for c in checks.values())
+        w(f"  collectives recorded: {colls:,}; passed tests with none: "
+          f"{len(p.get('no_collectives', []))}"
+          + (f" ({', '.join(p['no_collectives'][:20])})" if p.get("no_collectives") else ""))
         for n, by_rule in sorted(p["findings"].items()):
             w(f"  FINDINGS {n}: " + ", ".join(f"{r} x{c}" for r, c in sorted(by_rule.items())))
             for f in checks[n]["findings"][:5]:
@@ -509,7 +568,8 @@ def machine() -> str:
 def run(k: str | None = None, modes=ALL_MODES, *, timeout: int | None = 300, jobs: int = 1,
         check_jobs: int = 2, init_method: str = "env", workdir: str | None = None,
         node_ids: list[str] | None = None, python: str = sys.executable,
-        parallel_modes: bool = False, confirm: int = 0, progress=None) -> dict:
+        parallel_modes: bool = False, confirm: int = 0, progress=None,
+        upstream: list[str] | None = None, helpers: list[str] | None = None) -> dict:
     """Generate the driver, run each mode, check the traces; returns everything (JSON-able).
 
     parallel_modes: the modes' pytest runs at the same time (same load on each: the wall ratios
@@ -520,13 +580,16 @@ def run(k: str | None = None, modes=ALL_MODES, *, timeout: int | None = 300, job
     modes = list(modes)
     own = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix="hazsan-conformance-"))
-    driver = generate(work / "driver")
+    driver = generate(work / "driver", upstream, helpers)
+    files = [Path(f).name for f in upstream] if upstream else None
     what = "whole suite" if not (k or node_ids) else k or " ".join(node_ids)
+    if files:
+        what = f"{' '.join(files)}" + (f" -k {k}" if k else "")
 
     def one(m, tag="", ids=node_ids, kk=k):
         say(f"[{m}{tag}] running pytest ({what if not tag else ' '.join(ids)}) ...")
         r = run_mode(m, driver, work, k=kk, node_ids=ids, timeout=timeout, jobs=jobs,
-                     init_method=init_method, python=python, tag=tag)
+                     init_method=init_method, python=python, tag=tag, files=files)
         c = counts(r["outcomes"])
         say(f"[{m}{tag}] {c['run']} tests: {c['passed']} passed, {c['failed'] + c['error']} failed, "
             f"{c['skipped']} skipped; pytest exit {r['rc']}; {r['wall']:.0f} s wall, "
@@ -563,7 +626,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", dest="k", metavar="EXPR", help="pytest -k expression selecting tests")
-    ap.add_argument("--tests", nargs="+", metavar="NAME", help="exact test names (instead of -k)")
+    ap.add_argument("--tests", nargs="+", metavar="NAME", help="exact test names (instead of -k); "
+                                                               "with --upstream: <Class>.<test>")
+    ap.add_argument("--upstream", nargs="+", metavar="FILE",
+                    help="run these test files of PyTorch's repository instead of the wheel's suite")
+    ap.add_argument("--upstream-helpers", nargs="+", metavar="FILE", default=[],
+                    help="modules the --upstream files import (copied beside them, not run)")
     ap.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(ALL_MODES),
                     help="modes to run, compared against the first (default: bare alloc full)")
     ap.add_argument("--timeout", type=int, default=300,
@@ -608,13 +676,16 @@ def main(argv=None) -> int:
         ap.error("--modes needs at least one mode")
 
     print(f"conformance: {machine()}")
-    print(f"suite: torch/testing/_internal/distributed/distributed_test.py via "
-          f"{DRIVER_NAME} (gloo, WORLD_SIZE=2, INIT_METHOD={args.init_method}), per-test "
+    suite = (" ".join(args.upstream) + " (PyTorch's repository)" if args.upstream else
+             f"torch/testing/_internal/distributed/distributed_test.py via {DRIVER_NAME} (gloo, "
+             f"WORLD_SIZE=2, INIT_METHOD={args.init_method})")
+    print(f"suite: {suite}, per-test "
           f"timeout {args.timeout} s, xdist jobs {args.jobs}"
           + (", modes at the same time" if args.parallel_modes else ""), flush=True)
     out = run(args.k, args.modes, timeout=args.timeout, jobs=args.jobs, check_jobs=args.check_jobs,
               init_method=args.init_method, workdir=args.workdir, node_ids=args.tests,
-              parallel_modes=args.parallel_modes, confirm=args.confirm, progress=lambda s: print(s, flush=True))
+              parallel_modes=args.parallel_modes, confirm=args.confirm, progress=lambda s: print(s, flush=True),
+              upstream=args.upstream, helpers=args.upstream_helpers)
     print()
     results, cmp = out["results"], out["compare"]
     if not any(r["outcomes"] for r in results.values()):

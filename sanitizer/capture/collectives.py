@@ -22,8 +22,14 @@ What a `coll` carries
           `<group>:p2p:<lo>-<hi>` over the pair of global ranks, so both ends count alike
   seq     this process's count of collectives on that comm, from 0 (every rank issues the same
           collectives on a group in the same order, so it is equal across ranks)
-  stream  `<backend>:<group_name>`: the group's own worker, in order
-  bufs    the ranges it reads and writes, from the op's arguments (SPECS)
+  stream  where the collective runs, per backend (CompletionStreams): NCCL runs a group's
+          collectives in order on one CUDA stream, `nccl:<group_name>`; gloo and the other CPU
+          backends run async work on a thread pool and complete it out of order, so each Work
+          in flight gets a stream of its own, `<backend>:<group_name>` or, while that one is
+          busy, `<backend>:<group_name>#<n>` (reused once its Work is seen complete)
+  bufs    the ranges it reads and writes after the call returns, from the op's arguments (the
+          op tables below); an input the backend copies inside the call (COPIED_AT_ENQUEUE) is
+          host work of the call, not in flight
   op      the dispatcher's name, `c10d.allreduce_`, `_c10d_functional.all_gather_into_tensor`, ...
 
 Completion, `coll_done`, is when the host observes it:
@@ -38,7 +44,21 @@ Completion, `coll_done`, is when the host observes it:
     poll that finds it done writes `coll_done`, so the reducer's copies after its wait are ordered.
   * a functional collective: `wait_tensor` on its output (or on the in-place input).
   Ops dispatched inside `Work.wait()` (gloo's reduce_scatter copies its result out there) are the
-  collective's own work: no `launch` is recorded for them.
+  collective's own work: no `launch` is recorded for them. A storage that dies inside a wait
+  (the Work held the last reference to a padded input) has its `free` written after the
+  wait's `coll_done`: the collective had finished when the Work let go.
+  * `torch.futures.wait_all` / `collect_all`: the Future they return completes when every input
+    Future has; its values are new Python wrappers of the same futures, so completion is filed
+    under the aggregate Future (matched by the futures it holds, not by wrapper identity).
+  A collective whose kernel raises (a non-contiguous input to alltoall_base_) never ran: it is
+  not recorded. The `coll` is written once the op has returned.
+
+Backends built directly (`c10d.ProcessGroupGloo(store, rank, size, opts)`, as PyTorch's own
+tests do) are Backend objects whose methods call the backend in C++ without the dispatcher ops:
+their methods are wrapped too (BACKEND_METHODS) and record the same `coll`, named after the
+backend (`<backend>:backend<n>`, n counting the Backends a process used, in the order it first
+used them). What capture knows it cannot see is written in the header's `coverage` and
+reported by `hazsan check` (CoverageGaps).
 
 NCCL process groups: the host observing that wait() returned does not mean the collective is done.
 ProcessGroupNCCL's Work.wait() makes the *current* CUDA stream wait for the collective's stream and
@@ -47,7 +67,8 @@ event "coll<cid>" on the collective's stream, then `wait` of the current stream 
 the NCCL stream likewise waits for the caller's current stream (`record`/`wait` of "coll<cid>:in"),
 as ProcessGroupNCCL does before every op. Only a host query that finds it complete
 (`Work.is_completed()`, a Future's `done()`) is `coll_done`. Gloo and the other CPU backends block
-the host in wait(), so their wait() is `coll_done`.
+the host in wait(), so their wait() is `coll_done`; a gloo Work's completion says nothing of
+another Work's (its thread pool runs them concurrently), hence one stream per Work in flight.
 """
 from __future__ import annotations
 
@@ -117,6 +138,78 @@ FUNCTIONAL = {
     "batch_p2p_ops": {"tensors": "rw"},
 }
 
+# What a backend has finished reading when the call returns: backend -> op -> the arguments it
+# copies inside the call (the copy is what the collective reads from then on, so the argument
+# itself is not in flight). Only where the backend's source shows the copy:
+#   gloo: torch/csrc/distributed/c10d/ProcessGroupGloo.cpp, ProcessGroupGloo::_reduce_scatter_base
+#     calls ProcessGroupGloo::reduce_scatter_tensor_coalesced, which does
+#     `buffers.push_back(inputTensors[i].clone())` before it enqueues the all-reduces (on the
+#     clones) and returns a LambdaWork that copies the result out in wait(). The functional
+#     reduce-scatters come there through ProcessGroup::reduce_scatter_tensor_coalesced
+#     (torch/csrc/distributed/c10d/Functional.cpp, reduce_scatter_tensor ->
+#     reduce_scatter_tensor_coalesced).
+COPIED_AT_ENQUEUE = {
+    "gloo": {
+        "c10d._reduce_scatter_base_": ("input_tensor",),
+        "c10d.reduce_scatter_tensor_coalesced_": ("inputs",),
+        "_c10d_functional.reduce_scatter_tensor": ("input",),
+        "_c10d_functional.reduce_scatter_tensor_out": ("input",),
+        "_c10d_functional.reduce_scatter_tensor_coalesced": ("inputs",),
+        "_c10d_functional_autograd.reduce_scatter_tensor": ("input",),
+        "Backend._reduce_scatter_base": ("input",),           # (output, input, opts)
+    },
+}
+
+# Backends that run a group's collectives in order on one device stream; every other backend
+# completes each Work on its own (CompletionStreams).
+IN_ORDER_BACKENDS = frozenset({"nccl"})
+
+# Barriers that complete every Work of their group enqueued before them: backend -> barrier ops.
+#   gloo: ProcessGroupGloo::barrier (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp) snapshots
+#     workInProgress_ and workQueue_ (every collective enqueued before it), and AsyncBarrierWork::run
+#     waits on each before its own barrier. Point-to-point Works (SendWork, RecvWork) are never
+#     enqueued there, so a barrier says nothing of them (P2P_OPS).
+BARRIER_COMPLETES_PRIOR = {"gloo": frozenset({"c10d.barrier", "Backend.barrier"})}
+P2P_OPS = frozenset({"c10d.send", "c10d.recv_", "c10d.recv_any_source_", "Backend.send",
+                     "Backend.recv", "Backend.recv_anysource", "_c10d_functional.isend",
+                     "_c10d_functional.irecv", "_c10d_functional.batch_p2p_ops"})
+
+# Methods of a Backend object (torch._C._distributed_c10d.Backend: ProcessGroupGloo built
+# directly), whose C++ bodies call the backend without the dispatcher ops. Each: its leading
+# positional arguments as (key, access) (the pybind overloads of a method share the positions),
+# and "root"/"peer": the (position, keyword) of the argument naming the root (broadcast; else
+# the options' `rootRank`) or the other end (point-to-point; None: any source).
+BACKEND_METHODS = {
+    "allreduce": {"args": (("tensors", "rw"),)},
+    "allreduce_coalesced": {"args": (("tensors", "rw"),)},
+    "reduce": {"args": (("tensors", "rw"),)},
+    "broadcast": {"args": (("tensors", ROOTED),), "root": (1, "root")},
+    "allgather": {"args": (("output", "w"), ("input", "r"))},
+    "_allgather_base": {"args": (("output", "w"), ("input", "r"))},
+    "allgather_coalesced": {"args": (("output", "w"), ("input", "r"))},
+    "reduce_scatter": {"args": (("output", "w"), ("input", "r"))},
+    "_reduce_scatter_base": {"args": (("output", "w"), ("input", "r"))},
+    "alltoall": {"args": (("output", "w"), ("input", "r"))},
+    "alltoall_base": {"args": (("output", "w"), ("input", "r"))},
+    "gather": {"args": (("output", "w"), ("input", "r"))},
+    "scatter": {"args": (("output", "w"), ("input", "r"))},
+    "send": {"args": (("tensors", "r"),), "peer": (1, "dstRank")},
+    "recv": {"args": (("tensors", "w"),), "peer": (1, "srcRank")},
+    "recv_anysource": {"args": (("tensors", "w"),), "peer": None},
+    "barrier": {"args": ()},
+    "monitored_barrier": {"args": ()},
+}
+# the keyword names of those arguments in the pybind signatures -> their position
+_BACKEND_KW = {"tensors": 0, "tensor": 0, "arg0": 0, "output_tensors": 0, "output_tensor": 0,
+               "output": 0, "outputTensor": 0, "output_lists": 0, "input_tensors": 1,
+               "input_tensor": 1, "input": 1, "inputTensor": 1, "input_list": 1}
+
+
+# The dispatcher namespaces of torch.distributed's collectives, and their ops that are not
+# collectives: any other op there that no table describes is counted as unrecorded (coverage).
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+NOT_COLLECTIVES = frozenset({"check_for_nan", "wait_tensor"})
+
 # Ops whose kernels issue collectives themselves: run with the mode on inside (their collectives
 # are then recorded where they happen, each once). vLLM wraps every tensor-parallel collective on
 # CUDA, ROCm and XPU (and in compiled graphs) in these (vllm/distributed/parallel_state.py).
@@ -148,6 +241,78 @@ CUSTOM = {
 }
 
 
+class CompletionStreams:
+    """Which stream a collective is written on, so that the engine's in-order streams say what
+    each backend really guarantees. NCCL (IN_ORDER_BACKENDS) runs a group's collectives in order
+    on one stream: the group's stream. gloo runs each async Work on a thread pool (a later small
+    all-gather finishes before an earlier large one), so one Work's completion says nothing of
+    another's: each Work in flight gets a stream of its own, a lane of the group. Lane 0 is the
+    group's stream itself (what sequential blocking calls always use), lane n `<stream>#<n>`.
+    A lane is handed out again once its Work is seen complete (`coll_done` written): a later
+    Work on it then completes nothing that was not already complete. A Work never seen complete
+    keeps its lane, as its buffers stay in flight: the streams of a rank are as many as the
+    Works it had in flight at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._busy: dict[str, set] = {}       # group stream -> lanes held by Works in flight
+        self._held: dict[int, tuple] = {}     # cid -> (group stream, lane, op)
+
+    def stream_for(self, stream: str, cid: int, op: str = "") -> str:
+        if stream.partition(":")[0] in IN_ORDER_BACKENDS:
+            return stream
+        with self._lock:
+            busy = self._busy.setdefault(stream, set())
+            lane = 0
+            while lane in busy:
+                lane += 1
+            busy.add(lane)
+            self._held[cid] = (stream, lane, op)
+        return stream if lane == 0 else f"{stream}#{lane}"
+
+    def completed_with(self, cid: int) -> list[int]:
+        """The Works that the completion of `cid` completes too: for a barrier that waits on its
+        group's earlier Works (BARRIER_COMPLETES_PRIOR), those still in flight, in order."""
+        with self._lock:
+            held = self._held.get(cid)
+            if held is None:
+                return []
+            stream, _, op = held
+            if op not in BARRIER_COMPLETES_PRIOR.get(stream.partition(":")[0], ()):
+                return []
+            return sorted(c for c, (s, _, o) in self._held.items()
+                          if c < cid and s == stream and o not in P2P_OPS)
+
+    def complete(self, cid: int) -> None:
+        with self._lock:
+            held = self._held.pop(cid, None)
+            if held is not None:
+                self._busy[held[0]].discard(held[1])
+
+
+class CoverageGaps:
+    """Collectives capture knows it cannot record, for the trace header's `coverage` key and
+    `hazsan check`'s warning: never silence. `static`: what a program can issue unseen in this
+    process (known at install), `unrecorded`: calls that happened, counted by name."""
+
+    def __init__(self):
+        self.static: list[str] = []
+        self.unrecorded: dict[str, int] = {}
+
+    def count(self, name: str) -> None:
+        self.unrecorded[name] = self.unrecorded.get(name, 0) + 1
+
+    def facts(self) -> dict | None:
+        if not self.static and not self.unrecorded:
+            return None
+        out: dict = {}
+        if self.static:
+            out["unseen"] = list(self.static)
+        if self.unrecorded:
+            out["unrecorded"] = dict(sorted(self.unrecorded.items()))
+        return out
+
+
 class DispatchedCollectives:
     def __init__(self, capture):
         self.capture = capture
@@ -166,6 +331,10 @@ class DispatchedCollectives:
         self.handlers: dict = {}                # OpOverload -> bound recorder, or False
         self.custom = dict(CUSTOM)
         self.nccl_works = NcclWorkLifetimes(self)   # PyTorch >= 2.8's NCCL streams and stashes
+        self.streams = CompletionStreams()
+        self.backends: dict[int, str] = {}      # id(Backend object) -> its comm name
+        gaps = getattr(capture, "coverage", None)
+        self.coverage = gaps if isinstance(gaps, CoverageGaps) else CoverageGaps()
 
     # ------------------------------------------------------------------ which ops are collectives
     def handler(self, func):
@@ -182,6 +351,8 @@ class DispatchedCollectives:
                     h = self._functional
                 elif ns == "_c10d_functional" and base == "wait_tensor":
                     h = self._wait_tensor
+                elif ns in _COLLECTIVE_NAMESPACES and base not in NOT_COLLECTIVES:
+                    h = self._unrecorded       # a collective op no table knows: say so
                 elif func._schema.name in self.custom:
                     h = self._custom
                 elif func._schema.name in TRANSPARENT:
@@ -232,13 +403,15 @@ class DispatchedCollectives:
             self.seq[comm] = seq + 1
         return seq
 
-    def _bufs(self, entry, named, result=None):
+    def _bufs(self, entry, named, result=None, copied=()):
+        """The `bufs` of a collective: each argument of the entry with its access, but those the
+        backend copies inside the call (`copied`, from COPIED_AT_ENQUEUE)."""
         table = self.capture.blocks
         out = []
         if table is None:
             return out
         for key, access in entry.items():
-            if key in ("peer", "root", "kind", "comm"):
+            if key in ("peer", "root", "kind", "comm") or key in copied:
                 continue
             value = result if key == "result" else named.get(key)
             if access == ROOTED:
@@ -249,26 +422,44 @@ class DispatchedCollectives:
                     out.append({"addr": r[0], "size": r[1], "access": access})
         return out
 
-    def _record(self, op, comm, stream, bufs) -> int:
+    def _record(self, op, comm, stream, bufs, by_backend: bool = True) -> int:
+        """Write one `coll`; by_backend: the stream is a process group's, ordered as its backend
+        orders Works (CompletionStreams), not a stream the op runs on directly."""
         cap = self.capture
         cid = cap.next_cid()
         self.issued_cids.add(cid)
         seq = self._next_seq(comm)
-        if stream.startswith("nccl:"):
-            # ProcessGroupNCCL's stream first waits for the caller's current stream (its inputs
-            # were written there): without this edge every NCCL collective whose input a kernel
-            # wrote would read as unordered.
-            event, t = f"coll{cid}:in", time.time_ns()
-            self.emit({"ev": "record", "event": event, "stream": _current_stream(cap), "t": t})
-            self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
-            self.device_streamed[cid] = stream
-            self.nccl_works.stashed(cid, bufs)
-        cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
-                   "stream": stream, "bufs": bufs})
+        if by_backend:
+            stream = self.streams.stream_for(stream, cid, op)
+        try:
+            if stream.startswith("nccl:"):
+                # ProcessGroupNCCL's stream first waits for the caller's current stream (its
+                # inputs were written there): without this edge every NCCL collective whose input
+                # a kernel wrote would read as unordered.
+                event, t = f"coll{cid}:in", time.time_ns()
+                self.emit({"ev": "record", "event": event, "stream": _current_stream(cap), "t": t})
+                self.emit({"ev": "wait", "event": event, "stream": stream, "t": t})
+                self.device_streamed[cid] = stream
+                self.nccl_works.stashed(cid, bufs)
+            cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
+                       "stream": stream, "bufs": bufs})
+        except BaseException:
+            # not written: nothing may complete it later (a barrier completes what is in flight)
+            self.issued_cids.discard(cid)
+            self.device_streamed.pop(cid, None)
+            self.streams.complete(cid)
+            raise
         return cid
 
     # ------------------------------------------------------------------ c10d::*
     def _c10d(self, func, args, kwargs, mode=None):
+        # The op runs first: one whose kernel raises (alltoall_base_ on a non-contiguous input:
+        # "Tensors must be contiguous") never ran, and is not recorded.
+        self.slot.in_dispatch += 1          # a Backend method called back from Python inside
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.slot.in_dispatch -= 1
         cid = None
         try:
             named = _bind(func, args, kwargs)
@@ -281,13 +472,15 @@ class DispatchedCollectives:
                 named["__is_root__"] = named.get(entry["root"]) == pg.rank()
             if "peer" in entry:
                 comm = _p2p_comm(comm, pg, named.get(entry["peer"]) if entry["peer"] else None)
-            bufs = self._bufs(entry, named)
-            cid = self._record(f"c10d.{func._schema.name[6:]}", comm, stream, bufs)
+            op = f"c10d.{func._schema.name[6:]}"
+            bufs = self._bufs(entry, named, copied=_copied(stream, op))
+            # a collective on the caller's current stream (NCCL, async_op=False) runs in that
+            # stream's order: no lane of its group
+            cid = self._record(op, comm, stream, bufs, by_backend=stream == group_stream)
             if stream != group_stream:
                 self.nccl_works.current.add(cid)
         except Exception as exc:
             self.capture.failed(_hook_name(func), exc)
-        out = func(*args, **kwargs)
         if cid is not None:
             try:
                 work = _work_in(out)
@@ -321,8 +514,9 @@ class DispatchedCollectives:
             table = self.capture.blocks
             if table is not None:       # the fresh result, before the coll that names it
                 table.on_op(func, args, out)
-            bufs = self._bufs(entry, named, out)
-            cid = self._record(f"{func.namespace}.{base}", comm, stream, bufs)
+            op = f"{func.namespace}.{base}"
+            bufs = self._bufs(entry, named, out, copied=_copied(stream, op))
+            cid = self._record(op, comm, stream, bufs)
             # wait_tensor names the result (for in-place forms, the input it returns)
             live = table.live if table is not None else {}
             for t in _tensors(out):
@@ -334,15 +528,43 @@ class DispatchedCollectives:
         return out
 
     def _wait_tensor(self, func, args, kwargs, mode=None):
+        # quiet until the completion is written: a storage the Work lets go of inside the wait
+        # (its last reference to a padded input) is freed after the coll_done (memory.py)
         self.slot.quiet += 1
         try:
             out = func(*args, **kwargs)
+            self._waited_tensor(args, kwargs)
         finally:
             self.slot.quiet -= 1
+            self._release_deferred()
+        return out
+
+    def _release_deferred(self) -> None:
+        """The frees held back while this thread was inside a wait (memory.py), once it is out."""
+        try:
+            table = self.capture.blocks
+            if table is not None and self.slot.deferred and not self.slot.quiet:
+                table.release_deferred()
+        except Exception as exc:
+            self.capture.failed("free", exc)
+
+    def _waited_tensor(self, args, kwargs) -> None:
         try:
             self.waited(args[0] if args else kwargs.get("tensor"))
         except Exception as exc:
             self.capture.failed("coll.wait_tensor", exc)
+
+    def _unrecorded(self, func, args, kwargs, mode=None):
+        """A c10d or functional collective op that none of the tables describes (a newer torch):
+        run it, and count it in the header's coverage, as capture cannot say what it touches."""
+        try:
+            self.coverage.count(_hook_name(func)[5:])
+        except Exception as exc:
+            self.capture.failed(_hook_name(func), exc)
+        out = func(*args, **kwargs)
+        table = self.capture.blocks
+        if table is not None:
+            table.on_op(func, args, out)
         return out
 
     def waited(self, t) -> None:
@@ -410,7 +632,7 @@ class DispatchedCollectives:
                 b.pop("_cpu", None)
             stream = "cpu" if host else _current_stream(self.capture)
             cid = self._record(f"{func.namespace}.{func._schema.name.partition('::')[2]}", comm,
-                               stream, bufs)
+                               stream, bufs, by_backend=False)
             self.done(cid, waited=True)    # returned: done for the host (CPU) / ordered on the stream
         except Exception as exc:
             self.capture.failed(_hook_name(func), exc)
@@ -520,23 +742,98 @@ class DispatchedCollectives:
             self.capture.failed("coll.future", exc)
 
     def done(self, cid, waited: bool = False) -> None:
+        # a gloo barrier has waited for every collective of its group enqueued before it
+        prior = self.streams.completed_with(cid)
+        self._done(cid, waited)
+        for c in prior:
+            if c in self.issued_cids:
+                self._done(c, waited)
+
+    def _done(self, cid, waited: bool = False) -> None:
         self.issued_cids.discard(cid)
-        if self.nccl_works.finished(cid):
-            return
-        nccl_stream = self.device_streamed.pop(cid, None)
-        if nccl_stream is not None and waited:
-            # NCCL: wait() orders the current stream after the collective; the host goes on
-            event = f"coll{cid}"
-            t = time.time_ns()
-            self.emit({"ev": "record", "event": event, "stream": nccl_stream, "t": t})
-            self.emit({"ev": "wait", "event": event, "stream": _current_stream(self.capture), "t": t})
-        else:
-            self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+        if not self.nccl_works.finished(cid):     # a current-stream collective: nothing to write
+            nccl_stream = self.device_streamed.pop(cid, None)
+            if nccl_stream is not None and waited:
+                # NCCL: wait() orders the current stream after the collective; the host goes on
+                event = f"coll{cid}"
+                t = time.time_ns()
+                self.emit({"ev": "record", "event": event, "stream": nccl_stream, "t": t})
+                self.emit({"ev": "wait", "event": event, "stream": _current_stream(self.capture), "t": t})
+            else:
+                self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+        # its stream may take the next Work once the completion is written, not before
+        self.streams.complete(cid)
         # the same collective may be observed through its Work and its Future: once is enough
         # (issued_cids); pending entries whose collectives are all done go
         for key, (ref, cids) in list(self.pending.items()):
             if cid in cids and not any(c in self.issued_cids for c in cids):
                 self.pending.pop(key, None)
+
+    # ------------------------------------------------------------------ Backend objects
+    def backend_comm(self, backend) -> str:
+        """The comm name of a Backend object used directly: `backend<n>`, n counting the Backends
+        this process used in the order it first used them (equal on every rank that builds and
+        uses its backends in the same order, as the programs that do this are written)."""
+        key = id(backend)
+        name = self.backends.get(key)
+        if name is None:
+            name = self.backends[key] = f"backend{len(self.backends)}"
+        return name
+
+    def backend_call(self, name, backend, args, kwargs, work) -> None:
+        """Backend method `name` returned `work` (None: a blocking one returned): record its
+        collective and file the Work under it, as for a ProcessGroup method."""
+        spec = BACKEND_METHODS[name]
+        self.poll()
+        comm = self.backend_comm(backend)
+        try:
+            kind = str(backend._get_backend_name())
+        except Exception:
+            kind = "backend"
+        stream = f"{kind}:{comm}"
+        rank = backend.rank()
+        values = list(args[:len(spec["args"])])
+        values += [None] * (len(spec["args"]) - len(values))
+        for k, v in kwargs.items():
+            pos = _BACKEND_KW.get(k)
+            if pos is not None and pos < len(values):
+                values[pos] = v
+        entry, named = {}, {}
+        for (key, access), value in zip(spec["args"], values):
+            if access == ROOTED:
+                root = _backend_arg(args, kwargs, spec.get("root"))
+                access = "r" if (root if root is not None else _rank_in_options(args)) == rank else "w"
+            entry[key], named[key] = access, value
+        if "peer" in spec:
+            peer = _backend_arg(args, kwargs, spec["peer"])
+            if peer is None:
+                comm = f"{comm}:p2p:any"
+            else:
+                lo, hi = sorted((rank, peer))
+                comm = f"{comm}:p2p:{lo}-{hi}"
+        op = f"Backend.{name}"
+        bufs = self._bufs(entry, named, copied=_copied(stream, op))
+        cid = self._record(op, comm, stream, bufs)
+        if work is None:                             # a blocking method: done on return
+            self.done(cid, waited=True)
+        else:
+            self._remember(work, [cid])
+
+    # ------------------------------------------------------------------ futures through wrappers
+    def collected(self, futures, aggregate) -> None:
+        """`torch._C._collect_all(futures)` returned `aggregate`, which completes when all of
+        them have; its value holds new Python wrappers of the same futures, which nothing here
+        can know by identity. File the collectives of every input future under the aggregate."""
+        try:
+            cids: list = []
+            for fut in futures:
+                entry = self.pending.get(id(fut))
+                if entry is not None and entry[0]() is fut:
+                    cids.extend(c for c in entry[1] if c not in cids)
+            if cids and aggregate is not None:
+                self._remember(aggregate, cids)
+        except Exception as exc:
+            self.capture.failed("coll.collect_all", exc)
 
 
 # ---------------------------------------------------------------------------- NCCL, PyTorch >= 2.8
@@ -626,6 +923,30 @@ def _tensors(value):
     return ()
 
 
+def _copied(stream: str, op: str) -> tuple:
+    """The arguments of `op` its backend (the stream's prefix) copies inside the call."""
+    return COPIED_AT_ENQUEUE.get(stream.partition(":")[0], {}).get(op, ())
+
+
+def _backend_arg(args, kwargs, where):
+    """An integer argument of a Backend method given by (position, keyword), or None."""
+    if where is None:
+        return None
+    pos, name = where
+    value = kwargs.get(name) if name in kwargs else (args[pos] if len(args) > pos else None)
+    return int(value) if isinstance(value, int) else None
+
+
+def _rank_in_options(args):
+    """`rootRank` of the options object among a Backend method's arguments (broadcast's
+    BroadcastOptions), or None."""
+    for a in args:
+        r = getattr(a, "rootRank", None)
+        if isinstance(r, int):
+            return r
+    return None
+
+
 def _backend_key(func, args, kwargs):
     """The backend dispatch key whose kernel op `func` runs for these tensors (CUDA if any is
     on a CUDA device, else CPU), or None when that kernel is not registered (then the op runs
@@ -711,12 +1032,16 @@ _ORIGINAL: dict = {}
 def install(capture) -> DispatchedCollectives:
     colls = DispatchedCollectives(capture)
     capture.collectives = colls
+    capture.coverage = colls.coverage        # the header's `coverage` (facts.py)
     table = capture.blocks
     if table is not None:
         table.collectives = colls
         table.special.clear()        # ops seen before: classify again, now knowing collectives
     _patch_work(capture, colls)
     _patch_process_group(capture, colls)
+    _patch_backend(capture, colls)
+    _patch_collect_all(capture, colls)
+    _static_gaps(colls.coverage)
     _patch_default_group(capture)
     _patch_comm_hooks(capture, colls)
     return colls
@@ -798,6 +1123,96 @@ def _patch_process_group(capture, colls) -> None:
             capture.failed(f"install.ProcessGroup.{name}", exc)
 
 
+def _patch_backend(capture, colls) -> None:
+    """Methods of the Backend class: a Backend used directly (`c10d.ProcessGroupGloo(store, rank,
+    size, opts)`) calls the backend in C++, past the dispatcher ops. Each call is recorded once
+    it returned (one that raised never ran), unless it comes from inside a recorded collective
+    (a Backend written in Python, called back by the dispatcher op that was recorded)."""
+    Backend = getattr(_C10D, "Backend", None)
+    if Backend is None:
+        colls.coverage.static.append("torch._C._distributed_c10d.Backend not found: collectives "
+                                     "of Backend objects used directly are not recorded")
+        return
+    slot = colls.slot
+    for name in BACKEND_METHODS:
+        original = Backend.__dict__.get(name)
+        if original is None or getattr(original, "_hazsan", False):
+            continue
+
+        def method(self, *args, __original=original, __name=name, **kwargs):
+            if slot.in_dispatch or slot.in_backend:
+                return __original(self, *args, **kwargs)
+            slot.in_backend += 1
+            try:
+                work = _without_capture_mode(__original, self, *args, **kwargs)
+            finally:
+                slot.in_backend -= 1
+            try:
+                colls.backend_call(__name, self, args, kwargs, work)
+            except Exception as exc:
+                capture.failed(f"coll.Backend.{__name}", exc)
+            return work
+
+        method._hazsan = True
+        method.__name__ = name
+        method.__qualname__ = f"Backend.{name}"
+        method.__doc__ = getattr(original, "__doc__", None)
+        method.__wrapped__ = original
+        try:
+            # pybind11 treats a Python attribute of a bound class as a Python override; a frame
+            # of that name with `self` first is how it knows the call comes from the override
+            method.__code__ = method.__code__.replace(co_name=name)
+            setattr(Backend, name, method)
+        except Exception as exc:
+            capture.failed(f"install.Backend.{name}", exc)
+            colls.coverage.static.append(f"Backend.{name} could not be wrapped: its calls on "
+                                         "Backend objects used directly are not recorded")
+
+
+def _without_capture_mode(fn, *args, **kwargs):
+    """Call a Backend method as the dispatcher calls a c10d op's kernel: with capture's dispatch
+    mode off (when it is the innermost mode). The backend's own ops are the collective's work,
+    not the program's: gloo's Works capture the caller's thread-local state, so with the mode on
+    the copies its worker threads make would be recorded as the program's launches."""
+    from torch.utils import _python_dispatch as pd
+    from sanitizer.capture.memory import AllocationMode
+    if not isinstance(pd._get_current_dispatch_mode(), AllocationMode):
+        return fn(*args, **kwargs)
+    with pd._pop_mode_temporarily():
+        return fn(*args, **kwargs)
+
+
+def _patch_collect_all(capture, colls) -> None:
+    """`torch._C._collect_all`, which torch.futures.collect_all and wait_all call (looked up on
+    torch._C at each call): its Future completes once every input Future has."""
+    original = getattr(torch._C, "_collect_all", None)
+    if original is None or getattr(original, "_hazsan", False):
+        return
+
+    def _collect_all(futures, *args, **kwargs):
+        aggregate = original(futures, *args, **kwargs)
+        try:
+            colls.collected(list(futures), aggregate)
+        except Exception as exc:
+            capture.failed("coll.collect_all", exc)
+        return aggregate
+
+    _collect_all._hazsan = True
+    _collect_all.__wrapped__ = original
+    _collect_all.__doc__ = getattr(original, "__doc__", None)
+    torch._C._collect_all = _collect_all
+
+
+def _static_gaps(gaps: CoverageGaps) -> None:
+    """What this process can issue that capture will not see, known at install."""
+    import os
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        # ProcessGroupWrapper checks every collective's shapes with collectives of its own on a
+        # helper gloo backend, called from C++ inside the wrapped op (c10d/ProcessGroupWrapper.cpp)
+        gaps.static.append("TORCH_DISTRIBUTED_DEBUG=DETAIL: ProcessGroupWrapper's own check "
+                           "collectives (C++, on a helper gloo group) are not recorded")
+
+
 def _patch_work(capture, colls) -> None:
     """Completion observed by the host: methods of Work and Future (classes, not functions of
     torch.distributed: identities of the public API are untouched)."""
@@ -825,12 +1240,15 @@ def _patch_work(capture, colls) -> None:
             capture.failed("coll.future", exc)
 
     def wait(self, *a, **k):
-        slot.quiet += 1            # ops dispatched in here are the collective's own (gloo copies)
+        # ops dispatched in here are the collective's own (gloo copies); storages that die in
+        # here are freed after the completion is written (memory.py: DispatchSlot.deferred)
+        slot.quiet += 1
         try:
             r = w_wait(self, *a, **k)
+            observe(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
         finally:
             slot.quiet -= 1
-        observe(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
+            colls._release_deferred()
         return r
 
     def is_completed(self):
@@ -848,9 +1266,10 @@ def _patch_work(capture, colls) -> None:
         slot.quiet += 1
         try:
             r = f_wait(self, *a, **k)
+            observe(self)
         finally:
             slot.quiet -= 1
-        observe(self)
+            colls._release_deferred()
         return r
 
     def fvalue(self, *a, **k):

@@ -35,6 +35,11 @@ def header_facts(capture) -> dict:
             h.update(_device_facts(torch, versions))
         except Exception as exc:
             capture.failed("header.device", exc)
+    coverage = getattr(capture, "coverage", None)
+    if coverage is not None:                 # collectives capture knows it cannot record
+        facts = coverage.facts()
+        if facts:
+            h["coverage"] = facts
     versions.update(getattr(capture, "versions", {}))
     h["versions"] = {k: v for k, v in versions.items() if v is not None}
     return h

@@ -78,7 +78,13 @@ class DispatchSlot(threading.local):
 
     def __init__(self):
         self.quiet = 0
+        # blocks whose storage died on this thread inside such a wait: their `free` is written
+        # once the wait has recorded the collective's completion (a Work's last reference to its
+        # input goes inside wait_tensor, after the collective finished)
+        self.deferred: list = []
         self.in_method = False   # inside a ProcessGroup method (collectives.py)
+        self.in_dispatch = 0     # inside a dispatched c10d op (collectives.py)
+        self.in_backend = 0      # inside a wrapped Backend method (collectives.py)
         self.cids: list = []     # collectives it dispatched
         self.coalesced = None    # cids since _start_coalescing, while coalescing
 
@@ -322,8 +328,15 @@ class BlockTable:
                 ev["stack"] = frames
         b = Block(bid, key, real, nbytes, addr, size, model, stream)
         b.ref = weakref.ref(s, partial(self.died, key, bid))
+        # registered once written: a block whose alloc a failing emit lost must get no free
+        # (it may die steps later, when emitting works again)
+        try:
+            self.emit(ev)
+        except BaseException:
+            if model is not None:
+                self.capture.arenas_model().free(model)
+            raise
         live[key] = b
-        self.emit(ev)
         return b
 
     def _release(self, b: Block) -> None:
@@ -352,9 +365,25 @@ class BlockTable:
             if b is None or b.id != bid:
                 return                     # already released by a resize
             del self.live[key]
-            self._release(b)
+            slot = self.slot
+            if slot.quiet:
+                slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)
+            else:
+                self._release(b)
         except Exception as exc:
             self.capture.failed("free", exc)
+
+    def release_deferred(self) -> None:
+        """Write the frees of the blocks that died inside this thread's wait, now that the wait
+        recorded what it completed. Called by the waits themselves (collectives.py), once the
+        thread is out of every wait."""
+        slot = self.slot
+        while slot.deferred and not slot.quiet:
+            b = slot.deferred.pop(0)
+            try:
+                self._release(b)
+            except Exception as exc:
+                self.capture.failed("free", exc)
 
     # ------------------------------------------------------------------ lookups for collectives
     def buffer(self, t) -> tuple[int, int] | None:

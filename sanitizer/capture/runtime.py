@@ -95,8 +95,10 @@ class Capture:
             cuda_ready = bool(cuda is not None and cuda.is_initialized())
         except Exception:
             cuda_ready = False
+        gaps = getattr(self, "coverage", None)
         return (len(self.installed), len(self.hooks_failed), len(self.versions),
-                "sglang" in mods, "vllm" in mods, cuda_ready)
+                "sglang" in mods, "vllm" in mods, cuda_ready,
+                (len(gaps.static), len(gaps.unrecorded)) if gaps is not None else None)
 
     def header_facts(self) -> dict:
         """Extra header keys, computed when the header is written: what was hooked, versions,

@@ -286,6 +286,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
             warnings.append(f"{a.file}: capture dropped {a.counted_drops} event(s): findings may be missing")
         if a.hook_errors:
             warnings.append(f"{a.file}: {a.hook_errors} capture hook error(s) were caught during the run")
+        warnings.extend(coverage_warnings(a.file, r.trace.header))
         if a.capturing:
             warnings.append(f"{a.file}: graph capture never ended: {[g.id for g in a.capturing]}")
     if matcher.unmatched:
@@ -301,6 +302,25 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     summary["malformed"] = error_total
     summary["steps_by_rank"] = {r.analyzer.rank: sorted(r.analyzer.steps_seen) for r in readers}
     return Analysis(findings, summary, errors, warnings)
+
+
+def coverage_warnings(file: str, header: dict) -> list[str]:
+    """The header's `coverage` (capture/collectives.py: CoverageGaps) as warnings: collectives
+    the process could issue, or did issue, that capture could not record. Hazards on their
+    buffers are not checked; saying so is the point (never silence)."""
+    cov = header.get("coverage") if isinstance(header, dict) else None
+    if not isinstance(cov, dict):
+        return []
+    out = []
+    for gap in cov.get("unseen") or []:
+        out.append(f"{file}: coverage: {gap}")
+    unrecorded = cov.get("unrecorded")
+    if isinstance(unrecorded, dict) and unrecorded:
+        calls = ", ".join(f"{name} x{n}" for name, n in unrecorded.items())
+        out.append(f"{file}: coverage: {sum(v for v in unrecorded.values() if isinstance(v, int))} "
+                   f"collective call(s) capture could not record ({calls}): hazards on their "
+                   "buffers are not checked")
+    return out
 
 
 def _finding_order(f: Finding):
