@@ -381,11 +381,13 @@ def check_capture(name: str, work: Path, result: dict, problems: list) -> dict:
         # scheduler killed before a whole flush period of idleness has no end record. What the
         # check must then say is exactly what may be missing, and that nothing of a step is.
         reasons = summary.get("incomplete") or []
-        after_steps = [r for r in reasons if "nothing recorded during a step is missing" in r]
-        if entry == "engine" and reasons and len(after_steps) == len(reasons):
-            facts["killed_after_last_step"] = len(after_steps)
+        files = summary.get("incomplete_files") or []
+        only_truncated = files and all("trace(s) truncated" in r for r in reasons)
+        after_steps = [f for f in files if "nothing recorded during a step is missing" in f["why"]]
+        if entry == "engine" and only_truncated and len(after_steps) == len(files):
+            facts["killed_after_last_step"] = [f"{Path(f['file']).name}: {f['why']}" for f in files]
         else:
-            fail(f"hazsan check: capture INCOMPLETE: {reasons}")
+            fail(f"hazsan check: capture INCOMPLETE: {reasons}: {[f['why'] for f in files]}")
     facts.update(steps=len(marks[0]), phases=dict(phases),
                  files=len([p for p in folder.iterdir() if p.name.endswith((".jsonl", ".hzs"))]),
                  events=summary.get("events"), findings=by_rule,
