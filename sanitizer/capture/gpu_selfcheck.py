@@ -236,13 +236,15 @@ ALLOC_SOURCES_PROGRAM = ACTIVATE + textwrap.dedent('''
 
 def child_env(level: str | None, directory: str, **extra: str) -> dict:
     """The environment of a child program: no HAZSAN* setting of ours leaks in, the tree holding
-    this `sanitizer` package is on PYTHONPATH (a plain checkout works), output unbuffered, one GPU;
+    this `sanitizer` package is on PYTHONPATH (a plain checkout works), output unbuffered, Python's
+    fault handler on, one GPU;
     capture at `level` into `directory` unless level is None (a bare run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"     # a child that crashes in native code says where
     if level is not None:
         env.update(HAZSAN="1", HAZSAN_LEVEL=level, HAZSAN_DIR=directory)
     env.update(extra)
@@ -363,7 +365,7 @@ def overhead(work: str) -> dict:
         label = level or "bare"
         run = _run(DECODE_STEP, _env(level, os.path.join(work, f"overhead-{label}"), ""), timeout=300)
         if run.returncode != 0:
-            return {"ok": False, "why": f"{label}: " + run.stderr[-1500:]}
+            return {"ok": False, "why": f"{label}: exit {run.returncode}: " + run.stderr[-1500:]}
         med[label] = json.loads(run.stdout.strip().splitlines()[-1])["median"]
     return {"ok": True, "ms_per_step": {k: round(v * 1e3, 3) for k, v in med.items()},
             "vs_bare": {k: round(v / med["bare"], 3) for k, v in med.items()}}
@@ -381,7 +383,7 @@ def alloc_sources(work: str) -> dict:
             env["HAZSAN_ALLOC_SOURCE"] = label
         run = _run(ALLOC_SOURCES_PROGRAM, env, timeout=300)
         if run.returncode != 0:
-            return {"ok": False, "why": f"{label}: " + run.stderr[-1500:]}
+            return {"ok": False, "why": f"{label}: exit {run.returncode}: " + run.stderr[-1500:]}
         r = json.loads(run.stdout.strip().splitlines()[-1])
         out[label] = r
         if label != "bare":
