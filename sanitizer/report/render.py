@@ -13,17 +13,6 @@ import orjson
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
 
 
-def render(analysis, fmt: str = "text") -> str:
-    if fmt == "json":
-        return render_json(analysis)
-    if fmt == "sarif":
-        return render_sarif(analysis)
-    if fmt == "markdown":
-        from sanitizer.report.markdown import render_markdown
-        return render_markdown(analysis)
-    return render_text(analysis)
-
-
 #: The reader's warning for a file that ends early: "FILE:LINE: trace truncated (WHY)".
 _TRUNCATED = re.compile(r"(?s)(?P<file>.+?):(?P<line>\d+): trace truncated \((?P<why>.*)\)$")
 #: Files named in an `incomplete` reason; the warnings (and json's `incomplete_files`) list every one.
