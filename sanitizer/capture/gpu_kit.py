@@ -394,7 +394,9 @@ def run(out: Path, total: float, dry: bool, only=None, kit: Path | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hazsan-gpu-kit-"))
     deadline = time.monotonic() + total
-    report = {"kit": str(kit) if kit else None, "dry_run": dry, "timeout_s": total,
+    # the kit's folder name, not its path: the path is the lending machine's, which a committed
+    # report must not carry (reports/gpu-kit/)
+    report = {"kit": kit.name if kit else None, "dry_run": dry, "timeout_s": total,
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "checks": []}
     archives: list = []
     for check in CHECKS:
