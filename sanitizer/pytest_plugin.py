@@ -2,7 +2,7 @@
 
 Registered through the `pytest11` entry point, so every pytest run of an environment with hazsan
 loads it; it does nothing unless asked for (`--hazsan`, or `hazsan = true` in the ini file).
-Importing it imports nothing beyond pytest and the standard library.
+Importing it imports nothing beyond pytest, the standard library and hazsan's allow-list reader.
 
 What it does when asked:
 
@@ -44,9 +44,15 @@ import time
 
 import pytest
 
+from sanitizer.allowlist import AllowListError
+
 ENV_SESSION_DIR = "HAZSAN_PYTEST_DIR"   # the session folder, handed to xdist workers
 FAIL_ON = ("error", "warning")
 _THRESHOLD = {"error": ("error",), "warning": ("error", "warning")}
+# the environment the session sets for itself and the processes tests start; restored at unconfigure
+_SESSION_ENV = (ENV_SESSION_DIR, "HAZSAN", "HAZSAN_DIR", "HAZSAN_STACKS", "HAZSAN_LEVEL")
+# per test: what hazsan found in it (pytest's own per-item store, gone with the item)
+VERDICT = pytest.StashKey["HazardVerdict"]()
 
 
 def pytest_addoption(parser):
@@ -87,10 +93,6 @@ def pytest_configure(config):
 
 
 # ------------------------------------------------------------------------------- allowances
-
-
-class AllowListError(Exception):
-    pass
 
 
 class Allowance:
@@ -134,37 +136,13 @@ def _site_matches(site: str, pattern: str) -> bool:
 
 
 def load_allow_list(path) -> list[Allowance]:
-    path = str(path)
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as exc:
-        raise AllowListError(f"{path}: cannot read allow-list: {exc.strerror or exc}") from None
-    try:
-        if path.endswith(".json"):
-            data = json.loads(raw)
-        else:
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib
-            data = tomllib.loads(raw.decode("utf-8"))
-    except Exception as exc:
-        raise AllowListError(f"{path}: not a valid allow-list: {exc}") from None
-    items = data.get("allow") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        raise AllowListError(f"{path}: expected a list of tables under 'allow'")
-    out = []
-    for i, item in enumerate(items, 1):
-        where = f"{path}: allow entry {i}"
-        if not isinstance(item, dict) or set(item) - {"rule", "site", "test", "reason"}:
-            raise AllowListError(f"{where}: expected a table with rule, site, test, reason")
-        if not all(isinstance(v, str) for v in item.values()):
-            raise AllowListError(f"{where}: values must be strings")
-        if not item.get("reason"):
-            raise AllowListError(f"{where}: say why it is accepted (reason)")
-        out.append(Allowance(item.get("rule"), item.get("site"), item.get("test"), item["reason"], where))
-    return out
+    from sanitizer.allowlist import read_entries
+
+    return [Allowance(e.fields.get("rule"), e.fields.get("site"), e.fields.get("test"), e.fields["reason"], e.source)
+            for e in read_entries(path, _ALLOW_FIELDS)]
+
+
+_ALLOW_FIELDS = frozenset({"rule", "site", "test", "reason"})
 
 
 def marker_allowances(item) -> list[Allowance]:
@@ -225,25 +203,31 @@ class HazsanSession:
         self.dir = self._session_dir(config)
         self.index = 0
         self.in_test = False        # the pytest process writes into a test's folder
-        self.verdicts: dict[str, HazardVerdict] = {}
         self.records: list[dict] = []          # controller / single process: one per test
-        os.makedirs(self.dir, exist_ok=True)
-        os.environ[ENV_SESSION_DIR] = self.dir
-        os.environ["HAZSAN"] = "1"
-        self.idle_dir = os.path.join(self.dir, "_session")
-        os.environ["HAZSAN_DIR"] = self.idle_dir
-        stacks = config.getoption("hazsan_stacks") or os.environ.get("HAZSAN_STACKS") or "full"
-        os.environ["HAZSAN_STACKS"] = stacks
         # full (the plugin's default): every op is a launch with its reads and writes, so that a
         # read of a collective's output before its wait is seen; alloc (capture's default) records
-        # no launches
+        # no launches. Checked before the environment is touched: a usage error leaves it as it was.
         level = (config.getoption("hazsan_level") or config.getini("hazsan_level")
                  or os.environ.get("HAZSAN_LEVEL") or "full").strip().lower()
         if level not in ("alloc", "full"):
             raise AllowListError(f"hazsan_level must be alloc or full, got {level!r}")
-        os.environ["HAZSAN_LEVEL"] = level
+        stacks = config.getoption("hazsan_stacks") or os.environ.get("HAZSAN_STACKS") or "full"
+        os.makedirs(self.dir, exist_ok=True)
+        self.saved_env = {k: os.environ.get(k) for k in _SESSION_ENV}
+        self.idle_dir = os.path.join(self.dir, "_session")
+        os.environ.update({ENV_SESSION_DIR: self.dir, "HAZSAN": "1", "HAZSAN_DIR": self.idle_dir,
+                           "HAZSAN_STACKS": stacks, "HAZSAN_LEVEL": level})
         from sanitizer.capture.bootstrap import activate
         self.capture = activate(os.environ)
+
+    def pytest_unconfigure(self, config):
+        """Give the environment back as it was: a later session in the same process (pytester's
+        in-process runs, an IDE's runner) must not inherit this one's HAZSAN settings."""
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     def _session_dir(self, config) -> str:
         inherited = os.environ.get(ENV_SESSION_DIR)
@@ -262,7 +246,7 @@ class HazsanSession:
         name = f"{self.worker or 'main'}-{self.index:04d}-{_slug(item.nodeid)}"
         directory = os.path.join(self.dir, "tests", name)
         os.makedirs(directory, exist_ok=True)
-        self.verdicts[item.nodeid] = HazardVerdict(item.nodeid, directory)
+        item.stash[VERDICT] = HazardVerdict(item.nodeid, directory)
         os.environ["HAZSAN_DIR"] = directory
         self.in_test = True
         cap = self.capture
@@ -277,7 +261,7 @@ class HazsanSession:
             yield
         finally:
             self._leave_test()
-            self.verdicts.pop(item.nodeid, None)
+            del item.stash[VERDICT]
             try:
                 os.rmdir(directory)     # nothing was captured: no folder (`hazsan check DIR/*/` stays valid)
             except OSError:
@@ -298,7 +282,7 @@ class HazsanSession:
     def pytest_runtest_makereport(self, item, call):
         outcome = yield
         rep = outcome.get_result()
-        verdict = self.verdicts.get(item.nodeid)
+        verdict = item.stash.get(VERDICT, None)
         if verdict is None or rep.when == "setup":
             return
         if rep.when == "teardown":

@@ -337,10 +337,10 @@ def test_enable_that_cannot_read_the_counters_stops_recording():
 def test_step_boundary_and_close_drain_into_the_trace(tmp_path):
     """The runtime's hook-in: Capture.mark_step drains before its `step` event and flush,
     Capture.close drains and turns recording off (real Capture, writer and BlockTable)."""
-    from sanitizer.capture import memory, runtime
+    from sanitizer.capture import block_table, runtime
     cap = runtime.Capture(Settings(directory=str(tmp_path)))
     cap.installed.append("test")
-    table = memory.BlockTable(cap)
+    table = block_table.BlockTable(cap)
     alloc = Allocator()
     alloc.counters.append((0, 0, 0, 0))
     hist = ah.AllocatorHistory(cap, table, 64, alloc)

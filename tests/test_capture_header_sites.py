@@ -155,7 +155,7 @@ def test_nccl_wait_is_a_stream_edge_and_is_completed_a_host_observation():
 
 def test_live_range_lookup_follows_allocations_frees_and_reuse():
     torch = pytest.importorskip("torch")
-    from sanitizer.capture.memory import BlockTable
+    from sanitizer.capture.block_table import BlockTable
     from sanitizer.capture.runtime import ScopeStack
     from sanitizer.capture.sites import SiteFinder
     from sanitizer.capture.config import Settings

@@ -246,7 +246,7 @@ def test_plugin_rejects_a_bad_allow_list(pytester):
     pytester.path.joinpath("allow.toml").write_text('[[allow]]\nrule = "reuse-in-flight"\n')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hazsan", "--hazsan-allow", "allow.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "allow entry 1: say why it is accepted (reason)" in result.stderr.str()
+    assert "allow.toml:1: say why it is accepted (reason)" in result.stderr.str(), "names the file and the line"
     pytester.path.joinpath("allow.toml").write_text('[[allow]]\nrule = "no-such-rule"\nreason = "x"\n')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hazsan", "--hazsan-allow", "allow.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

@@ -529,7 +529,7 @@ class DispatchedCollectives:
 
     def _wait_tensor(self, func, args, kwargs, mode=None):
         # quiet until the completion is written: a storage the Work lets go of inside the wait
-        # (its last reference to a padded input) is freed after the coll_done (memory.py)
+        # (its last reference to a padded input) is freed after the coll_done (block_table.py)
         self.slot.quiet += 1
         try:
             out = func(*args, **kwargs)
@@ -540,7 +540,7 @@ class DispatchedCollectives:
         return out
 
     def _release_deferred(self) -> None:
-        """The frees held back while this thread was inside a wait (memory.py), once it is out."""
+        """The frees held back while this thread was inside a wait (block_table.py), once it is out."""
         try:
             table = self.capture.blocks
             if table is not None and self.slot.deferred and not self.slot.quiet:
@@ -890,7 +890,7 @@ class NcclWorkLifetimes:
         return False
 
     def released(self, addr: int, size: int) -> None:
-        """memory.BlockTable: the block [addr, addr+size) is about to be freed."""
+        """block_table.BlockTable: the block [addr, addr+size) is about to be freed."""
         try:
             end = addr + size
             for cid, ranges in list(self.ranges.items()):
@@ -998,7 +998,7 @@ def _work_in(out):
 
 
 def _new_slot():
-    from sanitizer.capture.memory import DispatchSlot
+    from sanitizer.capture.block_table import DispatchSlot
     return DispatchSlot()
 
 
@@ -1241,7 +1241,7 @@ def _patch_work(capture, colls) -> None:
 
     def wait(self, *a, **k):
         # ops dispatched in here are the collective's own (gloo copies); storages that die in
-        # here are freed after the completion is written (memory.py: DispatchSlot.deferred)
+        # here are freed after the completion is written (block_table.py: DispatchSlot.deferred)
         slot.quiet += 1
         try:
             r = w_wait(self, *a, **k)

@@ -18,7 +18,7 @@ What is recorded, and from where
     process_events(), which queries those events and returns the blocks whose events are done
     to the pool (c10/cuda/CUDACachingAllocator.cpp), and it never hands out bytes of a block
     still waiting. So a CUDA allocation that overlaps such a block proves its events were done:
-    its `free_done` is written just before that `alloc` (memory.BlockTable asks `reused`).
+    its `free_done` is written just before that `alloc` (block_table.BlockTable asks `reused`).
   * `graph_begin` / `graph_end` / `graph_replay` / `graph_free`: wrappers of torch.cuda.CUDAGraph's
     capture_begin / capture_end / replay / reset (torch.cuda.graph and make_graphed_callables go
     through them), plus a finalizer for a graph object that dies without reset. Each capture gets a
@@ -159,13 +159,13 @@ class CudaOrdering:
             self.capture.failed("cuda.record_stream", exc)
 
     def on_free(self, block) -> None:
-        """memory.BlockTable: `block` (with record_stream streams) was just freed."""
+        """block_table.BlockTable: `block` (with record_stream streams) was just freed."""
         with self._lock:
             self.pending[block.id] = [set(block.recorded), next(self._tick),
                                       (block.real, block.real + block.nbytes)]
 
     def reused(self, ptr: int, nbytes: int) -> None:
-        """memory.BlockTable: a CUDA allocation at [ptr, ptr + nbytes) is about to be recorded.
+        """block_table.BlockTable: a CUDA allocation at [ptr, ptr + nbytes) is about to be recorded.
         The allocator recycled every pending block it overlaps: their free_done comes first."""
         try:
             end = ptr + nbytes

@@ -108,7 +108,7 @@ SCENARIOS = {
     # c10/cuda/CUDACachingAllocator.cpp: malloc() first runs process_events(), which queries the
     # events recorded at the free of record_stream'd blocks and returns those already done to the
     # pool. On an idle side stream that is at once: y gets x's block without any synchronize. The
-    # trace must then say free_done before y's alloc (capture/memory.py), and be clean.
+    # trace must then say free_done before y's alloc (capture/block_table.py), and be clean.
     "record-stream-recycled": ('''
         import time
         x = torch.empty(N, device="cuda")

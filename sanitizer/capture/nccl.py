@@ -10,7 +10,7 @@ What each method becomes
     `bufs` = pointer x count x dtype size (send side "r", receive side "w", "rw" when in place),
     `stream` = the cudaStream_t through the process's StreamIds table (the ids allocations use),
     `comm` = the communicator's name (below), `seq` = per-communicator counter, equal across ranks.
-    A pointer inside a recorded block names that block's trace range (memory.BlockTable.resolve),
+    A pointer inside a recorded block names that block's trace range (block_table.BlockTable.resolve),
     so a slice of a tensor placed in a modelled window is recorded at its modelled address.
   * ncclGroupStart / ncclGroupEnd: the calls in between are one NCCL operation: one `coll` at the
     outermost ncclGroupEnd, with every part's buffers (op "group:ncclSend+ncclRecv", ...).

@@ -68,7 +68,7 @@ class Capture:
         self.collective_depth = CollectiveDepth()
         self.streams = StreamIds()    # one id per device stream, shared by every hook
         self.step: int | None = None
-        self.blocks = None        # memory.BlockTable, once torch is imported
+        self.blocks = None        # block_table.BlockTable, once torch is imported
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
         self.cuda = None          # cuda_hooks.CudaOrdering, once torch is imported
         self.alloc_history = None # allocator_history.AllocatorHistory under HAZSAN_ALLOC_SOURCE=history

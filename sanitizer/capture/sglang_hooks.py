@@ -97,7 +97,7 @@ def on_pynccl_allocator(capture, module) -> None:
 
 class PoolSegments:
     """The symmetric pool's segments, learnt at the first allocation inside a scope that lands in
-    one (memory.BlockTable calls `allocated` before writing that allocation)."""
+    one (block_table.BlockTable calls `allocated` before writing that allocation)."""
 
     def __init__(self, capture, module, reported: set):
         self.capture, self.module, self.reported = capture, module, reported

@@ -9,7 +9,7 @@ mean nothing. Capture therefore *models* the placement: each (pool, comm) pair g
 scope is placed there by sanitizer.place's CachingAllocator (same rounding, splitting, caching and
 stream rules as the CUDA caching allocator). The alloc event carries the modelled address and
 block size (with `requested` = the bytes asked for); collective buffers inside such a storage are
-translated to the same modelled range (memory.BlockTable.buffer), and the model block is freed when
+translated to the same modelled range (block_table.BlockTable.buffer), and the model block is freed when
 the storage dies. The tensor's real data stays where torch put it; only the trace is modelled.
 """
 from __future__ import annotations

@@ -18,14 +18,12 @@ line is the reason, which is required. TOML/JSON files hold the same as
 from __future__ import annotations
 
 import fnmatch
-import json
-from sanitizer.scan import _toml as tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from sanitizer.allowlist import AllowListError, read_entries
 
-class AllowListError(Exception):
-    pass
+__all__ = ["AllowEntry", "AllowList", "AllowListError"]
 
 
 @dataclass
@@ -97,54 +95,23 @@ class AllowList:
 
 
 def _load_one(path: Path) -> list[AllowEntry]:
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AllowListError(f"{path}: cannot read allow-list: {exc}") from exc
-    if path.suffix in (".toml", ".json"):
-        return _load_structured(path, raw)
     entries = []
-    for no, line in enumerate(raw.splitlines(), 1):
-        text = line.strip()
-        if not text or text.startswith("#"):
-            continue
-        parts = text.split(None, 1)
-        pattern = parts[0]
-        reason = parts[1].strip() if len(parts) > 1 else ""
-        _check(path, no, pattern, reason)
-        entries.append(AllowEntry(pattern, reason, f"{path}:{no}"))
+    for raw in read_entries(path, frozenset({"scope", "reason"}), text_field="scope"):
+        pattern = raw.fields.get("scope", "")
+        _check(raw.source, pattern, raw.fields["reason"])
+        entries.append(AllowEntry(pattern, raw.fields["reason"], raw.source))
     return entries
 
 
-def _load_structured(path: Path, raw: str) -> list[AllowEntry]:
-    try:
-        data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise AllowListError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from exc
-    items = data.get("allow") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        raise AllowListError(f"{path}: expected a list under 'allow'")
-    entries = []
-    for i, item in enumerate(items, 1):
-        if not isinstance(item, dict):
-            raise AllowListError(f"{path}: allow entry {i} is not a table/object")
-        pattern, reason = item.get("scope", ""), item.get("reason", "")
-        if not isinstance(pattern, str) or not isinstance(reason, str):
-            raise AllowListError(f"{path}: allow entry {i}: 'scope' and 'reason' must be strings")
-        _check(path, f"entry {i}", pattern, reason.strip())
-        entries.append(AllowEntry(pattern, reason.strip(), f"{path}:entry {i}"))
-    return entries
-
-
-def _check(path: Path, where, pattern: str, reason: str) -> None:
+def _check(source: str, pattern: str, reason: str) -> None:
     if pattern.startswith("call:"):
         if not pattern[len("call:"):]:
-            raise AllowListError(f"{path}:{where}: entry {pattern!r} names no callee (call:NAME)")
+            raise AllowListError(f"{source}: entry {pattern!r} names no callee (call:NAME)")
         if not reason:
-            raise AllowListError(f"{path}:{where}: entry {pattern!r} has no reason; say why it is accepted")
+            raise AllowListError(f"{source}: entry {pattern!r} has no reason; say why it is accepted")
         return
     file_pat, sep, rest = pattern.rpartition(":")
     if not sep or not file_pat or not rest:
-        raise AllowListError(f"{path}:{where}: entry {pattern!r} is not FILE:LINE or FILE:FUNCTION")
+        raise AllowListError(f"{source}: entry {pattern!r} is not FILE:LINE or FILE:FUNCTION")
     if not reason:
-        raise AllowListError(f"{path}:{where}: entry {pattern!r} has no reason; say why it is accepted")
+        raise AllowListError(f"{source}: entry {pattern!r} has no reason; say why it is accepted")

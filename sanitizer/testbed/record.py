@@ -138,9 +138,9 @@ class CaptureRecorder(Recorder):
             if declare is not None:      # the public hook, when capture offers one
                 declare(storage, block_id=block_id, addr=addr, size=size)
                 return
-            from sanitizer.capture.memory import Block
+            from sanitizer.capture.block_table import StorageBlock
             key = storage._cdata
-            b = Block(block_id, key, storage.data_ptr(), storage.nbytes(), addr, size, None)
+            b = StorageBlock(block_id, key, storage.data_ptr(), storage.nbytes(), addr, size, None)
             b.ref = None
             blocks.live[key] = b
             self._claimed[key] = b

@@ -1,0 +1,469 @@
+"""The block table: live torch storages -> trace blocks, and the events an op makes of them.
+
+The recording half of capture's memory tracking (memory.py is the interception half: the
+dispatch mode that hands every op to this table).
+
+What is recorded
+  * `alloc` once per storage: the first time an op returns a tensor whose storage we do not know
+    (factory functions, `torch.tensor`/`from_numpy` via `lift_fresh`, every op's fresh output). An
+    op that returns a known storage (views, in-place and out= ops) records nothing, unless the
+    storage was resized (its data pointer or byte size changed): then the old block is freed and
+    the new one allocated.
+  * tensors that reach an op or a collective without having been seen (created before capture
+    started, on a thread without the mode, by C++ code that bypasses the dispatcher) are adopted
+    the first time they are seen, with `op: "adopted"`.
+  * `free` when the storage dies: a weakref callback on the UntypedStorage. PyTorch preserves a
+    storage's Python object while the C++ StorageImpl lives, so the callback fires exactly when the
+    last view, autograd-saved tensor, module buffer or C++ holder (a collective's Work) lets go.
+
+Addresses: the block is [storage.data_ptr(), +nbytes) as the real allocator placed it, except for
+CPU storages allocated inside a symmetric scope: those are placed by the caching-allocator model in
+the scope's window arena (window.py), and every later reference to the storage (collective buffers)
+is translated into that modelled range, so the trace is self-consistent.
+
+Launches (HAZSAN_LEVEL=full): after each op, one `launch` on the stream it ran on, with the ranges
+it reads and writes, derived from the op's schema the way PyTorch's CUDA sanitizer does it
+(torch/cuda/_sanitizer.py, ArgumentHandler): an argument whose alias annotation is a write
+(`Tensor(a!)`: in-place, out=) is written; any other tensor argument is read, except a view's
+(an alias that is not written: metadata only); a fresh result (no alias) is written. Allocation
+without a kernel (empty and friends) launches nothing. On CPU the stream is `cpu`, on a GPU the
+current stream of the tensor's device (streams.py names it).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from functools import partial
+from time import time_ns
+
+import torch
+
+from sanitizer.capture import cuda_state
+from sanitizer.capture.live_ranges import LiveRanges
+
+_STRIDED = torch.strided
+# Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
+# the plain tensors inside them are recorded when they are made or first used.
+_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)   # absent on CPU builds
+_PLAIN = frozenset(c for c in (torch.Tensor, torch.nn.Parameter,
+                               getattr(torch.nn.parameter, "Buffer", None)) if c is not None)
+
+
+
+
+class StorageBlock:
+    """A live storage as the trace knows it (not the engine's nor the placement model's block record)."""
+
+    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "ref", "stream", "recorded")
+
+    def __init__(self, bid, key, real, nbytes, addr, size, model, stream="cpu"):
+        self.id = bid
+        self.key = key
+        self.real = real          # storage.data_ptr() at allocation
+        self.nbytes = nbytes
+        self.addr = addr          # address in the trace (== real, or modelled inside a window)
+        self.size = size
+        self.model = model        # sanitizer.place Block when modelled, else None
+        self.stream = stream      # the stream it was allocated on
+        self.recorded = None      # streams given to record_stream (set), when any
+
+
+class DispatchSlot(threading.local):
+    """Per thread: how deep the thread is inside a collective's own call (Work.wait, wait_tensor),
+    where ops are the collective's work, not the program's launches; and the collectives a
+    ProcessGroup method dispatched, for the Work it returns (collectives.py)."""
+
+    def __init__(self):
+        self.quiet = 0
+        # blocks whose storage died on this thread inside such a wait: their `free` is written
+        # once the wait has recorded the collective's completion (a Work's last reference to its
+        # input goes inside wait_tensor, after the collective finished)
+        self.deferred: list = []
+        self.in_method = False   # inside a ProcessGroup method (collectives.py)
+        self.in_dispatch = 0     # inside a dispatched c10d op (collectives.py)
+        self.in_backend = 0      # inside a wrapped Backend method (collectives.py)
+        self.cids: list = []     # collectives it dispatched
+        self.coalesced = None    # cids since _start_coalescing, while coalescing
+
+
+class BlockTable:
+    """Live storages -> trace blocks. All public methods swallow and count their own errors."""
+
+    def __init__(self, capture):
+        self.capture = capture
+        self.emit = capture.emit
+        self.full = capture.settings.level == "full"
+        self.sites = capture.sites
+        self.scopes = capture.scopes
+        self.live: dict[int, StorageBlock] = {}     # StorageImpl address (storage._cdata) -> Block
+        self._ids = itertools.count(1)       # next() is atomic under the GIL
+        self._names: dict = {}               # OpOverload -> "aten.add.Tensor"
+        self._dtypes: dict = {}              # torch.float32 -> "float32"
+        self.ranges = LiveRanges(self.live)  # raw pointer -> live block (NCCL's ctypes calls)
+        self._stream_ids: dict = {}          # c10 current-stream tuple -> stream id
+        self._plans: dict = {}               # OpOverload -> launch plan (or False: no kernel)
+        self.graph_pool: str | None = None   # set by cuda_hooks while a CUDA graph is captured
+        self.on_free = None                  # cuda_hooks: called with a freed block that has record_stream streams
+        # cuda_hooks: its record_stream'd blocks freed and not yet free_done (non-empty: ask
+        # on_reuse before a CUDA alloc), and the call that writes the free_done of those it overlaps
+        self.held_frees: dict = {}
+        self.on_reuse = None
+        # collectives.NcclWorkLifetimes: buffers a Work still stashes (non-empty: ask
+        # on_stash_release before a free)
+        self.stashed: dict = {}
+        self.on_stash_release = None
+        # pool name -> callable(comm, ptr, nbytes): a CUDA allocation inside a scope of that pool,
+        # before its `alloc` is written (sglang_hooks: the pool segment's window, learnt early)
+        self.scope_allocs: dict = {}
+        # Ops the mode does not simply run and record: OpOverload -> handler (collectives.py
+        # records collectives) or False, filled on an op's first sight. Emptied when the
+        # collectives are installed, so no op classified before stays plain.
+        self.special: dict = {}
+        self.collectives = None              # collectives.DispatchedCollectives, once installed
+        self.unowned: dict = {}              # collectives only C++ waits for: polled before each op
+        self.slot = DispatchSlot()           # per thread: inside a collective's own call?
+
+    def classify(self, func):
+        """The handler for op func (False: an ordinary op), cached in self.special."""
+        colls = self.collectives
+        h = colls.handler(func) if colls is not None else False
+        self.special[func] = h
+        return h
+
+    # ------------------------------------------------------------------ dispatch hot path
+    def on_op(self, func, args, out, where=None) -> None:
+        """alloc level: record the op's new storages (and adopt unknown inputs). `where`: the
+        (site, stack) of the op when the caller already looked it up."""
+        try:
+            live = self.live
+            plain = _PLAIN
+            for a in args:
+                if type(a) in plain and a.layout == _STRIDED:
+                    s = a.untyped_storage()
+                    if s._cdata not in live:
+                        self._new(a, s, "adopted", live, False)
+            t = type(out)
+            if t in plain:
+                self._output(out, func, live, where)
+            elif t is tuple or t is list:
+                for o in out:
+                    if type(o) in plain:
+                        self._output(o, func, live, where)
+                    elif type(o) is list or type(o) is tuple:
+                        for p in o:
+                            if type(p) in plain:
+                                self._output(p, func, live, where)
+        except Exception as exc:
+            self.capture.failed("dispatch", exc)
+
+    def on_op_full(self, func, args, kwargs, out) -> None:
+        """full level: as on_op, then one `launch` with the ranges the op read and wrote."""
+        plan = self._plans.get(func)
+        if plan is None:
+            try:
+                plan = self._plans[func] = _launch_plan(func)
+            except Exception as exc:
+                self.capture.failed("launch", exc)
+                plan = self._plans[func] = False
+        if plan is False:
+            self.on_op(func, args, out)
+            return
+        where = self.sites.where()       # one lookup for the op's allocations and its launch
+        self.on_op(func, args, out, where)
+        try:
+            name, reads_at, writes_at, fresh = plan
+            reads, writes = [], []
+            device = None
+            n = len(args)
+            for i, key in reads_at:
+                v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
+                if v is not None:
+                    device = self._ranges(v, reads, device)
+            for i, key in writes_at:
+                v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
+                if v is not None:
+                    device = self._ranges(v, writes, device)
+            if fresh and out is not None:
+                device = self._ranges(out, writes, device)
+            if not reads and not writes:
+                return
+            stream = "cpu" if device is None or device.type == "cpu" else self.stream_of_device(device)
+            cap = self.capture
+            if cap.host_work_unsynced and stream != "cpu":
+                cap.host_ran_cpu_work()
+            ev = {"ev": "launch", "stream": stream, "op": name, "t": time_ns()}
+            if reads:
+                ev["reads"] = reads
+            if writes:
+                ev["writes"] = writes
+            site, frames = where
+            if site is not None:
+                ev["site"] = site
+                if frames is not None:
+                    ev["stack"] = frames
+            self.emit(ev)
+            if stream == "cpu":
+                cap.host_work_unsynced = True
+        except Exception as exc:
+            self.capture.failed("launch", exc)
+
+    def _ranges(self, v, acc, device):
+        """Append the trace ranges of tensor(s) v to acc; return the device of the work (a CUDA
+        device wins over cpu: a CPU scalar tensor passed to a CUDA kernel is read by the host)."""
+        t = type(v)
+        if t in _PLAIN:
+            if v.layout != _STRIDED:
+                return device
+            s = v.untyped_storage()
+            b = self.live.get(s._cdata)
+            if b is None:
+                b = self._new(v, s, "adopted", self.live, False)
+                if b is None:
+                    return device
+            if v.is_contiguous():
+                size = v.numel() * v.element_size()
+            else:
+                size = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()) if n > 1)) * v.element_size()
+            if size:
+                acc.append([b.addr + (v.data_ptr() - b.real), size])
+                if device is None or device.type == "cpu":
+                    device = v.device
+        elif t is list or t is tuple:
+            for x in v:
+                if type(x) in _PLAIN:
+                    device = self._ranges(x, acc, device)
+        return device
+
+    def _stream_of(self, device) -> str:
+        if device is None or device.type == "cpu":
+            return "cpu"
+        return self.stream_of_device(device)
+
+    def stream_of_device(self, device) -> str:
+        """The id of the current stream of `device` (a CUDA torch.device)."""
+        if device.type != "cuda":
+            return f"{device.type}:{device.index or 0}"
+        index = device.index or 0
+        if not cuda_state.initialized():
+            # a fake or meta "cuda" tensor before CUDA starts: asking for the stream would start it
+            return f"cuda:{index}"
+        if _CURRENT_STREAM is not None:
+            # (c10 stream id, device, type) is cheap to get and names one cudaStream_t for the
+            # process's life; the handle is looked up once per stream
+            key = _CURRENT_STREAM(index)
+            sid = self._stream_ids.get(key)
+            if sid is None:
+                handle = torch.cuda.current_stream(index).cuda_stream
+                sid = self._stream_ids[key] = self.capture.streams.of_handle(handle, index)
+            return sid
+        return self.capture.streams.of_handle(torch.cuda.current_stream(index).cuda_stream, index)
+
+    def _output(self, t, func, live, where=None) -> None:
+        if t.layout != _STRIDED:
+            return
+        s = t.untyped_storage()
+        b = live.get(s._cdata)
+        if b is None:
+            name = self._names.get(func)
+            if name is None:
+                name = self._names[func] = str(func)
+            self._new(t, s, name, live, True, where)
+        elif s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real):
+            # resize_/set_/out= resizing: same StorageImpl, new memory
+            self._release(b)
+            live.pop(b.key, None)
+            self._new(t, s, str(func), live, True, where)
+
+    # ------------------------------------------------------------------ allocation
+    def _new(self, t, s, opname, live, placed_by_scope=True, where=None):
+        """Record a storage not seen before. Everything that can fail runs before the block is
+        registered, so a failing hook never leaves a block whose free would have no alloc."""
+        nbytes = s.nbytes()
+        real = s.data_ptr()
+        if nbytes == 0 or real == 0:       # meta tensors and empty storages hold no memory
+            return None
+        dtype = self._dtypes.get(t.dtype)
+        if dtype is None:
+            dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
+        site, frames = where if where is not None else self.sites.where()
+        # an adopted storage existed before this moment: a scope entered now did not place it
+        stack = self.scopes.stack if placed_by_scope else None
+        pool = "default"
+        model = None
+        addr, size = real, nbytes
+        if t.is_cpu:
+            stream = "cpu"
+            if stack:
+                pool, comm = stack[-1]
+                try:
+                    model = self.capture.arenas_model().malloc(pool, comm, nbytes, stream)
+                    addr, size, pool = model.addr, model.size, model.pool
+                except Exception as exc:   # window full: record the real placement instead
+                    pool = "default"
+                    self.capture.failed("window", exc)
+        else:
+            stream = self.stream_of_device(s.device)
+            if self.held_frees:
+                # the caching allocator placed this block over freed record_stream'd bytes only
+                # if their events were done (malloc runs process_events first): free_done first
+                self.on_reuse(real, nbytes)
+            if stack:
+                pool, comm = stack[-1]
+                if pool in self.scope_allocs:
+                    self.scope_allocs[pool](comm, real, nbytes)
+            elif self.graph_pool is not None and placed_by_scope:
+                pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
+        key = s._cdata
+        bid = next(self._ids)
+        ev = {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream, "pool": pool,
+              "op": opname, "shape": list(t.shape), "dtype": dtype, "t": time_ns()}
+        if model is not None:
+            ev["requested"] = nbytes
+        if site is not None:
+            ev["site"] = site
+            if frames is not None:
+                ev["stack"] = frames
+        b = StorageBlock(bid, key, real, nbytes, addr, size, model, stream)
+        b.ref = weakref.ref(s, partial(self.died, key, bid))
+        # registered once written: a block whose alloc a failing emit lost must get no free
+        # (it may die steps later, when emitting works again)
+        try:
+            self.emit(ev)
+        except BaseException:
+            if model is not None:
+                self.capture.arenas_model().free(model)
+            raise
+        live[key] = b
+        return b
+
+    def _release(self, b: StorageBlock) -> None:
+        if self.stashed:
+            self.on_stash_release(b.addr, b.size)
+        if b.model is not None:
+            self.capture.arenas_model().free(b.model)
+        self.emit({"ev": "free", "id": b.id, "t": time_ns()})
+        if b.recorded and self.on_free is not None:
+            self.on_free(b)             # its free_done comes when those streams are seen finished
+
+    def block_of(self, t) -> StorageBlock | None:
+        """The live block of tensor t's storage (adopting an unknown one), or None."""
+        if type(t) not in _PLAIN or t.layout != _STRIDED:
+            return None
+        s = t.untyped_storage()
+        b = self.live.get(s._cdata)
+        if b is None:
+            b = self._new(t, s, "adopted", self.live, False)
+        return b
+
+    def died(self, key, bid, _ref=None) -> None:
+        """Weakref callback: the storage died (any thread, possibly during interpreter exit)."""
+        try:
+            b = self.live.get(key)
+            if b is None or b.id != bid:
+                return                     # already released by a resize
+            del self.live[key]
+            slot = self.slot
+            if slot.quiet:
+                slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)
+            else:
+                self._release(b)
+        except Exception as exc:
+            self.capture.failed("free", exc)
+
+    def release_deferred(self) -> None:
+        """Write the frees of the blocks that died inside this thread's wait, now that the wait
+        recorded what it completed. Called by the waits themselves (collectives.py), once the
+        thread is out of every wait."""
+        slot = self.slot
+        while slot.deferred and not slot.quiet:
+            b = slot.deferred.pop(0)
+            try:
+                self._release(b)
+            except Exception as exc:
+                self.capture.failed("free", exc)
+
+    # ------------------------------------------------------------------ lookups for collectives
+    def buffer(self, t) -> tuple[int, int] | None:
+        """The trace range [addr, size] of tensor t's elements (adopting an unknown storage)."""
+        if type(t) not in _PLAIN or t.layout != _STRIDED:
+            return None
+        s = t.untyped_storage()
+        b = self.live.get(s._cdata)
+        if b is None:
+            b = self._new(t, s, "adopted", self.live, False)
+            if b is None:
+                return None
+        base = b.addr + (t.data_ptr() - s.data_ptr())
+        if t.numel() == 0:
+            return base, 0
+        if t.is_contiguous():
+            return base, t.numel() * t.element_size()
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)
+        return base, span * t.element_size()
+
+    def resolve(self, ptr: int, nbytes: int):
+        """The trace range of raw pointer range [ptr, ptr+nbytes), and whether it is host memory.
+
+        A pointer inside a live block is translated into that block's trace addresses (a slice of a
+        tensor placed in a modelled window names the modelled range); an unknown pointer (memory
+        torch never saw: ncclMemAlloc buffers, other libraries) is recorded as it is."""
+        b = self.ranges.find(ptr)
+        if b is None:
+            return ptr, nbytes, False
+        s = b.ref()
+        host = s is not None and s.device.type == "cpu"
+        return b.addr + (ptr - b.real), nbytes, host
+
+    def redeclare_after_fork(self) -> None:
+        """In a forked child: the inherited storages are live there too; declare them again."""
+        for b in list(self.live.values()):
+            self.emit({"ev": "alloc", "id": b.id, "addr": b.addr, "size": b.size, "stream": "cpu",
+                       "pool": "default", "op": "inherited-by-fork", "t": time_ns()})
+
+
+
+# Ops that hand out memory without running a kernel on it (or only bookkeep): no launch.
+_NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+                        "empty_permuted", "lift_fresh", "set_", "resize_", "resize_as_",
+                        "record_stream", "_local_scalar_dense_meta"})
+
+
+# Collectives dispatched as ops (torch.distributed's c10d ops; functional collectives): their
+# schemas carry no write annotation, and the collective hooks record them as `coll` with the
+# right accesses and stream. A launch for them would be a host-stream read of a buffer the
+# collective itself is using.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                                    "_c10d_functional_autograd", "symm_mem"})
+
+
+def _launch_plan(func):
+    """(name, reads, writes, fresh) for an op, from its schema; False when it launches nothing.
+
+    reads / writes: (position, name) of the tensor arguments it reads / writes; fresh: whether its
+    results are new tensors (written by the op), as opposed to aliases of its arguments."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    namespace, _, base = schema.name.rpartition("::")
+    if base in _NO_KERNEL or namespace in _COLLECTIVE_NAMESPACES:
+        return False
+    reads, writes = [], []
+    for i, arg in enumerate(schema.arguments):
+        if "Tensor" not in str(arg.type):
+            continue
+        alias = arg.alias_info
+        if alias is not None and alias.is_write:
+            writes.append((i, arg.name))
+        elif alias is None:
+            reads.append((i, arg.name))
+        # else: a view's input (metadata only)
+    returns = schema.returns
+    fresh = bool(returns) and all(r.alias_info is None for r in returns) and \
+        any("Tensor" in str(r.type) for r in returns)
+    if not reads and not writes and not fresh:
+        return False
+    name = str(func)
+    return name, tuple(reads), tuple(writes), fresh
+
+
