@@ -55,6 +55,15 @@ def _check(traces):
     return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None)
 
 
+def _exits_0_with_no_error(code, doc):
+    """The workload is correct: its only findings are the two transient-in-window warnings of
+    its compute inside the symmetric scope (a fault can only lose some of them), so `check` exits
+    0 whatever the fault; an error-level finding would be a false one made by the fault."""
+    assert code == 0, doc and doc["summary"].get("by_rule")
+    assert {f["rule"] for f in doc["findings"]} <= {"transient-in-window"}, doc["summary"]["by_rule"]
+    assert all(f["severity"] == "warning" for f in doc["findings"])
+
+
 def _all_steps_right(run):
     assert run["rc"] == 0, run["stderr"][-2000:]
     assert sorted(run["results"]) == [0, 1]
@@ -67,14 +76,16 @@ def test_baseline_is_complete(runs):
     run = runs["none"]
     _all_steps_right(run)
     code, doc = _check(run["traces"])
-    assert code in (0, 1) and doc["summary"]["complete"] and doc["summary"]["incomplete"] == []
+    _exits_0_with_no_error(code, doc)
+    assert doc["summary"]["by_rule"] == {"transient-in-window": 2}, "the workload's own two"
+    assert doc["summary"]["complete"] and doc["summary"]["incomplete"] == []
 
 
 def test_every_capture_service_raising_changes_nothing_in_the_program(runs):
     run = runs["raise"]
     _all_steps_right(run)
     code, doc = _check(run["traces"])
-    assert code in (0, 1), doc
+    _exits_0_with_no_error(code, doc)
     s = doc["summary"]
     assert not s["complete"] and s["hook_errors"] > 100
     assert s["malformed"] == 0  # a failing hook leaves no half-written event
@@ -101,7 +112,7 @@ def test_disk_full_mid_run(runs):
     _all_steps_right(run)
     assert run["stderr"].count("No space left on device") == 2  # one line per process, not per write
     code, doc = _check(run["traces"])
-    assert code in (0, 1)
+    _exits_0_with_no_error(code, doc)
     assert not doc["summary"]["complete"]
     assert sum("no end record" in w for w in doc["summary"]["warnings"]) == 2
 
@@ -110,7 +121,7 @@ def test_trace_folder_removed_mid_run(runs):
     run = runs["removed"]
     _all_steps_right(run)
     code, doc = _check(run["traces"])  # made again at the next flush
-    assert code in (0, 1)
+    _exits_0_with_no_error(code, doc)
     s = doc["summary"]
     assert not s["complete"] and s["dropped_events"] > 0
     assert any("dropped" in why for why in s["incomplete"])
@@ -130,7 +141,7 @@ def test_rank_killed_mid_collective(runs):
     files = [f for f in trace_files(run["traces"]) if f.name.startswith("rank")]   # besides the launcher's pid file
     assert [f.name for f in files] == ["rank0" + EXT, "rank1" + EXT]
     code, doc = _check(run["traces"])
-    assert code in (0, 1)
+    _exits_0_with_no_error(code, doc)
     assert not doc["summary"]["complete"]
     assert any("rank1" + EXT in w and "no end record" in w for w in doc["summary"]["warnings"])
 
@@ -153,7 +164,7 @@ def test_check_names_the_killed_rank_in_every_format(runs):
     rank1 = traces / ("rank1" + EXT)
     text = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces)],
                           capture_output=True, text=True, timeout=120)
-    assert text.returncode in (0, 1)
+    assert text.returncode == 0, "an incomplete capture is a warning: the exit code stays the findings'"
     assert f"hazsan: INCOMPLETE: {rank1}: no end record" in text.stdout
     code, doc = _check(traces)
     assert str(rank1) in [f["file"] for f in doc["summary"]["incomplete_files"]]

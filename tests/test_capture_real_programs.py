@@ -256,6 +256,7 @@ def test_completion_seen_for_cpp_and_python_owned_work(runs, mode):
         steps = _steps(events)
         for n in (1, 2, 3, 4, 5, 7, 8, 9):
             cids = [e["cid"] for e in steps[n] if e["ev"] == "coll"]
+            assert cids, f"step {n} issued no collective: nothing to see completed"
             assert set(cids) <= done, (n, [issued[c]["op"] for c in set(cids) - done])
 
 

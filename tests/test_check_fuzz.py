@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import random
 import subprocess
 import sys
@@ -18,6 +19,21 @@ from sanitizer.cli import main
 from sanitizer.rules.driver import compiled_available
 
 ENGINES = ["interpreted"] + (["compiled"] if compiled_available()[0] else [])
+
+
+def _judge(argv, code, out, err, d):
+    """What the command said must agree with its exit code: 2 only with a message on stderr that
+    names the trace it could not read; 0 or 1 (check) only with a JSON report whose error-level
+    findings decide which; never a traceback."""
+    assert code in (0, 1, 2), (code, err[-500:])
+    assert "Traceback" not in err and "Traceback" not in out, err[-2000:]
+    if code == 2:
+        assert str(d) in err, f"exit 2 must name the file: {err[-500:]!r}"
+        return
+    if argv[0] == "check":
+        doc = json.loads(out)
+        errors = [f for f in doc["findings"] if f["severity"] == "error"]
+        assert code == (1 if errors else 0), (code, doc["summary"].get("by_rule"))
 
 
 def _write(d, seed, ranks, rate):
@@ -48,8 +64,9 @@ def test_fuzz_check_in_process(tmp_path_factory, monkeypatch, engine, seed, rank
     _write(d, seed, ranks, rate)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["check", str(d), "--format", "json"] + (["--lenient"] if lenient else []))
-    assert code in (0, 1, 2)
+        argv = ["check", str(d), "--format", "json"] + (["--lenient"] if lenient else [])
+        code = main(argv)
+    _judge(argv, code, out.getvalue(), err.getvalue(), d)
 
 
 # ------------------------------------------------------------------ the binary format
@@ -90,4 +107,4 @@ def test_fuzz_binary_in_process(tmp_path_factory, monkeypatch, engine, seed, ran
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
-        assert code in (0, 1, 2)
+        _judge(argv, code, out.getvalue(), err.getvalue(), d)

@@ -13,15 +13,40 @@ torch = pytest.importorskip("torch")
 from sanitizer.capture import gpu_selfcheck as sc  # noqa: E402
 
 
+def _undefined_names(source: str, name: str) -> str:
+    """pyflakes' undefined names in a program (what would fail only when it runs on a GPU); an
+    unused import is the program's business (the scenarios import what the prelude may need)."""
+    import io
+
+    api = pytest.importorskip("pyflakes.api")
+    from pyflakes.reporter import Reporter
+    out, err = io.StringIO(), io.StringIO()
+    api.check(source, name, Reporter(out, err))
+    return "".join(line for line in (out.getvalue() + err.getvalue()).splitlines(True)
+                   if "imported but unused" not in line)
+
+
 @pytest.mark.parametrize("name", sorted(sc.SCENARIOS))
-def test_scenario_programs_compile(name):
+def test_scenario_programs_and_their_expectations_are_sound(name):
+    """What can be known of a GPU scenario without a GPU: its program has no undefined name, and
+    its expectation is one the harness can judge (real rule names, real event kinds, clean or a
+    rule, never both)."""
+    from sanitizer.rules.findings import RULES
+    from sanitizer.trace.schema import EVENT_FIELDS
+
     body, expect = sc.SCENARIOS[name]
-    compile(sc.PRELUDE + textwrap.dedent(body), name, "exec")
-    assert expect.get("clean") or expect.get("any_of")
+    source = sc.PRELUDE + textwrap.dedent(body)
+    compile(source, name, "exec")
+    assert _undefined_names(source, name) == ""
+    assert set(expect) <= {"clean", "any_of", "events", "replays", "recycled", "stream_ids", "graph_pool"}, expect
+    assert bool(expect.get("clean")) != bool(expect.get("any_of")), "clean, or flagged with a rule"
+    assert set(expect.get("any_of", ())) <= set(RULES), expect
+    assert set(expect.get("events", ())) <= set(EVENT_FIELDS), expect
 
 
-def test_decode_program_compiles():
+def test_decode_program_compiles_with_every_name_defined():
     compile(sc.DECODE_STEP, "decode", "exec")
+    assert _undefined_names(sc.DECODE_STEP, "decode") == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real check applies")
