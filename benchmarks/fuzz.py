@@ -4,7 +4,7 @@ check, place, sweep and cat, hostile logs through logscan (issues 14, 21). Not a
     .venv/bin/python benchmarks/fuzz.py --inputs 2000 --seed 1
     .venv/bin/python benchmarks/fuzz.py --inputs 500 --seed 7 --commands check --ranks 2 --subprocess-every 50
 
-Inputs come from tests/hostile_inputs.py (a small trace grammar, then fields swapped for lists,
+Inputs come from tests/support/hostile_inputs.py (a small trace grammar, then fields swapped for lists,
 objects, 64-bit edges, lines cut, garbage lines; SGLang-like logs with inf/nan/huge values and
 comma floods). Each command runs in this process through `sanitizer.cli.main` (an exception that
 escapes is the traceback a user would see) and, every --subprocess-every inputs, as a real
@@ -28,7 +28,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from hostile_inputs import log_lines, trace_binary, trace_lines  # noqa: E402
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slow", type=float, default=10.0, help="seconds after which an input counts as a hang")
     ap.add_argument("--formats", default="jsonl,binary",
                     help="trace formats, inputs alternate between them (default jsonl,binary; "
-                         "binary: tests/hostile_inputs.trace_binary)")
+                         "binary: tests/support/hostile_inputs.trace_binary)")
     args = ap.parse_args(argv)
     commands = [c for c in args.commands.split(",") if c]
     formats = [f for f in args.formats.split(",") if f in ("jsonl", "binary")] or ["jsonl"]

@@ -7,8 +7,9 @@ from pathlib import Path
 # the tests start inherit it.
 os.environ["HAZSAN_RAISE"] = "1"
 
-# tests/ helpers (tracebuilder, reference_model) import as plain modules.
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/support/ helpers (tracebuilder, reference_model, engine_scenarios) import as plain modules;
+# the tests themselves are grouped by the package they test (tests/capture/, tests/rules/, ...).
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import pytest  # noqa: E402
 

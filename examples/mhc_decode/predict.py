@@ -21,7 +21,7 @@ corrupted rows, their requests the corrupted requests.
     python -m examples.mhc_decode.predict --depths 1-8 [run options]      # one configuration
     python -m examples.mhc_decode.predict --search                        # configurations colliding at one depth
 
-tests/test_mhc_example.py checks the prediction against the reuse-in-flight findings of real runs.
+tests/examples/test_mhc_example.py checks the prediction against the reuse-in-flight findings of real runs.
 """
 from __future__ import annotations
 

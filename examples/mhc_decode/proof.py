@@ -218,7 +218,7 @@ wait for each collective and leave only the pool's segments behind).
 The window's placement depends only on each verify step's token count (running requests x
 (depth + 1)) and the byte sizes per token, never on values. `python -m examples.mhc_decode.predict
 --depths {depths_text(depths)}` replays the decode's window traffic through hazsan's caching-allocator model (the
-one the testbed places blocks with; tests/test_mhc_example.py checks it against real runs, request
+one the testbed places blocks with; tests/examples/test_mhc_example.py checks it against real runs, request
 for request) and predicts a collision at depth(s) **{where}**:
 
 {prediction_table(pred)}
