@@ -1244,12 +1244,27 @@ def _patch_work(capture, colls) -> None:
         # here are freed after the completion is written (block_table.py: DispatchSlot.deferred)
         slot.quiet += 1
         try:
-            r = w_wait(self, *a, **k)
+            try:
+                r = w_wait(self, *a, **k)
+            except BaseException:
+                ended_with_error(self, w_done)
+                raise
             observe(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
         finally:
             slot.quiet -= 1
             colls._release_deferred()
         return r
+
+    def ended_with_error(handle, is_done):
+        """wait() raised. A Work that failed (a peer died, the connection closed) is completed
+        with its exception: gloo's AsyncWork sets it when its run ends in an error, and nothing of
+        it runs any more, so its buffers are free. One that only timed out still runs: it stays
+        in flight."""
+        try:
+            if is_done(handle):
+                colls.observed(handle)
+        except Exception as exc:
+            capture.failed("coll.done", exc)
 
     def is_completed(self):
         r = w_done(self)
@@ -1265,7 +1280,11 @@ def _patch_work(capture, colls) -> None:
     def fwait(self, *a, **k):
         slot.quiet += 1
         try:
-            r = f_wait(self, *a, **k)
+            try:
+                r = f_wait(self, *a, **k)
+            except BaseException:
+                ended_with_error(self, f_done)
+                raise
             observe(self)
         finally:
             slot.quiet -= 1

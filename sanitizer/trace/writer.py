@@ -5,6 +5,10 @@ Two formats: binary (the default: length-prefixed frames of msgpack arrays, sani
 `TraceWriter(trace_format="jsonl")`) chooses the latter. Everything below holds for both: a "line"
 is a binary frame there, the header line the header frame.
 
+Where each part lives: this module buffers, flushes, counts drops and closes; trace_file.py
+names the file and writes its header (and rewrites it); flush_timer.py runs the time flush and
+handles forks. TraceWriter is the one class, made of those three.
+
 Events are buffered as dicts and serialised at flush time (orjson, or msgspec's msgpack encoder),
 so the hot path is one list append. A flush writes whole lines (frames) with os.write on an
 O_APPEND descriptor: a process killed with SIGKILL leaves every line of every completed flush, and
@@ -68,7 +72,11 @@ import time
 import orjson
 
 from sanitizer.trace import binary as B
-from sanitizer.trace.schema import SCHEMA_VERSION
+from sanitizer.trace.flush_timer import TimeFlush
+from sanitizer.trace.trace_file import _NO_FACTS, HEADER_ROOM, MIN_FLUSH_SECONDS, TraceFile, _write_all
+
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "FORMAT_ENV", "HEADER_ROOM", "MIN_FLUSH_SECONDS", "SUFFIX",
+           "TraceWriter", "default_format"]
 
 #: HAZSAN_TRACE_FORMAT: what capture writes.
 FORMAT_ENV = "HAZSAN_TRACE_FORMAT"
@@ -85,14 +93,9 @@ def default_format(environ=os.environ) -> str:
 
 _ENCODE_SLICE = 1024
 _CAPPED_RECORD_SECONDS = 60.0
-#: Bytes the header line takes (padded with spaces): room for the facts learnt later, in place.
-HEADER_ROOM = 4096
-#: The time-flush thread wakes at most this often (HAZSAN_FLUSH_SECONDS=0 means "as often as this").
-MIN_FLUSH_SECONDS = 0.05
-_COPY_CHUNK = 1 << 20
 
 
-class TraceWriter:
+class TraceWriter(TraceFile, TimeFlush):
     """Buffered writer for one process's trace. Thread-safe; never raises from emit()."""
 
     def __init__(self, directory: str, *, max_events: int = 20_000_000, buffer_events: int = 65_536,
@@ -318,71 +321,7 @@ class TraceWriter:
             self._deferred.pop(0)()
 
     # ------------------------------------------------------------------ identity
-    def set_rank(self, rank: int, world_size: int | None = None, device: str | None = None) -> None:
-        """The distributed rank became known: name (or rename) the file after it."""
-        with self._lock:
-            if device:
-                self.device = device
-            same = rank == self.rank and (world_size is None or world_size == self.world_size)
-            self.rank, self.world_size = rank, world_size if world_size is not None else self.world_size
-            if self._fd is None or same:
-                return
-            self._reopen_under_rank()
 
-    def _key(self):
-        """What the header's facts depend on (header_key), cheap to ask at every flush."""
-        if self.header_key is None:
-            return 0
-        try:
-            return self.header_key()
-        except Exception as exc:
-            self.hook_failed("writer.header", exc)
-            return self._header_state
-
-    def _header_json(self, facts: bool = True) -> tuple[dict, object]:
-        """The header (a dict), and the header_key() it was made under (_NO_FACTS when the
-        header_source was not asked: capture just started)."""
-        rank = self.rank if self.rank is not None else -os.getpid()
-        h = {"hazsan": SCHEMA_VERSION, "rank": rank, "world_size": self.world_size or 1,
-             "device": self.device, "pid": os.getpid(), "end_record": True,
-             "flush_seconds": max(self.flush_seconds, MIN_FLUSH_SECONDS), "progress": dict(self.progress)}
-        h.update(self.header_extra)
-        state = _NO_FACTS
-        if facts or self.header_source is None:
-            state = self._key()
-        if facts and self.header_source is not None:
-            cached = self._facts_cache
-            if cached is not None and cached[0] == state:
-                h.update(cached[1])
-            else:
-                try:
-                    more = dict(self.header_source())
-                    self._facts_cache = (state, more)
-                    h.update(more)
-                except Exception as exc:
-                    self.hook_failed("writer.header", exc)
-        return h, state
-
-    def _header_bytes(self, h: dict, room: int) -> bytes | None:
-        """The file's first bytes, the header padded to `room` bytes (0: to at least HEADER_ROOM,
-        never too short); None when it does not fit in `room`."""
-        if self.format == "binary":
-            if room:
-                return B.signature_and_header(h, room)
-            exact = B.signature_and_header(h)
-            return B.signature_and_header(h, max(HEADER_ROOM, len(exact) + 3))
-        js = orjson.dumps(h)
-        if room:
-            return _padded(js, room) if len(js) + 1 <= room else None
-        return _padded(js, max(HEADER_ROOM, len(js) + 1))
-
-    def _header_grown(self, h: dict) -> bytes:
-        """The header padded for a file rewritten because it outgrew its room."""
-        if self.format == "binary":
-            size = len(B.signature_and_header(h)) + 3 + HEADER_ROOM // 4
-            return B.signature_and_header(h, size)
-        js = orjson.dumps(h)
-        return _padded(js, len(js) + 1 + HEADER_ROOM // 4)
 
     def _encode(self, part: list) -> bytes:
         if self.format == "binary":
@@ -394,214 +333,9 @@ class TraceWriter:
             return B.end_frame(self._written, self.dropped_total)
         return _dumps({"ev": "end", "events": self._written, "dropped": self.dropped_total})
 
-    def _open(self, facts: bool = True) -> None:
-        """Create this process's file (O_EXCL, owner-only) and write its header line, padded to
-        HEADER_ROOM so that later facts fit in place."""
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        pid = os.getpid()
-        sfx = self.suffix
-        if self.rank is not None:
-            names = [f"rank{self.rank}{sfx}"]
-            stem = f"rank{self.rank}.pid{pid}"
-        else:
-            names = []
-            stem = f"pid{pid}"
-        first = self._next_suffix.get((self.directory, stem), 2)   # a folder this process wrote before
-        names += [f"{stem}{sfx}"] + [f"{stem}.{n}{sfx}" for n in range(first, first + 100)]
-        h, state = self._header_json(facts)
-        header = self._header_bytes(h, 0)
-        last_exc = None
-        for i, name in enumerate(names):
-            if i >= len(names) - 100:
-                self._next_suffix[(self.directory, stem)] = first + (i - (len(names) - 100)) + 1
-            path = os.path.join(self.directory, name)
-            try:
-                fd = _create(path)
-            except FileExistsError as exc:
-                last_exc = exc
-                if not _stale_own_header(path, pid):
-                    continue
-                try:                    # this process's own file from before an exec: take it over
-                    os.unlink(path)
-                    fd = _create(path)
-                except OSError:
-                    continue
-            try:
-                _write_all(fd, header)
-            except BaseException:
-                os.close(fd)
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-                raise
-            self._fd, self.path = fd, path
-            self._in_file = 0
-            self._values = B.ValueTable()
-            self._header_len = len(header)
-            self._header_state = state
-            return
-        raise last_exc  # type: ignore[misc]
-
-    def _reopen_under_rank(self) -> None:
-        """Copy the file under its rank's name with the right header; on failure keep writing
-        where we were."""
-        old_fd, old_path = self._fd, self.path
-        self._fd = self.path = None
-        values = self._values            # the body is copied: its `V` frames with it
-        try:
-            self._open(facts=True)
-        except OSError as exc:
-            self.hook_failed("writer.rename", exc)
-            self._fd, self.path = old_fd, old_path
-            return
-        finally:
-            self._values = values
-        try:
-            _copy_body(old_path, self._fd)
-        except OSError as exc:
-            self.hook_failed("writer.rename", exc)
-            try:
-                os.close(self._fd)
-                os.unlink(self.path)
-            except OSError:
-                pass
-            self._fd, self.path = old_fd, old_path
-            return
-        self._in_file = self._written
-        try:
-            os.close(old_fd)
-            os.unlink(old_path)
-        except OSError as exc:
-            self.hook_failed("writer.rename", exc)
-
-    def _refresh_header(self) -> None:
-        """Write the header again with the facts known now: over the old one in place when it
-        fits its room (pwrite on a second descriptor: the first appends), else with a copy."""
-        if self._fd is None or self.path is None:
-            return
-        h, state = self._header_json(True)
-        self._header_state = state       # tried once per change of the facts, even if it fails
-        try:
-            data = self._header_bytes(h, self._header_len)
-            if data is not None:
-                fd = os.open(self.path, os.O_WRONLY)
-                try:
-                    if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
-                        return           # not our file any more (the folder was removed)
-                    done = 0
-                    while done < len(data):
-                        done += os.pwrite(fd, data[done:], done)
-                finally:
-                    os.close(fd)
-            else:
-                self._rewrite_with_header(h)
-        except Exception as exc:
-            self.hook_failed("writer.header", exc)
-
-    def _rewrite_with_header(self, h: dict) -> None:
-        """The header outgrew its room: the file copied under the new header, then renamed over."""
-        tmp = self.path + ".tmp"          # not *.jsonl / *.hzs: never read as a trace
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        try:
-            header = self._header_grown(h)
-            _write_all(fd, header)
-            _copy_body(self.path, fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
-        self._fd = fd
-        self._header_len = len(header)
 
     # ------------------------------------------------------------------ start and the time flush
-    def start(self, open_file: bool = True) -> None:
-        """Capture started: the file and its header are written now, before any event is
-        buffered (`open_file` false: at open_now(), capture's first hook, or the first flush), and
-        the time flush starts. Never raises: a file that cannot be made now is tried again at the
-        next flush, which counts and reports the failure."""
-        try:
-            with self._lock:
-                self._started = True
-            if open_file:
-                self.open_now()
-            self._start_timer()
-            if not self._fork_hooks:
-                self._fork_hooks = True
-                os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent)
-        except Exception as exc:
-            self.hook_failed("writer.start", exc)
 
-    def open_now(self) -> None:
-        """Make the file and write its header now, if not yet made (never raises)."""
-        try:
-            with self._lock:
-                if self._fd is None and not self.closed:
-                    try:
-                        self._open(facts=False)
-                    except Exception:
-                        pass
-        except Exception as exc:
-            self.hook_failed("writer.start", exc)
-
-    def _start_timer(self) -> None:
-        if self.closed or (self._timer is not None and self._timer.is_alive()):
-            return
-        stop = threading.Event()
-        timer = threading.Thread(target=self._run_timer, args=(stop,), name="hazsan-flush", daemon=True)
-        self._timer, self._timer_stop = timer, stop
-        timer.start()
-
-    def _stop_timer(self, join: float = 0.0) -> None:
-        timer, stop = self._timer, self._timer_stop
-        self._timer = self._timer_stop = None
-        if stop is not None:
-            stop.set()
-        if join and timer is not None and timer.is_alive() and timer is not threading.current_thread():
-            timer.join(join)
-
-    def _run_timer(self, stop: threading.Event) -> None:
-        """The time flush: wake every flush_seconds after the last flush, write what is buffered."""
-        period = max(self.flush_seconds, MIN_FLUSH_SECONDS)
-        wait = period
-        while not stop.wait(wait):
-            try:
-                if self.closed:
-                    return
-                left = self._last_flush + period - time.monotonic()
-                if left > 0.001:          # flushed meanwhile (a step, a full buffer): the rest
-                    wait = left
-                    continue
-                wait = period
-                if self._buf or self._dropped or self._hook_errors:
-                    self.flush()
-                self._settle()
-            except Exception:             # never raise, not even at interpreter exit
-                pass
-
-    def _before_fork(self) -> None:
-        """No thread of ours may run while the process forks (the child would inherit the
-        writer's lock held): stop it; both processes start it again."""
-        try:
-            self._was_timed = self._timer is not None
-            self._stop_timer(join=1.0)
-        except Exception:
-            pass
-
-    def _after_fork_in_parent(self) -> None:
-        try:
-            if getattr(self, "_was_timed", False) and self._started and not self.closed:
-                self._start_timer()
-        except Exception:
-            pass
 
     # ------------------------------------------------------------------ flushing
     def flush(self) -> None:
@@ -779,111 +513,9 @@ class TraceWriter:
                 except Exception:
                     pass                  # tried again, counted and reported, at the next flush
 
-    def discard_after_fork(self, start: bool = True) -> None:
-        """In a forked child: forget the parent's buffer and file (they belong to the parent). A
-        started writer then starts again, its own file and header at once and its time flush
-        (threads do not survive a fork); `start=False` leaves that to the first flush."""
-        had_file = self._fd is not None   # the parent's: the child of a process with a file makes its own at once
-        self._lock = threading.RLock()
-        self._buf_lock = threading.RLock()
-        self._count_lock = threading.RLock()
-        self._deferred = []
-        self.progress = {"quiet": False}
-        self._quiet = self._through = False
-        self._flush_thread = None
-        self._buf = []
-        self._fd = None
-        self.path = None
-        self._written = 0
-        self._in_file = 0
-        self._dropped = 0
-        self._hook_errors = {}
-        self.closed = False
-        self._closing = False
-        self._last_record = 0.0
-        self._last_flush = time.monotonic()
-        self._header_len = 0
-        self._header_state = _NO_FACTS
-        self._values = B.ValueTable()
-        self._timer = self._timer_stop = None
-        env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
-        self.rank = env_rank
-        self.world_size = None
-        if start and self._started:
-            self.start(open_file=had_file)
-
-
-_NO_FACTS = object()   # a header written before its facts were asked (capture start)
-
-
-def _padded(js: bytes, size: int) -> bytes:
-    """The header line: JSON, spaces up to `size` - 1 bytes, a newline (JSON allows the spaces)."""
-    return js + b" " * max(0, size - len(js) - 1) + b"\n"
-
-
-def _create(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-
-
-def _stale_own_header(path: str, pid: int) -> bool:
-    """`path` holds nothing but a header with this `pid` (and no end record): the trace this very
-    process started before an exec replaced its program (exec runs no exit handler)."""
-    try:
-        with open(path, "rb") as f:
-            skip = _header_size(f)
-            if skip is None:
-                return False
-            f.seek(0)
-            head = f.read(skip)
-            if f.read(1):
-                return False
-        if head.startswith(B.MAGIC):
-            header = B.decode_header(head[len(B.SIGNATURE) + B.PREFIX_SIZE:])
-        else:
-            header = orjson.loads(head)
-        return header.get("pid") == pid
-    except Exception:
-        return False
-
-
-def _header_size(f) -> int | None:
-    """Bytes of the header (line, or signature and header frame) at the start of open file `f`,
-    or None when it is not whole."""
-    first = f.read(len(B.SIGNATURE))
-    if first.startswith(B.MAGIC):
-        prefix = f.read(B.PREFIX_SIZE)
-        if len(prefix) < B.PREFIX_SIZE:
-            return None
-        _, length = B.PREFIX.unpack(prefix)
-        size = len(B.SIGNATURE) + B.PREFIX_SIZE + length
-        f.seek(0, os.SEEK_END)
-        return size if f.tell() >= size else None
-    f.seek(0)
-    line = f.readline()
-    return len(line) if line.endswith(b"\n") else None
-
-
-def _copy_body(src_path: str, dst_fd: int) -> None:
-    """Everything after the header of `src_path`, appended to `dst_fd`, a chunk at a time."""
-    with open(src_path, "rb") as f:
-        skip = _header_size(f)
-        f.seek(skip or 0)
-        while True:
-            chunk = f.read(_COPY_CHUNK)
-            if not chunk:
-                return
-            _write_all(dst_fd, chunk)
-
 
 def _dumps(ev: dict) -> bytes:
     return orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:

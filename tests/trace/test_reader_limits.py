@@ -4,7 +4,7 @@ error naming file and line; both limits are options of `hazsan check`."""
 from __future__ import annotations
 
 import gzip
-import os
+import json
 import subprocess
 import sys
 import time
@@ -54,18 +54,21 @@ def test_small_gzip_holding_a_huge_line_is_not_decompressed_whole(tmp_path):
     path = _gzip_stream(tmp_path / "rank0.jsonl.gz",
                         [HEADER, SYNC, b'{"ev":"sync","x":"'] + [b"a" * (1 << 20)] * 256 + [b'"}\n'])
     assert path.stat().st_size < 2 << 20
-    # The child's own peak, from os.wait4 on its pid: RUSAGE_CHILDREN would also take in any other
-    # child this worker reaps meanwhile (an earlier test's server going down), a flaky high-water mark.
-    out, err = tmp_path / "out", tmp_path / "err"
-    with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen([sys.executable, "-m", "sanitizer", "check", str(path), "--format", "json"],
-                                stdout=o, stderr=e)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 2
+    # The command's own peak RSS, read by a small launcher with os.wait4: a child forked straight
+    # from this worker (hundreds of MB once a test imported torch) inherits its high-water mark.
+    launcher = ("import os, subprocess, sys, json\n"
+                "with open(sys.argv[1], 'wb') as err:\n"
+                "    p = subprocess.Popen(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=err)\n"
+                "    _, status, usage = os.wait4(p.pid, 0)\n"
+                "print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_maxrss]))\n")
+    err = tmp_path / "err"
+    r = subprocess.run([sys.executable, "-c", launcher, str(err), sys.executable, "-m", "sanitizer", "check",
+                        str(path), "--format", "json"], capture_output=True, text=True, timeout=120)
+    code, peak_kib = json.loads(r.stdout)
+    assert code == 2
     assert _error_lines(err.read_text()) == [f"hazsan: error: {path}:3: line longer than 8388608 bytes "
                                              "(not a hazsan trace? --max-line-bytes raises the limit)"]
-    assert usage.ru_maxrss < 200 * 1024, f"peak RSS {usage.ru_maxrss} KiB: the line was held whole"
+    assert peak_kib < 200 * 1024, f"peak RSS {peak_kib} KiB: the line was held whole"
 
 
 def test_max_line_bytes_option_raises_and_lifts_the_limit(tmp_path):

@@ -1,0 +1,139 @@
+"""The writer's time flush and fork handling, for TraceWriter (writer.py): a daemon thread
+(`hazsan-flush`) flushes what is buffered every flush_seconds, so a process whose events are rare
+still has them on disk; it is stopped before a fork (no thread is copied into the child, none runs
+while the fork happens) and started again in both processes, the child with a file of its own."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from sanitizer.trace import binary as B
+from sanitizer.trace.trace_file import _NO_FACTS, MIN_FLUSH_SECONDS
+
+
+class TimeFlush:
+    """TraceWriter's start, time flush and fork handling (a mixin: it shares the writer's state)."""
+
+    def start(self, open_file: bool = True) -> None:
+        """Capture started: the file and its header are written now, before any event is
+        buffered (`open_file` false: at open_now(), capture's first hook, or the first flush), and
+        the time flush starts. Never raises: a file that cannot be made now is tried again at the
+        next flush, which counts and reports the failure."""
+        try:
+            with self._lock:
+                self._started = True
+            if open_file:
+                self.open_now()
+            self._start_timer()
+            if not self._fork_hooks:
+                self._fork_hooks = True
+                os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent)
+        except Exception as exc:
+            self.hook_failed("writer.start", exc)
+
+    def open_now(self) -> None:
+        """Make the file and write its header now, if not yet made (never raises)."""
+        try:
+            with self._lock:
+                if self._fd is None and not self.closed:
+                    try:
+                        self._open(facts=False)
+                    except Exception:
+                        pass
+        except Exception as exc:
+            self.hook_failed("writer.start", exc)
+
+    def _start_timer(self) -> None:
+        if self.closed or (self._timer is not None and self._timer.is_alive()):
+            return
+        stop = threading.Event()
+        timer = threading.Thread(target=self._run_timer, args=(stop,), name="hazsan-flush", daemon=True)
+        self._timer, self._timer_stop = timer, stop
+        timer.start()
+
+    def _stop_timer(self, join: float = 0.0) -> None:
+        timer, stop = self._timer, self._timer_stop
+        self._timer = self._timer_stop = None
+        if stop is not None:
+            stop.set()
+        if join and timer is not None and timer.is_alive() and timer is not threading.current_thread():
+            timer.join(join)
+
+    def _run_timer(self, stop: threading.Event) -> None:
+        """The time flush: wake every flush_seconds after the last flush, write what is buffered."""
+        period = max(self.flush_seconds, MIN_FLUSH_SECONDS)
+        wait = period
+        while not stop.wait(wait):
+            try:
+                if self.closed:
+                    return
+                left = self._last_flush + period - time.monotonic()
+                if left > 0.001:          # flushed meanwhile (a step, a full buffer): the rest
+                    wait = left
+                    continue
+                wait = period
+                if self._buf or self._dropped or self._hook_errors:
+                    self.flush()
+                self._settle()
+            except Exception:             # never raise, not even at interpreter exit
+                pass
+
+    def _before_fork(self) -> None:
+        """No thread of ours may run while the process forks (the child would inherit the
+        writer's lock held): stop it; both processes start it again."""
+        try:
+            self._was_timed = self._timer is not None
+            self._stop_timer(join=1.0)
+        except Exception:
+            pass
+
+    def _after_fork_in_parent(self) -> None:
+        try:
+            if getattr(self, "_was_timed", False) and self._started and not self.closed:
+                self._start_timer()
+        except Exception:
+            pass
+
+    def discard_after_fork(self, start: bool = True) -> None:
+        """In a forked child: forget the parent's buffer and file (they belong to the parent). A
+        started writer then starts again, its own file and header at once and its time flush
+        (threads do not survive a fork); `start=False` leaves that to the first flush."""
+        had_file = self._fd is not None   # the parent's: the child of a process with a file makes its own at once
+        self._lock = threading.RLock()
+        self._buf_lock = threading.RLock()
+        self._count_lock = threading.RLock()
+        self._deferred = []
+        self.progress = {"quiet": False}
+        self._quiet = self._through = False
+        self._flush_thread = None
+        self._buf = []
+        self._fd = None
+        self.path = None
+        self._written = 0
+        self._in_file = 0
+        self._dropped = 0
+        self._hook_errors = {}
+        self.closed = False
+        self._closing = False
+        self._last_record = 0.0
+        self._last_flush = time.monotonic()
+        self._header_len = 0
+        self._header_state = _NO_FACTS
+        self._values = B.ValueTable()
+        self._timer = self._timer_stop = None
+        env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
+        self.rank = env_rank
+        self.world_size = None
+        if start and self._started:
+            self.start(open_file=had_file)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        return default
