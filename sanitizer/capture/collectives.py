@@ -411,7 +411,10 @@ class DispatchedCollectives:
         if table is None:
             return out
         for key, access in entry.items():
-            if key in ("peer", "root", "kind", "comm") or key in copied:
+            if key in ("peer", "root", "kind", "comm"):
+                continue
+            if key in copied:
+                self._copy_read(table, named.get(key))
                 continue
             value = result if key == "result" else named.get(key)
             if access == ROOTED:
@@ -421,6 +424,30 @@ class DispatchedCollectives:
                 if r is not None:
                     out.append({"addr": r[0], "size": r[1], "access": access})
         return out
+
+    def _copy_read(self, table, value) -> None:
+        """An input the backend copied inside the call was read then, on the calling thread: at
+        level full, a `launch` on `cpu` that reads it (op "backend input copy"), so that a write
+        still pending on it (the output of a collective not yet waited, pytorch#116122) is an
+        unordered access. After the call nothing reads it: it is not one of the `bufs`."""
+        if not table.full:
+            return
+        reads = []
+        for t in _tensors(value):
+            r = table.buffer(t)
+            if r is not None and r[1]:
+                reads.append([r[0], r[1]])
+        if not reads:
+            return
+        ev = {"ev": "launch", "stream": "cpu", "op": "backend input copy", "reads": reads,
+              "t": time.time_ns()}
+        site, frames = self.capture.sites.where()
+        if site is not None:
+            ev["site"] = site
+            if frames is not None:
+                ev["stack"] = frames
+        self.emit(ev)
+        self.capture.host_work_unsynced = True
 
     def _record(self, op, comm, stream, bufs, by_backend: bool = True) -> int:
         """Write one `coll`; by_backend: the stream is a process group's, ordered as its backend
