@@ -72,7 +72,7 @@ import time
 import orjson
 
 from sanitizer.trace import binary as B
-from sanitizer.trace.flush_timer import TimeFlush
+from sanitizer.trace.flush_timer import TimeFlush, _env_int
 from sanitizer.trace.trace_file import _NO_FACTS, HEADER_ROOM, MIN_FLUSH_SECONDS, TraceFile, _write_all
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "FORMAT_ENV", "HEADER_ROOM", "MIN_FLUSH_SECONDS", "SUFFIX",
@@ -516,13 +516,3 @@ class TraceWriter(TraceFile, TimeFlush):
 
 def _dumps(ev: dict) -> bytes:
     return orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def _env_int(name: str, default: int | None = None) -> int | None:
-    v = os.environ.get(name)
-    if v is None:
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        return default

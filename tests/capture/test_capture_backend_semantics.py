@@ -34,6 +34,8 @@ import textwrap
 
 import pytest
 
+from gloo_programs import by_op_step, run_under_hazsan
+
 pytest.importorskip("torch")
 
 # these tests read the trace lines by hand: capture writes JSON Lines here (tests/conftest.py)
@@ -232,36 +234,9 @@ BUGS = {10: "DeepSpeed#8539", 20: "vllm-ascend#11961", 30: "gloo out-of-order", 
 CLEAN = (11, 21, 31, 40, 50, 60, 65, 70, 81, 82)
 
 
-def _run(tmp, level):
-    (tmp / "prog.py").write_text(PROGRAM)
-    cmd = [sys.executable, "-m", "sanitizer", "run", "--dir", str(tmp / "traces"), "--format",
-           "json", "--", sys.executable, "prog.py", f"file://{tmp}/rdv", str(tmp)]
-    env = {**os.environ, "HAZSAN_LEVEL": level}
-    out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300, env=env)
-    try:
-        report = json.loads(out.stdout)
-    except ValueError:
-        pytest.fail(f"no report: rc {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    res = [json.loads((tmp / f"res{r}.json").read_text()) for r in range(2)]
-    events = collections.defaultdict(list)
-    for r in range(2):
-        for f in sorted((tmp / "traces").glob(f"*rank{r}*")):
-            for line in f.read_text().splitlines()[1:]:
-                events[r].append(json.loads(line))
-    return out.returncode, report, res, events, out.stderr
-
-
 @pytest.fixture(scope="module", params=["full", "alloc"])
 def run(request, tmp_path_factory):
-    return request.param, _run(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def _by_op_step(report):
-    """Findings by the step of the op they collide with (the case that enqueued it)."""
-    out = collections.defaultdict(list)
-    for f in report["findings"]:
-        out[(f.get("op") or {}).get("step")].append(f)
-    return out
+    return request.param, run_under_hazsan(tmp_path_factory.mktemp(request.param), request.param, PROGRAM)
 
 
 def test_program_ran_as_upstream_torch_runs_it(run):
@@ -280,7 +255,7 @@ def test_program_ran_as_upstream_torch_runs_it(run):
 
 def test_each_bug_pattern_is_flagged(run):
     level, (rc, report, res, events, err) = run
-    found = _by_op_step(report)
+    found = by_op_step(report)
     expected = {10, 20} if level == "alloc" else set(BUGS)
     for step in expected:
         rules = {f["rule"] for f in found.get(step, [])}
@@ -291,7 +266,7 @@ def test_each_bug_pattern_is_flagged(run):
 
 def test_each_fix_and_clean_case_has_no_finding(run):
     level, (rc, report, res, events, err) = run
-    found = _by_op_step(report)
+    found = by_op_step(report)
     for step in CLEAN:
         assert not found.get(step), (step, level, found.get(step)[:3])
     assert report["summary"]["hook_errors"] == 0, report["summary"]

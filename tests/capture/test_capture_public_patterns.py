@@ -24,14 +24,11 @@ the bug and its fix one step each, under `hazsan run` at `alloc` and at `full`.
 """
 from __future__ import annotations
 
-import collections
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from gloo_programs import by_op_step, run_under_hazsan
 
 pytest.importorskip("torch")
 
@@ -177,36 +174,9 @@ CLEAN = (101, 110, 111, 121, 131, 141, 151)
 ALLOC_SEES = (100,)      # alloc records no reads or writes: only the free
 
 
-def _run(tmp, level):
-    (tmp / "prog.py").write_text(PROGRAM)
-    cmd = [sys.executable, "-m", "sanitizer", "run", "--dir", str(tmp / "traces"), "--format",
-           "json", "--", sys.executable, "prog.py", f"file://{tmp}/rdv", str(tmp)]
-    out = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HAZSAN_LEVEL": level})
-    try:
-        report = json.loads(out.stdout)
-    except ValueError:
-        pytest.fail(f"no report: rc {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    res = [json.loads((tmp / f"res{r}.json").read_text()) for r in range(2)]
-    events = collections.defaultdict(list)
-    for r in range(2):
-        for f in sorted((tmp / "traces").glob(f"*rank{r}*")):
-            for line in f.read_text().splitlines()[1:]:
-                events[r].append(json.loads(line))
-    return out.returncode, report, res, events
-
-
 @pytest.fixture(scope="module", params=["full", "alloc"])
 def run(request, tmp_path_factory):
-    return request.param, _run(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def _by_op_step(report):
-    """Findings by the step of the op they collide with (the case that enqueued it)."""
-    out = collections.defaultdict(list)
-    for f in report["findings"]:
-        out[(f.get("op") or {}).get("step")].append(f)
-    return out
+    return request.param, run_under_hazsan(tmp_path_factory.mktemp(request.param), request.param, PROGRAM)[:4]
 
 
 def test_the_program_computed_what_it_should(run):
@@ -222,7 +192,7 @@ def test_the_program_computed_what_it_should(run):
 
 def test_each_bug_is_flagged_with_its_rule(run):
     level, (rc, report, _, _) = run
-    found = _by_op_step(report)
+    found = by_op_step(report)
     for step, (name, rule) in BUGS.items():
         rules = {f["rule"] for f in found.get(step, [])}
         if level == "full" or step in ALLOC_SEES:
@@ -237,7 +207,7 @@ def test_each_bug_is_flagged_with_its_rule(run):
 
 def test_each_fix_is_clean_and_the_capture_complete(run):
     level, (_, report, _, _) = run
-    found = _by_op_step(report)
+    found = by_op_step(report)
     for step in CLEAN:
         assert not found.get(step), (step, level, found.get(step)[:3])
     s = report["summary"]
