@@ -181,6 +181,17 @@ def logscan_options(depth: int) -> list[str]:
     return ["--threshold", f"{(depth + 1) / 2:g}", "--min-running", str(MAX_RUNNING // 2)]
 
 
+def accept_lens(log: Path) -> list[float]:
+    """`accept len` of each of SGLang's `Decode batch` lines (hazsan logscan's parser)."""
+    from sanitizer.logscan.parse import DecodeLine, parse_line
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        rec = parse_line(line)
+        if isinstance(rec, DecodeLine) and rec.accept_len is not None:
+            out.append(rec.accept_len)
+    return out
+
+
 def analyse(run_dir: Path, reference: list[list[int]], result: dict, depth: int) -> dict:
     rows = write_outcomes(run_dir, reference, result)
     code, check = vllm_mhc.hazsan("check", str(run_dir))
@@ -206,7 +217,7 @@ def analyse(run_dir: Path, reference: list[list[int]], result: dict, depth: int)
         "findings": check["summary"]["by_rule"], "check_exit": code,
         "complete": check["summary"].get("complete"),
         "reuse_steps": sorted({f["step"] for f in reuse if f["step"] is not None}),
-        "logscan_exit": scan_code, "logscan": scan, "logscan_options": logscan_options(depth),
+        "accept_lens": accept_lens(run_dir / "server.log"), "logscan_exit": scan_code, "logscan": scan, "logscan_options": logscan_options(depth),
         "startup_s": result["startup_s"], "generate_s": result["generate_s"],
         "generate_cpu_s": result.get("generate_cpu_s"), "wall_s": result["wall_s"], "cpu_s": result.get("cpu_s"),
     }
@@ -269,12 +280,14 @@ def main(argv=None) -> int:
             code, cmp = vllm_mhc.hazsan("compare", str(args.out / f"stock-d{d}"), str(args.out / f"fixed-d{d}"),
                                         "--primary", "corrupted", "--fail-on", "error")
             comparisons[str(d)] = {"exit": code, **cmp}
-            print(f"[sglang-mhc] depth {d}: hazsan compare exit {code}: {cmp.get('verdict', '?')}", flush=True)
+            print(f"[sglang-mhc] depth {d}: hazsan compare exit {code}: {(cmp.get('verdict') or {}).get('text', '?')}", flush=True)
     results = {"sglang": bare["sglang"], "model": MODEL, "requests": REQUESTS, "max_running_requests": MAX_RUNNING,
                "output_tokens": OUTPUT_TOKENS, "capture": args.capture, "idle_before_shutdown_s": IDLE_S,
                "flush_seconds": FLUSH_S, "depths": depths,
                "bare": {k: bare.get(k) for k in ("startup_s", "generate_s", "generate_cpu_s", "wall_s", "cpu_s")},
-               "runs": runs, "compare": comparisons, "seconds": round(time.monotonic() - t0, 1)}
+               "runs": runs, "compare": comparisons, "seconds": round(time.monotonic() - t0, 1),
+               "sglang_seconds": round(sum(r.get("wall_s") or 0 for r in runs.values()) + (bare.get("wall_s") or 0), 1),
+               "sglang_cpu_seconds": round(sum(r.get("cpu_s") or 0 for r in runs.values()) + (bare.get("cpu_s") or 0), 1)}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"[sglang-mhc] done in {results['seconds']} s: {args.out / 'results.json'}", flush=True)
     if args.report:

@@ -12,8 +12,8 @@ from tabulate import tabulate
 INCIDENT = {"depth": 5, "corrupted_per_1000": 39, "fixed_clean": 323}
 
 
-def _accept(scan: dict) -> str:
-    vals = [r["accept_len"] for r in scan.get("records", []) if r.get("accept_len") is not None]
+def _accept(run: dict) -> str:
+    vals = run.get("accept_lens") or []
     if not vals:
         return "-"
     return f"{sum(vals) / len(vals):.2f} / {min(vals):.2f}"
@@ -65,7 +65,7 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
             _rules(s["findings"], "free-in-flight", "transient-in-window"),
             _rules(f["findings"], "free-in-flight", "transient-in-window", "reuse-in-flight"),
             "yes" if s["complete"] and f["complete"] else "NO",
-            _accept(s["logscan"]), _accept(f["logscan"]),
+            _accept(s), _accept(f),
             f"{_flagged(s['logscan'])} / {_flagged(f['logscan'])}",
             f"{p:.3g}" if p is not None else "-",
             f"{s['wall_s']} / {f['wall_s']}", f"{s.get('cpu_s')} / {f.get('cpu_s')}",
@@ -109,7 +109,8 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
         f"- Colliding depth(s): {', '.join(map(str, colliding)) or 'none'}; clean stock depth(s): "
         f"{', '.join(map(str, clean)) or 'none'}.",
         f"- Cost: bare reference run {results['bare']['wall_s']} s wall, {results['bare'].get('cpu_s')} s CPU; "
-        f"the whole proof {results['seconds']} s on this 2-core machine shared with other work. Wall and "
+        f"all {len(runs) + 1} SGLang runs {results.get('sglang_seconds')} s wall and {results.get('sglang_cpu_seconds')} s "
+        "CPU on this 2-core machine, shared with other work. Wall and "
         "CPU time per run are in the table (CPU: every process of the run, the Engine and both "
         "schedulers, start-up included).",
         "",
