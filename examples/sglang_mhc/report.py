@@ -45,6 +45,59 @@ def decode_lines(log: Path, limit: int = 6) -> list[str]:
     return out[:limit]
 
 
+SMALL_POOL = 1 << 20      # the CUDA caching allocator's small-pool limit (the testbed's placement model)
+
+
+def predicted(results: dict, depth: int) -> bool:
+    """Can a verify step of this depth collide? Its row-parallel partial (bfloat16) is in the large
+    pool, where the float32 mixing transients are: a full verify step has max_running x (depth + 1)
+    tokens."""
+    tokens = results["max_running_requests"] * (depth + 1)
+    return tokens * 2 * results["model"]["hidden_size"] > SMALL_POOL
+
+
+def why_lines(results: dict) -> list[str]:
+    m = results["model"]
+    h, n, running = m["hidden_size"], m["hc_streams"], results["max_running_requests"]
+    partial, transient = 2 * h, 4 * n * h
+    lo = SMALL_POOL // partial + 1
+    rows = []
+    for d in results["depths"]:
+        s = results["runs"].get(f"stock-d{d}")
+        if s is None:
+            continue
+        tokens = running * (d + 1)
+        first = s.get("first_collision")
+        rows.append([d, tokens, f"{tokens * partial:,}", "large: can collide" if predicted(results, d) else "small: cannot",
+                     f"{s['corrupted']}/{s['requests']}",
+                     f"step {first['step']}: a {first['block_size']:,}-byte block from {first['site']} over "
+                     f"{first['overlap']:,} bytes that all_reduce seq {first['seq']} still loads" if first else "-"])
+    necessary = all(r[3].startswith("large") for r in rows if r[4].split("/")[0] != "0")
+    spared = [r[0] for r in rows if r[3].startswith("large") and r[4].split("/")[0] == "0"]
+    return ["## Which depths collide, and why", "",
+            f"Where a step's window blocks are placed depends only on its token count and on what earlier "
+            f"steps left in the pool, never on values. Per token the row-parallel partial is {partial:,} bytes "
+            f"(bfloat16, hidden {h}) and each float32 mixing transient {transient:,} bytes ({n} streams). The "
+            f"caching allocator (the model the testbed places with) serves requests up to 1 MiB from its small "
+            f"pool, larger ones from the large pool. SGLang's NGRAM verify step holds {running} requests x "
+            f"(depth + 1) tokens. Up to {lo - 1} tokens the partial is in the small pool and the transients "
+            f"in the large one: they cannot meet. From {lo} tokens both are in the large pool, and a mixing "
+            f"transient allocated while the all-reduce still loads the freed partial can be given the partial's "
+            f"bytes.", "",
+            tabulate(rows, headers=["depth", "tokens per verify step", "partial bytes", "partial's pool (prediction)",
+                                    "corrupted stock", "first realised collision (hazsan check)"],
+                     tablefmt="github"), "",
+            ("Every corrupting depth has its partial in the large pool, as predicted. " if necessary else
+             "A depth corrupted with its partial in the small pool: the prediction is WRONG there. ")
+            + (f"Large-pool depth(s) {', '.join(map(str, spared))} did not collide: the large pool is the "
+               "necessary condition, not a sufficient one; whether the best-fitting free block for a mixing "
+               "transient covers the freed partial depends on the segments the steps before left (prefill, "
+               "earlier verify steps). `hazsan sweep --schedule` would replay that per step, but SGLang's "
+               "step marks carry the request count as `tokens` (the Scheduler hook), not the verify step's "
+               "token count, so the replay is not run here." if spared else
+               "No large-pool depth was spared in these runs."), ""]
+
+
 def write_report(results: dict, out: Path, runs_root: Path | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs, cmp_ = results["runs"], results.get("compare", {})
@@ -127,10 +180,17 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
             "request of the batch is decoded in every step, and a collision corrupts the all-reduce's sum "
             "on every rank, so every request running in a colliding step is hit (the incident's server "
             "mixed many batch shapes, of which few collided). What carries over is the shape of the fault: "
-            "which depths collide is decided by the step's token count and the window's placement, the "
-            "fixed build is clean at every depth, and every corruption is preceded by a finding.")
+            "which depths collide is decided by the step's token count and the window's placement"
+            + (", the fixed build is clean at every depth" if pooled["fixed"][0] == 0 else
+               f", but the fixed build has {pooled['fixed'][0]} corrupted request(s)")
+            + (", and every corruption is preceded by a finding." if all(
+                r["corrupted_preceded_by_finding"] == r["corrupted"] for r in runs.values()) else
+               ", but NOT every corruption is preceded by a finding (see the table)."))
     lines.append("")
-    verdicts = [(d, c) for d, c in sorted(cmp_.items(), key=lambda kv: int(kv[0]))]
+    lines += why_lines(results)
+    # a depth where the stock build corrupted nothing has nothing to confirm (compare exits 1 there)
+    verdicts = [(d, c) for d, c in sorted(cmp_.items(), key=lambda kv: int(kv[0]))
+                if runs.get(f"stock-d{d}", {}).get("corrupted") or (c.get("verdict") or {}).get("confirmed")]
     if verdicts:
         lines += ["## The proof (`hazsan compare STOCK FIXED --primary corrupted --fail-on error`)", "",
                   "`--fail-on error`: the fixed build keeps the latent early free of the partial (a "
@@ -139,6 +199,9 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
         for d, c in verdicts:
             text = (c.get("verdict") or {}).get("text", "?")
             lines.append(f"- depth {d} (exit {c.get('exit')}): {text}")
+        if clean:
+            lines.append(f"- depth(s) {', '.join(map(str, clean))}: the stock build corrupted nothing, so there is "
+                         "no fix to confirm (compare exits 1: no significant difference).")
         lines.append("")
     if colliding and runs_root is not None:
         d = 5 if 5 in colliding else colliding[0]
