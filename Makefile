@@ -40,7 +40,7 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	PY=$(VPY) bash reports/scan/fetch_vllm.sh $(VLLM_SCAN_SRC)
 	touch $@
 
-.PHONY: venv test test-long test-e2e test-sglang vllm-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
+.PHONY: venv test test-long test-e2e test-sglang vllm-proof sglang-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
 venv: $(VENV)/.installed
 
 # On both cores (pytest-xdist), without the few long end-to-end programs (marker `long`), which
@@ -93,12 +93,20 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 # (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
 test-sglang: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_e2e/run.py
-	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py
+	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.
 vllm-proof: $(VENV_E2E)/.installed
 	$(E2EPY) examples/vllm_mhc/run.py --report reports/vllm-mhc
+
+# The reference hazard inside real SGLang's decode (examples/sglang_mhc, an external model package):
+# sglang.Engine TP=2 with NGRAM at each depth of SGLANG_PROOF_DEPTHS, stock and fixed mHC combine in
+# SGLang's own symmetric-memory scope, under capture; rewrites reports/sglang-mhc/. In .venv-sglang
+# (as test-sglang); about a minute per SGLang run, 9 runs with the default depths.
+SGLANG_PROOF_DEPTHS ?= 3 4 5 8
+sglang-proof: $(VENV_SGLANG)/.installed
+	$(SGPY) examples/sglang_mhc/proof.py --depths "$(SGLANG_PROOF_DEPTHS)" --report reports/sglang-mhc
 
 # The compiled engine built with -fsanitize=address,undefined, under the engine's fuzz and property
 # tests (.ci/sanitizers.sh; CI runs it after `make test`).

@@ -100,6 +100,31 @@ def split_fields(text: str) -> list[str]:
     return parts
 
 
+PREFILL_MARKER = "Prefill batch"
+_PREFILL = re.compile(r"Prefill batch(?: \[\d+\])?[,.].*?#new-seq: (?P<new>\d+)")
+
+
+@dataclass(slots=True)
+class PrefillLine:
+    """A `Prefill batch` line: how many requests that prefill admitted (`#new-seq`)."""
+
+    prefix: str
+    new_seq: int
+
+
+def parse_prefill(text: str) -> PrefillLine | None:
+    """A `Prefill batch, #new-seq: N, ...` line (SGLang's scheduler), else None (never raises)."""
+    at = text.find(PREFILL_MARKER)
+    if at < 0:
+        return None
+    m = _PREFILL.match(text, at)
+    if m is None:
+        return None
+    bracket = _BRACKET.search(text, 0, at)
+    prefix = " ".join(_RANK_TAG.findall(bracket.group("ranks"))) if bracket is not None else ""
+    return PrefillLine(prefix=prefix, new_seq=int(m.group("new")))
+
+
 def parse_line(text: str) -> DecodeLine | BrokenLine | None:
     """Parse one log line. None: not a decode line at all (prefill, HTTP, warnings, ...)."""
     at = text.find(MARKER)

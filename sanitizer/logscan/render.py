@@ -195,6 +195,9 @@ def render_text(r: ScanResult, max_lines: int = 50) -> str:
     if r.below_min_running:
         out.append(f"  ({r.below_min_running} interval(s) at or below the threshold with fewer than "
                    f"{r.min_running} running requests: not flagged)")
+    if r.cold_start:
+        out.append(f"  ({r.cold_start} interval(s) at or below the threshold right after a prefill that admitted "
+                   "every running request: their first decode step, which NGRAM cannot draft; not flagged)")
     out.append("")
     if r.flagged:
         shown = r.flagged[:max_lines] if max_lines else r.flagged
@@ -232,6 +235,7 @@ def to_dict(r: ScanResult) -> dict:
         "lines": r.lines,
         "decode_lines": r.decode_lines,
         "below_min_running": r.below_min_running,
+        "cold_start": r.cold_start,
         "by_prefix": {p: s.to_dict() for p, s in sorted(r.by_prefix.items())},
         "histogram": [{"lo": lo, "hi": hi, "count": c} for lo, hi, c in histogram(r.accept_lens(), r.threshold)],
         "unparsed": r.unparsed_count,

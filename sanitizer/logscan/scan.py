@@ -22,7 +22,7 @@ from array import array
 from dataclasses import dataclass, field
 from statistics import median
 
-from sanitizer.logscan.parse import BrokenLine, DecodeLine, parse_line
+from sanitizer.logscan.parse import BrokenLine, DecodeLine, PrefillLine, parse_line, parse_prefill
 from sanitizer.logscan.vllm import VllmBroken, VllmLegacy, VllmSpec, VllmStats, parse_vllm_line
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -166,6 +166,9 @@ class ScanResult:
     unparsed: list[Unparsed] = field(default_factory=list)
     unparsed_count: int = 0
     below_min_running: int = 0  # accept len at or below threshold but too few running requests
+    # ...at or below the threshold in the first decode interval of requests all just admitted by the
+    # prefill logged right before it: not flagged (see LogScanner._decode)
+    cold_start: int = 0
     by_prefix: dict[str, PrefixStats] = field(default_factory=dict)
     # What each file held: {"sglang"}, {"vllm"}, both, or nothing (see `formats`).
     file_formats: dict[str, set] = field(default_factory=dict)
@@ -221,6 +224,9 @@ class LogScanner:
         # vLLM: per (file, process prefix), the stats line waiting for its `SpecDecoding metrics`
         # line (None: the last one was broken, so the next spec line's load is unknown).
         self._pending: dict[tuple[str, str], tuple[int, VllmStats] | None] = {}
+        # SGLang: per (file, rank prefix), `#new-seq` of the `Prefill batch` line logged last,
+        # when no `Decode batch` line of that prefix came after it
+        self._admitted: dict[tuple[str, str], int] = {}
 
     def _seen(self, file: str, fmt: str) -> None:
         formats = self.result.file_formats.get(file)
@@ -239,6 +245,10 @@ class LogScanner:
         r.lines += 1
         parsed = parse_line(text)
         if parsed is None:
+            prefill = parse_prefill(text)
+            if prefill is not None:
+                self._prefill(file, prefill)
+                return
             vllm = parse_vllm_line(text)
             if vllm is not None:
                 self._vllm(file, line_no, text, vllm)
@@ -322,9 +332,20 @@ class LogScanner:
             stats = self.result.by_prefix[prefix] = PrefixStats(format=VLLM)
         return stats
 
+    def _prefill(self, file: str, p: PrefillLine) -> None:
+        if len(self._admitted) >= MAX_PENDING:  # hostile input: a new prefix every line
+            del self._admitted[next(iter(self._admitted))]
+        self._admitted[(file, p.prefix)] = p.new_seq
+
     def _decode(self, file: str, line_no: int, text: str, d: DecodeLine) -> None:
         r = self.result
         r.decode_lines += 1
+        # Every running request was admitted by the prefill logged right before: this interval
+        # is their first decode step. SGLang's NGRAM puts a request's tokens into its corpus only
+        # after its decode steps (ngram_worker.py `_update_ngram_corpus`; prefill is not inserted),
+        # so that step has no draft and its accept len is 1 on a healthy server: not the signature.
+        admitted = self._admitted.pop((file, d.prefix), None)
+        cold = admitted is not None and admitted >= d.running_req
         stats = r.by_prefix.get(d.prefix)
         if stats is None:
             stats = r.by_prefix[d.prefix] = PrefixStats()
@@ -333,7 +354,9 @@ class LogScanner:
             return
         stats.accept_lens.append(d.accept_len)
         if d.accept_len <= r.threshold:
-            if d.running_req >= r.min_running:
+            if cold:
+                r.cold_start += 1
+            elif d.running_req >= r.min_running:
                 stats.flagged += 1
                 r.flagged.append(Interval(file, line_no, d.prefix, d.time, d.accept_len, d.running_req,
                                           d.number("accept rate"), text.rstrip("\r\n")))

@@ -270,3 +270,42 @@ def test_html_escapes_log_text(tmp_path):
     log.write_text("[2026-03-01 10:00:00 TP0] Decode batch, #running-req: 4, <script>x</script>: 1, accept len: 1.00\n")
     page, _ = render_html(scan([log]))
     assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+# ------------------------------------------------------------------------------ NGRAM cold start
+# SGLang 0.5.23's own lines (make sglang-proof, depth 5, TP=2 on CPU; the fixed build): the first
+# decode step after a prefill that admitted the whole batch has no NGRAM draft (accept len 1.00).
+_PREFILL = ("[2026-12-05 05:31:11 TP0] Prefill batch, #new-seq: {new}, #new-token: 571, #cached-token: 0, "
+            "token usage: 0.07, #running-req: {before}, #queue-req: 0, #pending-token: 0, cpu graph: False, "
+            "input throughput (token/s): 81.37\n")
+_DECODE = ("[2026-12-05 05:31:12 {prefix}] Decode batch, #running-req: {running}, #token: 907, token usage: 0.11, "
+           "accept len: {accept:.2f}, accept rate: 0.00, cpu graph: False, gen throughput (token/s): 312.51, "
+           "#queue-req: 0\n")
+
+
+def _scan_lines(tmp_path, lines, **kw):
+    log = tmp_path / "server.log"
+    log.write_text("".join(lines))
+    return scan([log], **kw)
+
+
+def test_first_decode_step_of_a_freshly_admitted_batch_is_not_the_signature(tmp_path):
+    r = _scan_lines(tmp_path, [_PREFILL.format(new=16, before=0),
+                               _DECODE.format(prefix="TP0", running=16, accept=1.0),
+                               _DECODE.format(prefix="TP0", running=16, accept=6.0)], threshold=3.0, min_running=8)
+    assert (len(r.flagged), r.cold_start, r.intervals) == (0, 1, 2)
+    assert to_dict(r)["cold_start"] == 1
+    assert "first decode step" in render_text(r)
+
+
+def test_a_collapse_after_the_cold_start_or_with_older_requests_running_is_flagged(tmp_path):
+    r = _scan_lines(tmp_path, [_PREFILL.format(new=16, before=0),
+                               _DECODE.format(prefix="TP0", running=16, accept=1.0),
+                               _DECODE.format(prefix="TP0", running=16, accept=1.19),     # not right after a prefill
+                               _PREFILL.format(new=4, before=12),
+                               _DECODE.format(prefix="TP0", running=16, accept=1.0),      # 12 requests had drafts
+                               _PREFILL.format(new=16, before=0),
+                               _DECODE.format(prefix="TP1", running=16, accept=1.0)],     # another rank's prefill
+                      threshold=3.0, min_running=8)
+    assert [f.line for f in r.flagged] == [3, 5, 7]
+    assert r.cold_start == 1
