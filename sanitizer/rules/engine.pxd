@@ -171,7 +171,7 @@ cdef class SeenIds:
 
 
 cdef class RankAnalyzer:
-    cdef public object file, rank, sink, matcher, step, transients, settled
+    cdef public object file, rank, sink, matcher, step, transients, settled, completions
     cdef public StreamClocks clocks
     cdef public bint successor
     cdef public BufferIndex wide

@@ -42,6 +42,9 @@ over ranks, the summary) is sanitizer.rules.driver's.
   ranks round-robin, so pending matches stay bounded by how far ranks drift apart.
 * Captured ops (between graph_begin and graph_end) neither run nor tick clocks; every
   graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved.
+* A listener (`listen`, sanitizer.rules.completions) learns when each op becomes done for the
+  host, by the same clocks and the same peer-completion rule: the HTML report and the Perfetto
+  export draw from it and run no clocks of their own. Without one it costs a comparison.
 
 Events arrive as typed records (sanitizer.trace.events): the decoder has checked every field's
 type, and that sizes are not negative. What is left to check here is what needs state: ids that
@@ -977,6 +980,9 @@ class RankAnalyzer:
         self.unrecorded_waits = 0
         self.counted_drops = 0
         self.hook_errors = 0
+        # a listener told when ops become done (sanitizer.rules.completions.Completions); None, the
+        # usual case, costs one comparison per enqueue and per host-clock growth
+        self.completions = None
         self.handlers = {
             E.Alloc: self.on_alloc, E.Free: self.on_free, E.FreeDone: self.on_free_done,
             E.RecordStream: self.on_record_stream, E.Launch: self.on_launch, E.Coll: self.on_coll,
@@ -988,6 +994,11 @@ class RankAnalyzer:
             E.Scope: self.on_scope, E.Step: self.on_step, E.Dropped: self.on_dropped,
             E.HookError: self.on_hook_error,
         }
+
+    def listen(self, completions) -> None:
+        """Tell `completions` (sanitizer.rules.completions.Completions) of every op enqueued, every
+        growth of the host clock, and every collective successor mode retires."""
+        self.completions = completions
 
     # ------------------------------------------------------------------ dispatch
 
@@ -1463,6 +1474,8 @@ class RankAnalyzer:
         clocks = self.clocks
         epoch = clocks.enqueue(stream)
         op.epoch = epoch
+        if self.completions is not None:
+            self.completions.enqueued(op)
         # unordered-access: this op's accesses against everything not done for its stream.
         conflicts = None
         unfinished = self._unfinished(stream)
@@ -1567,6 +1580,8 @@ class RankAnalyzer:
     def _retire(self, learned=None) -> None:
         """Drop ops done for the host: no stream can ever see them unfinished again. `learned`:
         the clock the host just learned (only its streams can have new ops done), None for all."""
+        if self.completions is not None:
+            self.completions.host_learned(learned)
         vh = self.clocks.host
         inflight = self.inflight
         streams = inflight if learned is None or len(learned) > len(inflight) else learned
@@ -1616,6 +1631,8 @@ class RankAnalyzer:
         for sc in asked:
             gone = sc.retire(vh)
             if gone:
+                if self.completions is not None:
+                    self.completions.successor_done(gone)
                 for op in gone:
                     keys = op.succ_keys
                     if keys is not None:
