@@ -81,7 +81,8 @@ class CompletionReplay:
     rejects are skipped (`hazsan check` reports them)."""
 
     def __init__(self, path, on_complete, *, peer_completion: str = LOCAL, engine: str | None = None):
-        from sanitizer.rules.driver import ENGINE_LIMITS, CHUNK, RankReader, load_engine
+        from sanitizer.rules.driver import CHUNK, ENGINE_LIMITS, RankReader
+        from sanitizer.rules.select import load_engine
 
         eng, _, _ = load_engine(engine)
         self.engine = eng
