@@ -28,6 +28,7 @@ cdef extern from *:
     object hazsan_slot(object o, Py_ssize_t offset)
 
 from sanitizer.order.clocks cimport StreamClocks
+from sanitizer.rules.intervals cimport RangeIndex, SeenIds
 
 
 cdef class Block:
@@ -67,24 +68,6 @@ cdef class Graph:
     cdef public object id, stream, ops, line, reserved
     cdef public bint live
     cdef public Py_ssize_t ordinal
-
-
-cdef class RangeIndex:
-    cdef public dict classes, longest
-    cdef public long long serial
-    cdef public Py_ssize_t count
-
-    @cython.locals(key=tuple)
-    cpdef add(self, object lo, object hi, object item)
-
-    @cython.locals(key=tuple, i=Py_ssize_t, n=Py_ssize_t)
-    cpdef remove(self, object lo, object hi, object item)
-
-    @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
-    cpdef list overlapping(self, object lo, object hi)
-
-    @cython.locals(best=tuple, key=tuple)
-    cpdef object first_added(self, object lo, object hi)
 
 
 cdef class BufferIndex:
@@ -161,13 +144,6 @@ cdef class SuccessorWait:
     @cython.locals(colls=list, start=Py_ssize_t, n=Py_ssize_t, i=Py_ssize_t, k=Py_ssize_t,
                    stop=Py_ssize_t, op=Op, entries=list)
     cpdef object retire(self, dict host)
-
-
-cdef class SeenIds:
-    cdef public object lo, hi
-    cdef public set other
-
-    cpdef bint add(self, object key)
 
 
 cdef class RankAnalyzer:

@@ -1,9 +1,10 @@
 """The happens-before engine: the algorithm, and nothing else (docs/ordering-and-rules.md).
 
 One statement of the algorithm. It runs as plain Python, and the same file is compiled by Cython
-(pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs,
-and everything around the algorithm (finding the files, reading and decoding them, round-robin
-over ranks, the summary) is sanitizer.rules.driver's.
+(pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs
+is sanitizer.rules.select's; everything around the algorithm (finding the files, reading and
+decoding them, round-robin over ranks, the summary) sanitizer.rules.driver's. The interval and id
+sets it keeps (`RangeIndex`, `SeenIds`) are sanitizer.rules.intervals', compiled with it.
 
 * Each rank is replayed in program order. `StreamClocks` (sanitizer.order.clocks) answers "is op
   O done for stream X". An op with declared buffers (a `launch` with reads/writes, a `coll` with
@@ -65,6 +66,7 @@ from sortedcontainers import SortedList
 
 from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
 from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
+from sanitizer.rules.intervals import BIG, RangeIndex, SeenIds
 from sanitizer.trace import events as E
 
 READ, WRITE = 1, 2
@@ -358,107 +360,6 @@ class Graph:
         self.ordinal = 0  # graphs made live before it, once live (RankAnalyzer.live_graphs' order)
 
 
-class RangeIndex:
-    """Items with [lo, hi) ranges (live blocks, a graph's reserved buffers): overlap queries in
-    O(log n + overlaps), as BufferIndex, whatever the mix of sizes (one huge block does not make
-    every query scan the small ones below it)."""
-
-    __slots__ = ("classes", "longest", "serial", "count")
-
-    def __init__(self):
-        self.classes: dict = {}  # length class -> sorted list or SortedList of (lo, serial, hi, item)
-        self.longest: dict = {}
-        self.serial = 0
-        self.count = 0
-
-    def add(self, lo, hi, item) -> None:
-        n = hi - lo
-        c = n.bit_length()
-        self.serial += 1
-        key = (lo, self.serial, hi, item)
-        entries = self.classes.get(c)
-        if entries is None:
-            self.classes[c] = [key]
-            self.longest[c] = n
-        else:
-            if n > self.longest[c]:
-                self.longest[c] = n
-            if type(entries) is list:
-                if entries[-1] < key:
-                    entries.append(key)
-                else:
-                    entries.insert(bisect_right(entries, key), key)
-                if len(entries) > BufferIndex.BIG:
-                    self.classes[c] = SortedList(entries)
-            else:
-                entries.add(key)
-        self.count += 1
-
-    def remove(self, lo, hi, item) -> None:
-        c = (hi - lo).bit_length()
-        entries = self.classes.get(c)
-        if entries is None:
-            return
-        i = bisect_right(entries, (lo,)) if type(entries) is list else entries.bisect_right((lo,))
-        n = len(entries)
-        while i < n:
-            key = entries[i]
-            if key[0] != lo:
-                return
-            if key[3] is item:
-                if type(entries) is list:
-                    del entries[i]
-                else:
-                    entries.remove(key)
-                self.count -= 1
-                if not entries:
-                    del self.classes[c]
-                    del self.longest[c]
-                return
-            i += 1
-
-    def overlapping(self, lo, hi) -> list:
-        """(lo, hi, item) of every item overlapping [lo, hi)."""
-        found = []
-        for c, entries in self.classes.items():
-            if entries[0][0] >= hi:
-                continue  # all of the class starts at or past hi
-            start = lo - self.longest[c]
-            if entries[-1][0] <= start:
-                continue  # all of the class ends at or before lo
-            start = (start,)
-            if type(entries) is list:
-                i = bisect_right(entries, start)
-                n = len(entries)
-                while i < n:
-                    key = entries[i]
-                    if key[0] >= hi:
-                        break
-                    if lo < key[2]:
-                        found.append((key[0], key[2], key[3]))
-                    i += 1
-            else:
-                for key in entries.irange(start, (hi,), (True, False)):
-                    if lo < key[2]:
-                        found.append((key[0], key[2], key[3]))
-        return found
-
-    def first_added(self, lo, hi):
-        """Of the items overlapping [lo, hi), the one added first (None if none)."""
-        best = None
-        for c, entries in self.classes.items():
-            start = (lo - self.longest[c],)
-            it = entries.irange(start, (hi,), (True, False)) if type(entries) is not list else \
-                entries[bisect_right(entries, start):bisect_right(entries, (hi,))]
-            for key in it:
-                if lo < key[2] and (best is None or key[1] < best[1]):
-                    best = key
-        return None if best is None else best[3]
-
-    def __len__(self):
-        return self.count
-
-
 class BlockSet:
     """Live blocks for overlap queries (the live window blocks): a list while there are at most
     SMALL (a rank has a few live at a time: a scan of them is cheaper than an index), the address
@@ -619,12 +520,10 @@ class BufferIndex:
     The scan of one class meets, besides the overlaps, only buffers of that class starting less
     than twice their own length before lo. A class is a plain sorted list while it is small (the
     usual case: bisect and insert in C) and a SortedList (O(log n) insert and remove) past
-    `BIG` entries.
+    `BIG` entries (sanitizer.rules.intervals, as RangeIndex).
     """
 
     __slots__ = ("classes", "longest", "serial")
-
-    BIG = 4096
 
     def __init__(self):
         self.classes: dict = {}  # length class -> sorted list or SortedList of entries
@@ -656,7 +555,7 @@ class BufferIndex:
                         entries.append(key)
                     else:
                         entries.insert(bisect_right(entries, key), key)
-                    if len(entries) > self.BIG:
+                    if len(entries) > BIG:
                         self.classes[c] = SortedList(entries)
                 else:
                     entries.add(key)
@@ -879,39 +778,6 @@ class SuccessorWait:
 
     def __len__(self):
         return len(self.colls) - self.start
-
-
-class SeenIds:
-    """Ids ever used (duplicate `cid` detection) in O(1) memory for consecutive integer ids."""
-
-    __slots__ = ("lo", "hi", "other")
-
-    def __init__(self):
-        self.lo = self.hi = None
-        self.other: set = set()
-
-    def add(self, key) -> bool:
-        """False when `key` was seen before."""
-        if type(key) is int:
-            if self.hi is not None and key == self.hi + 1:
-                if self.other and key in self.other:
-                    return False  # seen before, out of order
-                self.hi = key
-                return True
-            if self.hi is None and not self.other:
-                self.lo = self.hi = key
-                return True
-            if self.hi is not None and self.lo <= key <= self.hi:
-                return False
-        if key in self.other:
-            return False
-        self.other.add(key)
-        return True
-
-    def __contains__(self, key) -> bool:
-        if type(key) is int and self.hi is not None and self.lo <= key <= self.hi:
-            return True
-        return key in self.other
 
 
 # ------------------------------------------------------------------------------ one rank
