@@ -144,26 +144,10 @@ class Malformed(Exception):
 
 
 class Block:
-    """A live allocation."""
+    """A live allocation (made by _new_block)."""
 
     __slots__ = ("id", "addr", "end", "stream", "line", "step", "ev",
                  "record_streams", "window", "coll_touched", "serial")
-
-    def __init__(self, bid, addr, size, stream, pool, line, step, ev):
-        self.id = bid
-        self.addr = addr
-        self.end = addr + size
-        self.stream = stream
-        self.line = line
-        self.step = step
-        # the alloc event: its pool, site, stack and op are read only for a finding (most
-        # blocks never have one; reading them off every event cost more than keeping the event)
-        self.ev = ev
-        # None: no record_stream; else the streams other than its own (possibly none)
-        self.record_streams = None
-        self.window = None  # the Window it lies in, once known
-        self.coll_touched = False  # some collective used part of it during its life
-        self.serial = 0  # allocs of the rank up to this one, once live
 
     @property
     def pool(self):
@@ -183,7 +167,7 @@ class Block:
 
 
 def _new_block(bid, addr, size, stream, line, step, ev):
-    """Block(...) without the call through the type (its __init__'s argument parsing)."""
+    """A Block, made without a call through the type (no __init__: its argument parsing cost)."""
     block = Block.__new__(Block)
     block.id = bid
     block.addr = addr
@@ -191,11 +175,13 @@ def _new_block(bid, addr, size, stream, line, step, ev):
     block.stream = stream
     block.line = line
     block.step = step
+    # the alloc event: its pool, site, stack and op are read only for a finding (most blocks never
+    # have one; reading them off every event cost more than keeping the event)
     block.ev = ev
-    block.record_streams = None
-    block.window = None
-    block.coll_touched = False
-    block.serial = 0
+    block.record_streams = None  # None: no record_stream; else the streams other than its own (possibly none)
+    block.window = None  # the Window it lies in, once known
+    block.coll_touched = False  # some collective used part of it during its life
+    block.serial = 0  # allocs of the rank up to this one, once live
     return block
 
 
