@@ -87,8 +87,7 @@ def extensions() -> list[Extension]:
     except ImportError as exc:
         warn(exc)
         return []
-    modules = [Extension("sanitizer.rules.engine", ["sanitizer/rules/engine.py"]),
-               Extension("sanitizer.order.clocks", ["sanitizer/order/clocks.py"])]
+    modules = [Extension(src[:-3].replace("/", "."), [src]) for src in BUILDINFO.COMPILED]
     try:
         return cythonize(modules, language_level=3, quiet=True,
                          compiler_directives={"binding": False, "annotation_typing": False})

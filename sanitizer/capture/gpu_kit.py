@@ -88,8 +88,8 @@ def c0_preflight(work: Path) -> dict:
         except ImportError as exc:
             problems.append(f"{mod}: {exc}")
     try:
-        from sanitizer.rules import driver
-        compiled, why = driver.compiled_available()
+        from sanitizer.rules import select
+        compiled, why = select.compiled_available()
         figures["engine"] = "compiled" if compiled else f"interpreted ({why})"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         problems.append(f"hazsan engine: {exc}")

@@ -27,7 +27,7 @@ def run(args) -> int:
         return 2
     try:
         with open(args.output, "wb") as fh:
-            done = export_perfetto(args.paths, analysis.findings, fh)
+            done = export_perfetto(args.paths, analysis.findings, fh, peer_completion=args.peer_completion)
     except TraceError as exc:
         print(f"hazsan: error: {exc}", file=sys.stderr)
         return 2

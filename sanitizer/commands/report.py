@@ -32,7 +32,7 @@ def run(args) -> int:
     from sanitizer.trace.reader import TraceError
 
     try:
-        page = render_html(analysis, args.paths, max_items=args.max_items)
+        page = render_html(analysis, args.paths, max_items=args.max_items, peer_completion=args.peer_completion)
     except TraceError as exc:          # no such file, a folder without traces
         print(f"hazsan: error: {exc}", file=sys.stderr)
         return 2

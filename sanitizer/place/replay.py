@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 
 import orjson
 
-from sanitizer.rules.engine import RangeIndex
+from sanitizer.rules.intervals import RangeIndex
 
 from .allocator import DEFAULT_POOL, Block, CachingAllocator, PlacementError
 from .config import AllocatorConfig

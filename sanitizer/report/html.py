@@ -159,10 +159,12 @@ def _legend() -> str:
         f'<span><i class="sw" style="background:{c}"></i>{html.escape(t)}</span>' for c, t in items) + "</p>"
 
 
-def render_html(analysis, paths, *, max_items: int = 5000, title: str = "hazsan report") -> str:
+def render_html(analysis, paths, *, max_items: int = 5000, title: str = "hazsan report",
+                peer_completion: str = "local") -> str:
+    """`peer_completion`: the mode `analysis` ran under; the bars end where it says (timeline.py)."""
     e = html.escape
     s = analysis.summary
-    timelines = read_timelines(paths, max_items)
+    timelines = read_timelines(paths, max_items, peer_completion=peer_completion)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">",
            f"<title>{e(title)}</title><style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]

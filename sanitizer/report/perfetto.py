@@ -8,9 +8,10 @@ line). Mapping:
   thread (tid) 0      the host: decode steps as complete slices ("X"), step to step
   thread (tid) 1..    one per stream: collectives and launches as complete slices. A stream runs
                       its work in order, so each slice starts at max(enqueue, end of the previous one)
-                      and a collective ends where the host or the block's stream first knows it done
-                      (the engine's StreamClocks, docs/ordering-and-rules.md, "Vector clocks"), a launch one microsecond
-                      later: slices on one track never overlap.
+                      and a collective ends where the engine finds it done for the host under the
+                      `--peer-completion` mode of the findings (sanitizer.rules.completions: their
+                      own clocks and rule), a launch one microsecond later: slices on one track
+                      never overlap, and none ends before a finding that says it is in flight.
   counter "memory"    bytes allocated per pool ("C"), on every alloc and free
   instant "i"         each finding, on the track of the stream or host where it fired (scope "t")
   flow "s"/"t"/"f"    the same collective (comm, seq) across ranks, one flow id per collective
@@ -25,7 +26,7 @@ from collections import deque
 
 import orjson
 
-from sanitizer.order.clocks import StreamClocks
+from sanitizer.rules.completions import CompletionReplay
 from sanitizer.trace.reader import TraceError, expand_paths, open_trace
 
 LAUNCH_US = 1.0
@@ -114,9 +115,9 @@ def _first_t(path):
     return None
 
 
-def export_perfetto(paths, findings, fh) -> dict:
-    """Write the Chrome trace of `paths` (with `findings` as instants) to the binary file `fh`.
-    Returns {"events": written, "ranks": converted}."""
+def export_perfetto(paths, findings, fh, *, peer_completion: str = "local") -> dict:
+    """Write the Chrome trace of `paths` (with `findings` as instants, made under
+    `peer_completion`) to the binary file `fh`. Returns {"events": written, "ranks": converted}."""
     files = expand_paths(paths)
     starts = [t for t in (_first_t(p) for p in files) if t is not None]
     t0 = min(starts) if starts else 0
@@ -135,7 +136,7 @@ def export_perfetto(paths, findings, fh) -> dict:
               "args": {"name": f"rank {trace.rank} ({trace.path.name})"}})
         emit({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         emit({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "host"}})
-        _convert(rank, t0, by_file.get(str(path), {}))
+        _convert(rank, t0, by_file.get(str(path), {}), peer_completion)
         ranks.append(rank)
     for ev in _flows(ranks):
         emit(ev)
@@ -163,18 +164,25 @@ def _flows(ranks):
             yield ev
 
 
-def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
+def _convert(r: _Rank, t0: int, findings_at: dict, peer_completion: str) -> None:
     emit = r.emit
-    clocks = StreamClocks()
-    pending: list = []             # (op stream, epoch, slice): collectives not yet known done
-    coll_clock: dict = {}
+    pending: dict = {}             # coll line -> its slice: collectives not yet known done
     blocks: dict = {}              # id -> (pool, size)
     pools: dict = {}               # pool -> bytes live
     step_open = None
     ts = 0.0
     capturing = 0
+
+    def done(op, line):
+        sl = pending.pop(op.line, None)
+        if sl is not None:
+            sl["done"] = ts
+            r.place(sl["tid"])
+
+    replay = CompletionReplay(r.trace.path, done, peer_completion=peer_completion)
     for line, ev in r.trace.events():
         if not isinstance(ev, dict):
+            replay.upto(line)
             continue
         t = ev.get("t")
         ts = max(ts, (t - t0) / 1000.0) if isinstance(t, int) else ts + 1.0
@@ -202,45 +210,18 @@ def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
                 capturing = max(0, capturing - 1)
             elif kind in ("launch", "coll") and not capturing:
                 stream = ev["stream"]
-                epoch = clocks.enqueue(stream)
                 tid = r.tid(stream)
                 sl = {"ph": "X", "name": str(ev.get("op") or kind), "cat": kind, "pid": r.pid, "tid": tid,
                       "ts": ts, "dur": LAUNCH_US, "args": {"line": line, "site": ev.get("site")}}
                 if kind == "coll":
                     sl["args"].update(cid=ev.get("cid"), comm=ev.get("comm"), seq=ev.get("seq"))
                     sl["done"] = None
-                    coll_clock[ev.get("cid")] = clocks.snapshot(stream)
-                    pending.append((stream, epoch, sl))
+                    pending[line] = sl
                 r.tracks[tid].queue.append(sl)
                 r.place(tid)
-            elif kind == "record":
-                clocks.record(ev["event"], ev["stream"])
-            elif kind == "wait":
-                clocks.wait(ev["stream"], ev["event"])
-            elif kind == "sync":
-                if "event" in ev:
-                    clocks.sync_event(ev["event"])
-                elif "stream" in ev:
-                    clocks.sync_stream(ev["stream"])
-                else:
-                    clocks.sync_device()
-            elif kind == "coll_done":
-                clock = coll_clock.pop(ev.get("cid"), None)
-                if clock is not None:
-                    clocks.host_learns(clock)
         except (KeyError, TypeError):
             pass               # malformed: `hazsan check` reports it
-        if pending and kind in ("record", "wait", "sync", "coll_done", "launch", "coll"):
-            # done once the host or any other stream is known to have seen it finish
-            still = []
-            for op_stream, epoch, sl in pending:
-                if clocks.knows(None, op_stream) >= epoch or any(
-                        s != op_stream and clocks.is_done_for(op_stream, epoch, s) for s in clocks.streams):
-                    sl["done"] = ts
-                    r.place(sl["tid"])
-                else:
-                    still.append((op_stream, epoch, sl))
-            pending = still
+        replay.upto(line)      # the collectives done at this line end here
         for f in findings_at.get(line, ()):
             stream = (f.block or {}).get("stream")
             tid = r.tids.get(stream, 0) if stream is not None else 0
@@ -250,7 +231,8 @@ def _convert(r: _Rank, t0: int, findings_at: dict) -> None:
     if step_open is not None:
         step_open["dur"] = max(ts - step_open["ts"], 0.0)
         emit(step_open)
-    for _, _, sl in pending:               # never known done: until the end of the trace
+    replay.close()
+    for sl in pending.values():            # never known done: until the end of the trace
         sl["done"] = ts
     for tid in r.tracks:
         r.place(tid)

@@ -1,10 +1,12 @@
-"""What the HTML report draws, read from the traces in one pass per rank: each symmetric window's
-blocks and collective buffers against program order (trace line numbers).
+"""What the HTML report draws, read from the traces in one pass per rank (the engine replaying the
+same file beside it says when collectives are done): each symmetric window's blocks and
+collective buffers against program order (trace line numbers).
 
 Per rank and window (comm, ordinal):
-  * coll bars: a collective's buffer inside the window, from its `coll` line to the line where it
-    is locally complete (docs/ordering-and-rules.md, "When is an op done"; the engine's StreamClocks) for the host or for the
-    stream of the block it lies in (or the end of the trace: never seen done);
+  * coll bars: a collective's buffer inside the window, from its `coll` line to the line where the
+    engine finds the collective done for the host under the analysis's `--peer-completion` mode
+    (sanitizer.rules.completions: the findings' own clocks and rule), or the end of the trace when
+    it never is: a bar never ends before a finding that says its collective is still in flight;
   * blocks: allocations inside the window, from `alloc` to `free` (or the end), marked transient
     when no collective buffer ever overlapped them (the transient-in-window case);
 and per rank the line where each decode step starts. The engine's findings are placed on top by
@@ -15,10 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sanitizer.order.clocks import StreamClocks
+from sanitizer.rules.completions import CompletionReplay
 from sanitizer.trace.reader import TraceError, expand_paths, open_trace
-
-_ORDERING = frozenset(("record", "wait", "sync", "coll_done", "launch", "coll"))
 
 
 @dataclass
@@ -52,18 +52,23 @@ def _window_of(windows, addr):
     return None
 
 
-def read_timeline(path, max_items: int = 5000) -> RankTimeline:
+def read_timeline(path, max_items: int = 5000, *, peer_completion: str = "local") -> RankTimeline:
     trace = open_trace(path)
     tl = RankTimeline(rank=trace.rank, file=str(path))
     ordinals: dict = {}
     live: dict = {}          # id -> block record (only blocks inside a window)
     pending: dict = {}       # id -> (addr, size, line, site): live blocks outside any window yet
-    clocks = StreamClocks()
-    in_flight: list = []     # [op stream, epoch, consumer stream, bar]: bars not yet done
-    coll_clock: dict = {}    # cid -> the op stream's clock at enqueue (for coll_done)
+    in_flight: dict = {}     # coll line -> its bars not yet done
+
+    def done(op, at_line):
+        for bar in in_flight.pop(op.line, ()):
+            bar[1] = at_line
+
+    replay = CompletionReplay(path, done, peer_completion=peer_completion)
     capturing = 0
     line = 1
     for line, ev in trace.events():
+        replay.upto(line)
         if isinstance(ev, TraceError) or not isinstance(ev, dict):
             continue
         kind = ev.get("ev")
@@ -72,9 +77,9 @@ def read_timeline(path, max_items: int = 5000) -> RankTimeline:
                 addr, size = ev["addr"], ev["size"]
                 w = _window_of(tl.windows, addr)
                 if w is None:
-                    pending[ev["id"]] = (addr, size, line, ev.get("site"), ev.get("stream"))
+                    pending[ev["id"]] = (addr, size, line, ev.get("site"))
                     continue
-                _add_block(w, ev["id"], addr, size, line, ev.get("site"), ev.get("stream"), live, max_items)
+                _add_block(w, ev["id"], addr, size, line, ev.get("site"), live, max_items)
             elif kind == "free":
                 bid = ev["id"]
                 pending.pop(bid, None)
@@ -87,66 +92,34 @@ def read_timeline(path, max_items: int = 5000) -> RankTimeline:
                 ordinals[comm] = n + 1
                 w = WindowTimeline(comm, n, ev["addr"], ev["size"])
                 tl.windows.append(w)
-                for bid, (addr, size, aline, site, stream) in list(pending.items()):
+                for bid, (addr, size, aline, site) in list(pending.items()):
                     if w.holds(addr):
                         del pending[bid]
-                        _add_block(w, bid, addr, size, aline, site, stream, live, max_items)
+                        _add_block(w, bid, addr, size, aline, site, live, max_items)
             elif kind == "graph_begin":
                 capturing += 1
             elif kind == "graph_end":
                 capturing = max(0, capturing - 1)
             elif kind == "coll" and not capturing:
-                stream = ev["stream"]
-                epoch = clocks.enqueue(stream)
-                coll_clock[ev.get("cid")] = clocks.snapshot(stream)
                 for b in ev.get("bufs") or ():
                     addr, size = b["addr"], b["size"]
                     w = _window_of(tl.windows, addr)
                     if w is None:
                         continue
                     lo, hi = addr - w.addr, addr - w.addr + size
-                    consumer = None
                     for rec in live.values():
-                        if rec[8] is w and rec[2] < hi and lo < rec[2] + rec[3]:
+                        if rec[7] is w and rec[2] < hi and lo < rec[2] + rec[3]:
                             rec[6] = False          # a collective buffer: not a transient
-                            consumer = rec[7]
                     w.coll_count += 1
                     if len(w.colls) < max_items:
                         bar = [line, None, lo, size, ev.get("op"), ev.get("cid"), b.get("access")]
                         w.colls.append(bar)
-                        in_flight.append([stream, epoch, consumer, bar])
-            elif kind == "launch" and not capturing:
-                clocks.enqueue(ev["stream"])
-            elif kind == "record":
-                clocks.record(ev["event"], ev["stream"])
-            elif kind == "wait":
-                clocks.wait(ev["stream"], ev["event"])
-            elif kind == "sync":
-                if "event" in ev:
-                    clocks.sync_event(ev["event"])
-                elif "stream" in ev:
-                    clocks.sync_stream(ev["stream"])
-                else:
-                    clocks.sync_device()
-            elif kind == "coll_done":
-                clock = coll_clock.pop(ev.get("cid"), None)
-                if clock is not None:
-                    clocks.host_learns(clock)
+                        in_flight.setdefault(line, []).append(bar)
             elif kind == "step":
                 tl.steps.append((line, ev.get("n")))
-            if in_flight and kind in _ORDERING:
-                still = []
-                for item in in_flight:
-                    op_stream, epoch, consumer, bar = item
-                    if (clocks.knows(None, op_stream) >= epoch
-                            or (consumer is not None and consumer != op_stream
-                                and clocks.is_done_for(op_stream, epoch, consumer))):
-                        bar[1] = line
-                    else:
-                        still.append(item)
-                in_flight = still
         except (KeyError, TypeError):
             continue          # a malformed line: `hazsan check` reports it; the picture skips it
+    replay.close()
     tl.last_line = line
     for w in tl.windows:
         for bar in w.colls:
@@ -162,20 +135,20 @@ def read_timeline(path, max_items: int = 5000) -> RankTimeline:
     return tl
 
 
-def _add_block(w, bid, addr, size, line, site, stream, live, max_items):
+def _add_block(w, bid, addr, size, line, site, live, max_items):
     w.block_count += 1
     if len(w.blocks) >= max_items:
         return
-    rec = [line, None, addr - w.addr, size, bid, site, True, stream, w]
+    rec = [line, None, addr - w.addr, size, bid, site, True, w]
     w.blocks.append(rec)
     live[bid] = rec
 
 
-def read_timelines(paths, max_items: int = 5000) -> list[RankTimeline]:
+def read_timelines(paths, max_items: int = 5000, *, peer_completion: str = "local") -> list[RankTimeline]:
     out = []
     for p in expand_paths(paths):
         try:
-            out.append(read_timeline(p, max_items))
+            out.append(read_timeline(p, max_items, peer_completion=peer_completion))
         except TraceError:
             continue        # unreadable file: the check section reports it
     return sorted(out, key=lambda t: (t.rank, t.file))

@@ -12,9 +12,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+#: The modules Cython compiles, each a module of its own (extension of the same name), those
+#: another imports first (sanitizer.rules.select loads them in this order when interpreted).
+COMPILED = ("sanitizer/order/clocks.py", "sanitizer/rules/intervals.py", "sanitizer/rules/matcher.py",
+            "sanitizer/rules/engine.py")
 #: The engine's source, relative to the directory that holds the `sanitizer` package.
 SOURCES = ("sanitizer/rules/engine.py", "sanitizer/rules/engine.pxd",
-           "sanitizer/order/clocks.py", "sanitizer/order/clocks.pxd")
+           "sanitizer/order/clocks.py", "sanitizer/order/clocks.pxd",
+           "sanitizer/rules/intervals.py", "sanitizer/rules/intervals.pxd", "sanitizer/rules/matcher.py")
 DIGEST_FILE = "sanitizer/rules/engine_build.digest"
 
 

@@ -23,7 +23,7 @@ import hashlib
 import os
 import uuid
 
-from sanitizer.rules import driver, parallel
+from sanitizer.rules import driver, parallel, select
 from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import FindingSink
 from sanitizer.trace import reader
@@ -113,9 +113,9 @@ def analyze_on_cluster(paths, *, scheduler: str, peer_completion: str = "local",
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
     try:
-        eng, engine_kind, fallback = driver.load_engine(engine)
+        eng, engine_kind, fallback = select.load_engine(engine)
     except (ValueError, RuntimeError) as exc:     # as a serial run reports it
-        err = TraceError(driver.ENV, None, str(exc))
+        err = TraceError(select.ENV, None, str(exc))
         return Analysis([], driver._summary(0, 0, FindingSink(), [str(exc)], 0, 0, 0, None), [err], [])
     client = _connect(scheduler, timeout)
     try:

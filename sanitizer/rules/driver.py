@@ -1,30 +1,23 @@
 """`analyze`: everything around the algorithm (docs/cli.md, "hazsan check").
 
-Finds the rank files, opens them, picks the engine (compiled or interpreted, the same source),
-reads the ranks round-robin a batch at a time, decodes each batch into typed events
+Finds the rank files, opens them, takes the engine sanitizer.rules.select picks (compiled or
+interpreted, the same source), reads the ranks round-robin a batch at a time, decodes each batch into typed events
 (sanitizer.trace.events), feeds them to each rank's engine, and builds the summary. The algorithm
 itself is sanitizer.rules.engine's.
 
-Which engine runs: `HAZSAN_ENGINE=auto|compiled|interpreted` (auto: compiled where it was
-built). The summary's `engine` says which one ran.
+The summary's `engine` says which one ran.
 """
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from sanitizer.rules import buildinfo
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
+# engine choice, re-exported: callers and tests name it here
+from sanitizer.rules.select import CHOICES, ENV, REQUIRE_ENV, compiled_available, load_engine  # noqa: F401
 from sanitizer.trace.reader import TraceError, TraceFile, TypedEvents, expand_paths, open_trace
 
-ENV = "HAZSAN_ENGINE"
-CHOICES = ("auto", "compiled", "interpreted")
-#: CI sets it: a missing compiled engine is then an error, not a fallback.
-REQUIRE_ENV = "HAZSAN_REQUIRE_COMPILED"
 BATCH = 4096  # lines read from one rank before moving to the next
 # Lines decoded and applied at a time. The decoded events of a chunk are freed together; a small
 # chunk keeps that memory inside the allocator's pools (4096 at a time cost a third more time,
@@ -34,85 +27,6 @@ CHUNK = 512
 #: `hazsan check --max-streams/--max-events/--max-comms` sets them.
 DEFAULT_ENGINE_LIMITS = {"max_streams": 100_000, "max_events": 100_000, "max_comms": 100_000}
 ENGINE_LIMITS = dict(DEFAULT_ENGINE_LIMITS)
-
-
-# ----------------------------------------------------------------------------- engine choice
-
-
-def _load_interpreted():
-    """The engine's source run by the interpreter, even where the compiled module sits beside it.
-
-    Cython compiles sanitizer/rules/engine.py and sanitizer/order/clocks.py into extension modules
-    of the same names, which the import system prefers over the .py files. The interpreted engine
-    is those .py files loaded as modules of their own (private names), the engine's import of the
-    clocks pointed at the interpreted clocks while it loads.
-    """
-    loaded = sys.modules.get("sanitizer.rules._engine_interpreted")
-    if loaded is not None:
-        return loaded
-    import sanitizer.order.clocks as clocks_mod
-    import sanitizer.rules.engine as engine_mod
-
-    def load(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-    clocks_src = Path(clocks_mod.__file__).with_name("clocks.py")
-    engine_src = Path(engine_mod.__file__).with_name("engine.py")
-    if not engine_src.exists() or not clocks_src.exists():
-        raise RuntimeError(f"the engine's source is not installed beside {engine_mod.__file__}")
-    if not _is_compiled(engine_mod) and not _is_compiled(clocks_mod):
-        sys.modules["sanitizer.rules._engine_interpreted"] = engine_mod
-        return engine_mod
-    clocks_py = load("sanitizer.order._clocks_interpreted", clocks_src)
-    saved = sys.modules["sanitizer.order.clocks"]
-    sys.modules["sanitizer.order.clocks"] = clocks_py
-    try:
-        return load("sanitizer.rules._engine_interpreted", engine_src)
-    finally:
-        sys.modules["sanitizer.order.clocks"] = saved
-
-
-def _is_compiled(module) -> bool:
-    return not str(getattr(module, "__file__", "")).endswith(".py")
-
-
-def compiled_available() -> tuple[bool, str | None]:
-    """(True, None) where the compiled engine loaded, else (False, why not)."""
-    import sanitizer.order.clocks as clocks_mod
-    import sanitizer.rules.engine as engine_mod
-
-    missing = [m.__name__ for m in (engine_mod, clocks_mod) if not _is_compiled(m)]
-    if missing:
-        return False, (f"the compiled engine is not built ({', '.join(missing)} run from source); "
-                       "reinstall with a C compiler: pip install -e .")
-    root = Path(engine_mod.__file__).resolve().parents[2]
-    source = buildinfo.source_digest(root)
-    if source is not None and source != buildinfo.built_digest(root):
-        return False, ("the compiled engine was built from another version of its source; "
-                       "rebuild: pip install -e . (or python setup.py build_ext --inplace)")
-    return True, None
-
-
-def load_engine(choice: str | None = None):
-    """(engine module, 'compiled' or 'interpreted', why the compiled one did not run or None) for
-    `choice` (default: $HAZSAN_ENGINE, else auto)."""
-    choice = (choice if choice is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if choice == "interpreted":
-        return _load_interpreted(), "interpreted", None
-    ok, why = compiled_available()
-    if ok:
-        import sanitizer.rules.engine as engine_mod
-
-        return engine_mod, "compiled", None
-    if choice == "compiled" or os.environ.get(REQUIRE_ENV):
-        raise RuntimeError(f"{ENV}={choice}: {why}" if choice == "compiled" else f"{REQUIRE_ENV} is set: {why}")
-    return _load_interpreted(), "interpreted", why
 
 
 # ----------------------------------------------------------------------------- the run

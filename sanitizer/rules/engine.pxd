@@ -28,6 +28,7 @@ cdef extern from *:
     object hazsan_slot(object o, Py_ssize_t offset)
 
 from sanitizer.order.clocks cimport StreamClocks
+from sanitizer.rules.intervals cimport RangeIndex, SeenIds
 
 
 cdef class Block:
@@ -67,24 +68,6 @@ cdef class Graph:
     cdef public object id, stream, ops, line, reserved
     cdef public bint live
     cdef public Py_ssize_t ordinal
-
-
-cdef class RangeIndex:
-    cdef public dict classes, longest
-    cdef public long long serial
-    cdef public Py_ssize_t count
-
-    @cython.locals(key=tuple)
-    cpdef add(self, object lo, object hi, object item)
-
-    @cython.locals(key=tuple, i=Py_ssize_t, n=Py_ssize_t)
-    cpdef remove(self, object lo, object hi, object item)
-
-    @cython.locals(found=list, key=tuple, i=Py_ssize_t, n=Py_ssize_t)
-    cpdef list overlapping(self, object lo, object hi)
-
-    @cython.locals(best=tuple, key=tuple)
-    cpdef object first_added(self, object lo, object hi)
 
 
 cdef class BufferIndex:
@@ -163,15 +146,8 @@ cdef class SuccessorWait:
     cpdef object retire(self, dict host)
 
 
-cdef class SeenIds:
-    cdef public object lo, hi
-    cdef public set other
-
-    cpdef bint add(self, object key)
-
-
 cdef class RankAnalyzer:
-    cdef public object file, rank, sink, matcher, step, transients, settled
+    cdef public object file, rank, sink, matcher, step, transients, settled, completions
     cdef public StreamClocks clocks
     cdef public bint successor
     cdef public BufferIndex wide

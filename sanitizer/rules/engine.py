@@ -1,9 +1,10 @@
 """The happens-before engine: the algorithm, and nothing else (docs/ordering-and-rules.md).
 
 One statement of the algorithm. It runs as plain Python, and the same file is compiled by Cython
-(pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs,
-and everything around the algorithm (finding the files, reading and decoding them, round-robin
-over ranks, the summary) is sanitizer.rules.driver's.
+(pure-Python mode; the types are in engine.pxd beside it) into an extension. Which of the two runs
+is sanitizer.rules.select's; everything around the algorithm (finding the files, reading and
+decoding them, round-robin over ranks, the summary) sanitizer.rules.driver's. The interval and id
+sets it keeps (`RangeIndex`, `SeenIds`) are sanitizer.rules.intervals', compiled with it.
 
 * Each rank is replayed in program order. `StreamClocks` (sanitizer.order.clocks) answers "is op
   O done for stream X". An op with declared buffers (a `launch` with reads/writes, a `coll` with
@@ -39,9 +40,13 @@ over ranks, the summary) is sanitizer.rules.driver's.
   free   -> free-in-flight, graph-buffer-released, transient-in-window
   launch / coll / graph_replay -> unordered-access
   coll (all ranks together) -> asymmetric-offset, matched by (comm, seq) while the driver reads
-  ranks round-robin, so pending matches stay bounded by how far ranks drift apart.
+  ranks round-robin, so pending matches stay bounded by how far ranks drift apart (the
+  CollectiveMatcher, sanitizer.rules.matcher).
 * Captured ops (between graph_begin and graph_end) neither run nor tick clocks; every
   graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved.
+* A listener (`listen`, sanitizer.rules.completions) learns when each op becomes done for the
+  host, by the same clocks and the same peer-completion rule: the HTML report and the Perfetto
+  export draw from it and run no clocks of their own. Without one it costs a comparison.
 
 Events arrive as typed records (sanitizer.trace.events): the decoder has checked every field's
 type, and that sizes are not negative. What is left to check here is what needs state: ids that
@@ -61,7 +66,9 @@ from bisect import bisect_left, bisect_right
 from sortedcontainers import SortedList
 
 from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
-from sanitizer.rules.findings import ERROR, BlockRecord, Finding, OpRecord, severity_of
+from sanitizer.rules.findings import BlockRecord, Finding, OpRecord, severity_of
+from sanitizer.rules.intervals import BIG, RangeIndex, SeenIds
+from sanitizer.rules.matcher import CollectiveMatcher  # noqa: F401 - the driver's default, re-exported
 from sanitizer.trace import events as E
 
 READ, WRITE = 1, 2
@@ -137,26 +144,10 @@ class Malformed(Exception):
 
 
 class Block:
-    """A live allocation."""
+    """A live allocation (made by _new_block)."""
 
     __slots__ = ("id", "addr", "end", "stream", "line", "step", "ev",
                  "record_streams", "window", "coll_touched", "serial")
-
-    def __init__(self, bid, addr, size, stream, pool, line, step, ev):
-        self.id = bid
-        self.addr = addr
-        self.end = addr + size
-        self.stream = stream
-        self.line = line
-        self.step = step
-        # the alloc event: its pool, site, stack and op are read only for a finding (most
-        # blocks never have one; reading them off every event cost more than keeping the event)
-        self.ev = ev
-        # None: no record_stream; else the streams other than its own (possibly none)
-        self.record_streams = None
-        self.window = None  # the Window it lies in, once known
-        self.coll_touched = False  # some collective used part of it during its life
-        self.serial = 0  # allocs of the rank up to this one, once live
 
     @property
     def pool(self):
@@ -176,7 +167,7 @@ class Block:
 
 
 def _new_block(bid, addr, size, stream, line, step, ev):
-    """Block(...) without the call through the type (its __init__'s argument parsing)."""
+    """A Block, made without a call through the type (no __init__: its argument parsing cost)."""
     block = Block.__new__(Block)
     block.id = bid
     block.addr = addr
@@ -184,11 +175,13 @@ def _new_block(bid, addr, size, stream, line, step, ev):
     block.stream = stream
     block.line = line
     block.step = step
+    # the alloc event: its pool, site, stack and op are read only for a finding (most blocks never
+    # have one; reading them off every event cost more than keeping the event)
     block.ev = ev
-    block.record_streams = None
-    block.window = None
-    block.coll_touched = False
-    block.serial = 0
+    block.record_streams = None  # None: no record_stream; else the streams other than its own (possibly none)
+    block.window = None  # the Window it lies in, once known
+    block.coll_touched = False  # some collective used part of it during its life
+    block.serial = 0  # allocs of the rank up to this one, once live
     return block
 
 
@@ -355,107 +348,6 @@ class Graph:
         self.ordinal = 0  # graphs made live before it, once live (RankAnalyzer.live_graphs' order)
 
 
-class RangeIndex:
-    """Items with [lo, hi) ranges (live blocks, a graph's reserved buffers): overlap queries in
-    O(log n + overlaps), as BufferIndex, whatever the mix of sizes (one huge block does not make
-    every query scan the small ones below it)."""
-
-    __slots__ = ("classes", "longest", "serial", "count")
-
-    def __init__(self):
-        self.classes: dict = {}  # length class -> sorted list or SortedList of (lo, serial, hi, item)
-        self.longest: dict = {}
-        self.serial = 0
-        self.count = 0
-
-    def add(self, lo, hi, item) -> None:
-        n = hi - lo
-        c = n.bit_length()
-        self.serial += 1
-        key = (lo, self.serial, hi, item)
-        entries = self.classes.get(c)
-        if entries is None:
-            self.classes[c] = [key]
-            self.longest[c] = n
-        else:
-            if n > self.longest[c]:
-                self.longest[c] = n
-            if type(entries) is list:
-                if entries[-1] < key:
-                    entries.append(key)
-                else:
-                    entries.insert(bisect_right(entries, key), key)
-                if len(entries) > BufferIndex.BIG:
-                    self.classes[c] = SortedList(entries)
-            else:
-                entries.add(key)
-        self.count += 1
-
-    def remove(self, lo, hi, item) -> None:
-        c = (hi - lo).bit_length()
-        entries = self.classes.get(c)
-        if entries is None:
-            return
-        i = bisect_right(entries, (lo,)) if type(entries) is list else entries.bisect_right((lo,))
-        n = len(entries)
-        while i < n:
-            key = entries[i]
-            if key[0] != lo:
-                return
-            if key[3] is item:
-                if type(entries) is list:
-                    del entries[i]
-                else:
-                    entries.remove(key)
-                self.count -= 1
-                if not entries:
-                    del self.classes[c]
-                    del self.longest[c]
-                return
-            i += 1
-
-    def overlapping(self, lo, hi) -> list:
-        """(lo, hi, item) of every item overlapping [lo, hi)."""
-        found = []
-        for c, entries in self.classes.items():
-            if entries[0][0] >= hi:
-                continue  # all of the class starts at or past hi
-            start = lo - self.longest[c]
-            if entries[-1][0] <= start:
-                continue  # all of the class ends at or before lo
-            start = (start,)
-            if type(entries) is list:
-                i = bisect_right(entries, start)
-                n = len(entries)
-                while i < n:
-                    key = entries[i]
-                    if key[0] >= hi:
-                        break
-                    if lo < key[2]:
-                        found.append((key[0], key[2], key[3]))
-                    i += 1
-            else:
-                for key in entries.irange(start, (hi,), (True, False)):
-                    if lo < key[2]:
-                        found.append((key[0], key[2], key[3]))
-        return found
-
-    def first_added(self, lo, hi):
-        """Of the items overlapping [lo, hi), the one added first (None if none)."""
-        best = None
-        for c, entries in self.classes.items():
-            start = (lo - self.longest[c],)
-            it = entries.irange(start, (hi,), (True, False)) if type(entries) is not list else \
-                entries[bisect_right(entries, start):bisect_right(entries, (hi,))]
-            for key in it:
-                if lo < key[2] and (best is None or key[1] < best[1]):
-                    best = key
-        return None if best is None else best[3]
-
-    def __len__(self):
-        return self.count
-
-
 class BlockSet:
     """Live blocks for overlap queries (the live window blocks): a list while there are at most
     SMALL (a rank has a few live at a time: a scan of them is cheaper than an index), the address
@@ -616,12 +508,10 @@ class BufferIndex:
     The scan of one class meets, besides the overlaps, only buffers of that class starting less
     than twice their own length before lo. A class is a plain sorted list while it is small (the
     usual case: bisect and insert in C) and a SortedList (O(log n) insert and remove) past
-    `BIG` entries.
+    `BIG` entries (sanitizer.rules.intervals, as RangeIndex).
     """
 
     __slots__ = ("classes", "longest", "serial")
-
-    BIG = 4096
 
     def __init__(self):
         self.classes: dict = {}  # length class -> sorted list or SortedList of entries
@@ -653,7 +543,7 @@ class BufferIndex:
                         entries.append(key)
                     else:
                         entries.insert(bisect_right(entries, key), key)
-                    if len(entries) > self.BIG:
+                    if len(entries) > BIG:
                         self.classes[c] = SortedList(entries)
                 else:
                     entries.add(key)
@@ -878,39 +768,6 @@ class SuccessorWait:
         return len(self.colls) - self.start
 
 
-class SeenIds:
-    """Ids ever used (duplicate `cid` detection) in O(1) memory for consecutive integer ids."""
-
-    __slots__ = ("lo", "hi", "other")
-
-    def __init__(self):
-        self.lo = self.hi = None
-        self.other: set = set()
-
-    def add(self, key) -> bool:
-        """False when `key` was seen before."""
-        if type(key) is int:
-            if self.hi is not None and key == self.hi + 1:
-                if self.other and key in self.other:
-                    return False  # seen before, out of order
-                self.hi = key
-                return True
-            if self.hi is None and not self.other:
-                self.lo = self.hi = key
-                return True
-            if self.hi is not None and self.lo <= key <= self.hi:
-                return False
-        if key in self.other:
-            return False
-        self.other.add(key)
-        return True
-
-    def __contains__(self, key) -> bool:
-        if type(key) is int and self.hi is not None and self.lo <= key <= self.hi:
-            return True
-        return key in self.other
-
-
 # ------------------------------------------------------------------------------ one rank
 
 
@@ -977,6 +834,9 @@ class RankAnalyzer:
         self.unrecorded_waits = 0
         self.counted_drops = 0
         self.hook_errors = 0
+        # a listener told when ops become done (sanitizer.rules.completions.Completions); None, the
+        # usual case, costs one comparison per enqueue and per host-clock growth
+        self.completions = None
         self.handlers = {
             E.Alloc: self.on_alloc, E.Free: self.on_free, E.FreeDone: self.on_free_done,
             E.RecordStream: self.on_record_stream, E.Launch: self.on_launch, E.Coll: self.on_coll,
@@ -988,6 +848,11 @@ class RankAnalyzer:
             E.Scope: self.on_scope, E.Step: self.on_step, E.Dropped: self.on_dropped,
             E.HookError: self.on_hook_error,
         }
+
+    def listen(self, completions) -> None:
+        """Tell `completions` (sanitizer.rules.completions.Completions) of every op enqueued, every
+        growth of the host clock, and every collective successor mode retires."""
+        self.completions = completions
 
     # ------------------------------------------------------------------ dispatch
 
@@ -1463,6 +1328,8 @@ class RankAnalyzer:
         clocks = self.clocks
         epoch = clocks.enqueue(stream)
         op.epoch = epoch
+        if self.completions is not None:
+            self.completions.enqueued(op)
         # unordered-access: this op's accesses against everything not done for its stream.
         conflicts = None
         unfinished = self._unfinished(stream)
@@ -1567,6 +1434,8 @@ class RankAnalyzer:
     def _retire(self, learned=None) -> None:
         """Drop ops done for the host: no stream can ever see them unfinished again. `learned`:
         the clock the host just learned (only its streams can have new ops done), None for all."""
+        if self.completions is not None:
+            self.completions.host_learned(learned)
         vh = self.clocks.host
         inflight = self.inflight
         streams = inflight if learned is None or len(learned) > len(inflight) else learned
@@ -1616,6 +1485,8 @@ class RankAnalyzer:
         for sc in asked:
             gone = sc.retire(vh)
             if gone:
+                if self.completions is not None:
+                    self.completions.successor_done(gone)
                 for op in gone:
                     keys = op.succ_keys
                     if keys is not None:
@@ -1754,14 +1625,6 @@ class RankAnalyzer:
         self.transients.clear()
 
 
-def _reported_or_ended(entry: dict, members: set, finished: set) -> bool:
-    """Every member of the communicator reported this collective or was read to its end."""
-    for r in members:
-        if r not in entry and r not in finished:
-            return False
-    return True
-
-
 def _track_op(classes, op, number) -> None:
     """InFlight._track for one op, pushed as number `number`: the length class of each of its
     buffers, in order, from its event when they are not made yet (their lengths are the sizes)."""
@@ -1817,149 +1680,3 @@ def _widen(hits: dict, op, lo, hi) -> None:
             cur[0] = lo
         if hi > cur[1]:
             cur[1] = hi
-
-
-# ------------------------------------------------------------------------------ all ranks
-
-
-class CollectiveMatcher:
-    """asymmetric-offset: the same (comm, seq) must use the same window offsets on every rank.
-
-    The lowest rank's signature is the reference. Ranks are read round-robin, a batch each; an
-    entry is settled at the end of a round once every rank known to use the communicator has
-    reported it (a rank that first uses it later in the same round is known by then). A rank may
-    first use a communicator long after the others (thousands of other events first): the
-    settled references of a communicator are therefore kept until no rank can still bring it for
-    the first time, that is until every rank of the run (`ranks`) uses it or has been read to
-    its end (`rank_finished`); with all ranks in the communicator, the usual case, that is at
-    once. A member whose file ended (a killed rank) is not waited for: a collective it never
-    reported is compared among the others at the end of the round and counted as unmatched. At most `max_retained` references are kept so: past that the oldest go, and a rank
-    later than that is counted as unmatched (a warning), never silently passed.
-    """
-
-    MAX_RETAINED = 1_000_000
-
-    def __init__(self, sink, enabled: bool, ranks=None, max_retained: int = MAX_RETAINED):
-        self.sink = sink
-        self.enabled = enabled
-        self.ranks = set(ranks) if ranks is not None else None
-        self.finished: set = set()
-        self.closed: set = set()  # communicators no rank can still join
-        self.max_retained = max_retained
-        self.pending: dict[tuple, dict] = {}
-        # comm -> {seq: [reference rank, its entry value, ranks that reported it]}, oldest first
-        self.settled: dict[object, dict] = {}
-        self.retained = 0
-        self.members: dict[object, set] = {}
-        self.round = 0
-        self.unmatched = 0
-        self.dropped = 0  # references dropped past max_retained
-
-    def submit(self, analyzer, comm, seq, op, sig: tuple) -> None:
-        if not self.enabled:
-            return
-        members = self.members.get(comm)
-        if members is None:
-            members = self.members[comm] = set()
-        members.add(analyzer.rank)
-        key = (comm, seq)
-        value = (sig, analyzer, op, analyzer.step)
-        by_seq = self.settled.get(comm)
-        if by_seq is not None:
-            done = by_seq.get(seq)
-            if done is not None:
-                self._compare(key, done[0], done[1], analyzer.rank, value)
-                done[2] += 1
-                if done[2] >= len(members) and comm in self.closed:
-                    del by_seq[seq]  # every rank of the communicator has reported it
-                    self.retained -= 1
-                return
-        entry = self.pending.get(key)
-        if entry is None:
-            self.pending[key] = {analyzer.rank: value}
-        else:
-            entry[analyzer.rank] = value
-
-    def rank_finished(self, rank) -> None:
-        """`rank`'s file has been read to its end: it brings no more collectives."""
-        self.finished.add(rank)
-
-    def _may_still_join(self, comm) -> bool:
-        """Some rank neither uses `comm` yet nor has been read to its end."""
-        if self.ranks is None:
-            return True
-        members = self.members.get(comm, ())
-        return any(r not in members and r not in self.finished for r in self.ranks)
-
-    def end_round(self) -> None:
-        """Settle complete entries; keep references only while some rank may still report them."""
-        self.round += 1
-        for comm in self.members:
-            if comm not in self.closed and not self._may_still_join(comm):
-                self.closed.add(comm)
-                by_seq = self.settled.get(comm)
-                if by_seq:
-                    n = len(self.members[comm])
-                    for seq in [q for q, v in by_seq.items() if v[2] >= n]:
-                        del by_seq[seq]
-                        self.retained -= 1
-        finished = self.finished
-        members = self.members
-        for key in [k for k, e in self.pending.items()
-                    if len(e) >= len(members[k[0]]) or (finished and _reported_or_ended(e, members[k[0]], finished))]:
-            self._settle(key, self.pending.pop(key))
-        while self.retained > self.max_retained:
-            settled = self.settled
-            comm = min((c for c in settled if settled[c]), key=lambda c: next(iter(settled[c].values()))[3])
-            by_seq = settled[comm]
-            del by_seq[next(iter(by_seq))]
-            self.retained -= 1
-            self.dropped += 1
-
-    def _forget(self, comm) -> None:
-        """Stop keeping `comm`'s references; those some member never reported are unmatched."""
-        by_seq = self.settled.pop(comm)
-        self.retained -= len(by_seq)
-        n = len(self.members.get(comm, ()))
-        self.unmatched += sum(1 for v in by_seq.values() if v[2] < n)
-
-    def _settle(self, key, entry) -> None:
-        ranks = sorted(entry)
-        ref_value = entry[ranks[0]]
-        for r in ranks[1:]:
-            self._compare(key, ranks[0], ref_value, r, entry[r])
-        if key[0] in self.closed:
-            # no rank can still report it; members missing from it were read to their end (a
-            # killed rank): unmatched now, not kept until the end of the run
-            if len(ranks) < len(self.members[key[0]]):
-                self.unmatched += 1
-            return
-        by_seq = self.settled.get(key[0])
-        if by_seq is None:
-            by_seq = self.settled[key[0]] = {}
-        if key[1] not in by_seq:
-            self.retained += 1
-        by_seq[key[1]] = [ranks[0], ref_value, len(ranks), self.round]
-
-    def _compare(self, key, ref_rank, ref_value, rank, value) -> None:
-        ref_sig, ref_an, ref_op, _ = ref_value
-        sig, an, op, step = value
-        if sig == ref_sig:
-            return
-        ref = OpRecord.of(ref_op, rank=ref_rank, file=ref_an.file, window_sig=ref_sig)
-        mine = OpRecord.of(op, window_sig=sig)
-        self.sink.add(Finding(
-            rule="asymmetric-offset", severity=ERROR, rank=rank, step=step, file=an.file,
-            line=op.line, block=mine, op=ref, overlap=None, site=op.site,
-            detail=(f"{key[0]!r} seq {key[1]}: rank {rank} uses window (ordinal, offset, size) "
-                    f"{list(sig)}, rank {ref_rank} uses {list(ref_sig)}")))
-
-    def finish(self) -> None:
-        for key, entry in list(self.pending.items()):
-            if len(entry) > 1:
-                self._settle(key, entry)
-                continue  # counted with the settled ones below
-            self.unmatched += 1 if len(entry) < len(self.members.get(key[0], ())) else 0
-        self.pending.clear()
-        for comm in list(self.settled):
-            self._forget(comm)

@@ -25,7 +25,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-from sanitizer.rules import driver
+from sanitizer.rules import driver, select
 from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import Finding, FindingSink
 from sanitizer.trace import reader
@@ -150,7 +150,7 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
     except TraceError:
         files = []
     try:
-        eng, engine_kind, fallback = driver.load_engine(engine)
+        eng, engine_kind, fallback = select.load_engine(engine)
     except (ValueError, RuntimeError):
         eng = None                     # the serial run reports it, as an error
     if jobs <= 1 or len(files) <= 1 or eng is None or peer_completion not in ("local", "successor"):
