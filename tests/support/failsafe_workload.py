@@ -146,8 +146,12 @@ def worker(rank, world, init, fault, out):
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = "".join(traceback.format_exception(exc))
         result["from_hazsan"] = "sanitizer/" in result["traceback"].replace("tests/support/failsafe_workload.py", "")
-    with open(os.path.join(out, f"result{rank}.json"), "w") as f:
+    # written whole or not at all: in `kill` mode the launcher terminates rank 0 once rank 1 died,
+    # possibly while it writes (an empty file was seen under load)
+    path = os.path.join(out, f"result{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(path + ".tmp", path)
 
 
 def main():
