@@ -94,7 +94,8 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 # (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
 test-sglang: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_e2e/run.py
-	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py
+	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py \
+		tests/examples/test_sglang_step_tokens.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.
