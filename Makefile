@@ -106,8 +106,8 @@ vllm-proof: $(VENV_E2E)/.installed
 # sglang.Engine TP=2 with NGRAM at each depth of SGLANG_PROOF_DEPTHS, stock and fixed mHC combine in
 # SGLang's own symmetric-memory scope, under capture; then the placement model's prediction of the
 # colliding depths (hazsan sweep --schedule on the captures); rewrites reports/sglang-mhc/. In
-# .venv-sglang (as test-sglang); about a minute per SGLang run on 2 idle cores, 17 runs with the
-# default depths.
+# .venv-sglang (as test-sglang); 17 SGLang runs with the default depths, about a minute each on 2
+# idle cores (40 minutes in all with the cores shared with other heavy work: reports/sglang-mhc).
 SGLANG_PROOF_DEPTHS ?= 1 2 3 4 5 6 7 8
 sglang-proof: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_mhc/proof.py --depths "$(SGLANG_PROOF_DEPTHS)" --report reports/sglang-mhc

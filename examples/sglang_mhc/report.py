@@ -169,6 +169,19 @@ def why_lines(results: dict) -> list[str]:
     return lines
 
 
+def _sweep_example(results: dict) -> list[str]:
+    """The prediction's command line for the first depth predicted to collide (or the first depth)."""
+    pred = results.get("prediction") or {}
+    runs = [results["runs"].get(f"stock-d{d}") or {} for d in results["depths"]]
+    replays = [r["predicted_from_one"] for r in runs if r.get("predicted_from_one")]
+    if not pred or not replays:
+        return []
+    r = next((r for r in replays if r["colliding"]), replays[0])
+    d = results["depths"][[x.get("predicted_from_one") for x in runs].index(r)]
+    return [f"    hazsan sweep DIR/{pred['capture']} --step {pred['template_step']} --schedule "
+            f"{','.join(map(str, r['schedule']))}     # the prediction for depth {d} from {pred['capture']}'s capture"]
+
+
 def write_report(results: dict, out: Path, runs_root: Path | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs, cmp_ = results["runs"], results.get("compare", {})
@@ -308,6 +321,7 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
         "    make sglang-proof                         # .venv-sglang (as make test-sglang), depths $SGLANG_PROOF_DEPTHS (default 1 to 8), rewrites this folder",
         "    .venv-sglang/bin/python examples/sglang_mhc/proof.py --depths 5 --out DIR     # one depth; DIR keeps the runs",
         "    hazsan check DIR/stock-d5; hazsan compare DIR/stock-d5 DIR/fixed-d5; hazsan logscan DIR/stock-d5/server.log",
+        *_sweep_example(results),
         "",
         "Per run folder: `rank0.hzs`, `rank1.hzs` (the two schedulers' traces: model, testbed, steps), "
         "`pid*.hzs` (the Engine's and the detokenizer's processes, no model step), `server.log` (SGLang's "
