@@ -94,7 +94,8 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 # (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
 test-sglang: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_e2e/run.py
-	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py
+	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py \
+		tests/examples/test_sglang_step_tokens.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.
@@ -103,9 +104,11 @@ vllm-proof: $(VENV_E2E)/.installed
 
 # The reference hazard inside real SGLang's decode (examples/sglang_mhc, an external model package):
 # sglang.Engine TP=2 with NGRAM at each depth of SGLANG_PROOF_DEPTHS, stock and fixed mHC combine in
-# SGLang's own symmetric-memory scope, under capture; rewrites reports/sglang-mhc/. In .venv-sglang
-# (as test-sglang); about a minute per SGLang run, 9 runs with the default depths.
-SGLANG_PROOF_DEPTHS ?= 3 4 5 8
+# SGLang's own symmetric-memory scope, under capture; then the placement model's prediction of the
+# colliding depths (hazsan sweep --schedule on the captures); rewrites reports/sglang-mhc/. In
+# .venv-sglang (as test-sglang); 17 SGLang runs with the default depths, about a minute each on 2
+# idle cores (40 minutes in all with the cores shared with other heavy work: reports/sglang-mhc).
+SGLANG_PROOF_DEPTHS ?= 1 2 3 4 5 6 7 8
 sglang-proof: $(VENV_SGLANG)/.installed
 	$(SGPY) examples/sglang_mhc/proof.py --depths "$(SGLANG_PROOF_DEPTHS)" --report reports/sglang-mhc
 

@@ -16,11 +16,14 @@ OUT/<variant>-d<depth>/:
   outcomes.jsonl         per request: corrupted (tokens differ from the bare run's) and the step
                          that produced its first wrong token (sanitizer/proof/outcomes.py)
 
+Then the placement model's prediction of which depths collide (predict.py: `hazsan sweep
+--schedule` on the captures), next to what the runs measured.
+
 The bare run (HAZSAN_MHC_VARIANT=bare: SGLang's gloo all-reduce, no testbed, no capture, no
 speculative decoding) gives the reference tokens; greedy speculative decoding does not change
 them, so one reference serves every depth.
 
-    python examples/sglang_mhc/proof.py [--depths "3 4 5 8"] [--out DIR] [--report reports/sglang-mhc]
+    python examples/sglang_mhc/proof.py [--depths "1-8"] [--out DIR] [--report reports/sglang-mhc]
     python examples/sglang_mhc/proof.py --one stock:5                 (one run, kept in OUT)
 
 Needs the venv of `make test-sglang` (`make sglang-proof` uses it).
@@ -39,8 +42,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SETUP = ROOT / "examples" / "sglang_e2e" / "cpu_setup"
 VLLM_MHC = ROOT / "examples" / "vllm_mhc"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, HERE):          # examples.vllm_mhc; predict.py and report.py next to this file
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 from examples.vllm_mhc import run as vllm_mhc  # noqa: E402  (the checkpoint, the prompts, hazsan())
 
 MODEL = vllm_mhc.MODEL
@@ -49,7 +53,7 @@ MAX_RUNNING = 16       # SGLang's max_running_requests: one batch, decoded toget
 OUTPUT_TOKENS = 40     # per request
 IDLE_S = 2.0           # idle before Engine.shutdown() (which SIGKILLs the schedulers): 4 flush periods
 FLUSH_S = 0.5          # HAZSAN_FLUSH_SECONDS of the runs
-DEFAULT_DEPTHS = "3 4 5 8"
+DEFAULT_DEPTHS = "1 2 3 4 5 6 7 8"
 
 
 def prompts() -> list[list[int]]:
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "hazsan-sglang-mhc")
     ap.add_argument("--depths", default=os.environ.get("SGLANG_PROOF_DEPTHS", DEFAULT_DEPTHS),
-                    help="NGRAM draft depths, e.g. \"3 4 5 8\" or 1-8 (default: $SGLANG_PROOF_DEPTHS or %(default)s)")
+                    help="NGRAM draft depths, e.g. \"3 4 5 8\" or 3-5 (default: $SGLANG_PROOF_DEPTHS or %(default)s)")
     ap.add_argument("--variants", default="stock,fixed")
     ap.add_argument("--capture", default="alloc", help="HAZSAN_LEVEL of the runs")
     ap.add_argument("--report", type=Path, help="write README.md and results.json here (reports/sglang-mhc)")
@@ -281,21 +285,54 @@ def main(argv=None) -> int:
                                         "--primary", "corrupted", "--fail-on", "error")
             comparisons[str(d)] = {"exit": code, **cmp}
             print(f"[sglang-mhc] depth {d}: hazsan compare exit {code}: {(cmp.get('verdict') or {}).get('text', '?')}", flush=True)
+    prediction = predict_depths(args.out, depths, runs) if "stock" in args.variants else {}
     results = {"sglang": bare["sglang"], "model": MODEL, "requests": REQUESTS, "max_running_requests": MAX_RUNNING,
                "output_tokens": OUTPUT_TOKENS, "capture": args.capture, "idle_before_shutdown_s": IDLE_S,
                "flush_seconds": FLUSH_S, "depths": depths,
                "bare": {k: bare.get(k) for k in ("startup_s", "generate_s", "generate_cpu_s", "wall_s", "cpu_s")},
-               "runs": runs, "compare": comparisons, "seconds": round(time.monotonic() - t0, 1),
+               "runs": runs, "compare": comparisons, "prediction": prediction,
+               "seconds": round(time.monotonic() - t0, 1),
                "sglang_seconds": round(sum(r.get("wall_s") or 0 for r in runs.values()) + (bare.get("wall_s") or 0), 1),
                "sglang_cpu_seconds": round(sum(r.get("cpu_s") or 0 for r in runs.values()) + (bare.get("cpu_s") or 0), 1)}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"[sglang-mhc] done in {results['seconds']} s: {args.out / 'results.json'}", flush=True)
     if args.report:
-        sys.path.insert(0, str(HERE))
         from report import write_report
         write_report(results, args.report, args.out)
         print(f"[sglang-mhc] report: {args.report / 'README.md'}", flush=True)
     return 0
+
+
+def predict_depths(out: Path, depths: list[int], runs: dict) -> dict:
+    """The placement model's prediction per depth (predict.py), stored in each stock run's summary:
+    `predicted_from_one` (the first depth's stock capture alone, along the schedule SGLang makes at
+    that depth), `predicted` (the depth's own stock capture along its fixed run's recorded
+    schedule); and the constant-shape sweep of that one capture."""
+    import predict
+    t0 = time.monotonic()
+    one = out / f"stock-d{depths[0]}"
+    step, prefill = predict.template(one)
+    if step is None or prefill is None:
+        print(f"[sglang-mhc] {one.name}: no decode or prefill step with tokens: no prediction", flush=True)
+        return {}
+    for d in depths:
+        stock = runs.get(f"stock-d{d}")
+        if stock is None:
+            continue
+        expected = predict.expected_schedule(prefill, d, MAX_RUNNING, OUTPUT_TOKENS)
+        stock["predicted_from_one"] = predict.replay(vllm_mhc.hazsan, one, step, expected)
+        own_step, _ = predict.template(out / f"stock-d{d}")
+        clean = predict.recorded_schedule(out / f"fixed-d{d}")
+        if own_step is not None and clean:
+            stock["predicted"] = predict.replay(vllm_mhc.hazsan, out / f"stock-d{d}", own_step, clean)
+        stock["fixed_schedule_is_expected"] = clean == expected
+        print(f"[sglang-mhc] depth {d}: prediction from {one.name} alone: "
+              f"{'COLLIDES' if stock['predicted_from_one']['colliding'] else 'clean'}; from its own capture: "
+              f"{'COLLIDES' if (stock.get('predicted') or {}).get('colliding') else 'clean'}; measured "
+              f"{stock['corrupted']}/{stock['requests']} corrupted", flush=True)
+    shapes = predict.constant_shapes(vllm_mhc.hazsan, one, step, list(range(16, 161, 4)))
+    return {"capture": one.name, "template_step": step, "prefill_tokens": prefill, "shapes": shapes,
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def parse_depths(text: str) -> list[int]:

@@ -48,12 +48,41 @@ def decode_lines(log: Path, limit: int = 6) -> list[str]:
 SMALL_POOL = 1 << 20      # the CUDA caching allocator's small-pool limit (the testbed's placement model)
 
 
-def predicted(results: dict, depth: int) -> bool:
-    """Can a verify step of this depth collide? Its row-parallel partial (bfloat16) is in the large
-    pool, where the float32 mixing transients are: a full verify step has max_running x (depth + 1)
-    tokens."""
+def partial_in_large_pool(results: dict, depth: int) -> bool:
+    """Is a verify step's row-parallel partial (bfloat16) in the large pool, where the float32
+    mixing transients are (the necessary condition of a collision)? A full verify step has
+    max_running x (depth + 1) tokens."""
     tokens = results["max_running_requests"] * (depth + 1)
     return tokens * 2 * results["model"]["hidden_size"] > SMALL_POOL
+
+
+def _steps(pred: dict | None) -> str:
+    """Predicted colliding steps of a replay: "1-9 of 10" (indices in its schedule), "none", "-"."""
+    if not pred:
+        return "-"
+    hit, n = pred.get("colliding", []), len(pred.get("schedule", []))
+    return f"{_ranges(hit)} of {n}" if hit else f"none of {n}"
+
+
+def _ranges(vals: list[int], gap: int = 1) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7" (values at most `gap` apart joined)."""
+    vals = sorted(vals)
+    out: list[str] = []
+    for v in vals:
+        if out and v - last <= gap:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+        last = v
+    return ", ".join(out)
+
+
+def collides(pred: dict | None) -> bool | None:
+    return None if not pred else bool(pred.get("colliding"))
+
+
+def measured(run: dict) -> bool:
+    return bool(run["corrupted"] or run["findings"].get("reuse-in-flight"))
 
 
 def why_lines(results: dict) -> list[str]:
@@ -61,41 +90,96 @@ def why_lines(results: dict) -> list[str]:
     h, n, running = m["hidden_size"], m["hc_streams"], results["max_running_requests"]
     partial, transient = 2 * h, 4 * n * h
     lo = SMALL_POOL // partial + 1
-    rows = []
+    pred = results.get("prediction") or {}
+    one = pred.get("capture", "?")
+    rows, agree, disagree = [], [], []
     for d in results["depths"]:
         s = results["runs"].get(f"stock-d{d}")
         if s is None:
             continue
         tokens = running * (d + 1)
         first = s.get("first_collision")
-        rows.append([d, tokens, f"{tokens * partial:,}", "large: can collide" if predicted(results, d) else "small: cannot",
-                     f"{s['corrupted']}/{s['requests']}",
+        p1, p2 = s.get("predicted_from_one"), s.get("predicted")
+        calls = {c for c in (collides(p1), collides(p2)) if c is not None}
+        if calls:
+            (agree if calls == {measured(s)} else disagree).append(d)
+        rows.append([d, tokens, f"{tokens * partial:,}", "large" if partial_in_large_pool(results, d) else "small",
+                     _steps(p1), _steps(p2), f"{s['corrupted']}/{s['requests']}",
                      f"step {first['step']}: a {first['block_size']:,}-byte block from {first['site']} over "
-                     f"{first['overlap']:,} bytes that all_reduce seq {first['seq']} still loads" if first else "-"])
-    necessary = all(r[3].startswith("large") for r in rows if r[4].split("/")[0] != "0")
-    spared = [r[0] for r in rows if r[3].startswith("large") and r[4].split("/")[0] == "0"]
-    return ["## Which depths collide, and why", "",
-            f"Where a step's window blocks are placed depends only on its token count and on what earlier "
-            f"steps left in the pool, never on values. Per token the row-parallel partial is {partial:,} bytes "
-            f"(bfloat16, hidden {h}) and each float32 mixing transient {transient:,} bytes ({n} streams). The "
-            f"caching allocator (the model the testbed places with) serves requests up to 1 MiB from its small "
-            f"pool, larger ones from the large pool. SGLang's NGRAM verify step holds {running} requests x "
-            f"(depth + 1) tokens. Up to {lo - 1} tokens the partial is in the small pool and the transients "
-            f"in the large one: they cannot meet. From {lo} tokens both are in the large pool, and a mixing "
-            f"transient allocated while the all-reduce still loads the freed partial can be given the partial's "
-            f"bytes.", "",
-            tabulate(rows, headers=["depth", "tokens per verify step", "partial bytes", "partial's pool (prediction)",
-                                    "corrupted stock", "first realised collision (hazsan check)"],
-                     tablefmt="github"), "",
-            ("Every corrupting depth has its partial in the large pool, as predicted. " if necessary else
-             "A depth corrupted with its partial in the small pool: the prediction is WRONG there. ")
-            + (f"Large-pool depth(s) {', '.join(map(str, spared))} did not collide: the large pool is the "
-               "necessary condition, not a sufficient one; whether the best-fitting free block for a mixing "
-               "transient covers the freed partial depends on the segments the steps before left (prefill, "
-               "earlier verify steps). `hazsan sweep --schedule` would replay that per step, but SGLang's "
-               "step marks carry the request count as `tokens` (the Scheduler hook), not the verify step's "
-               "token count, so the replay is not run here." if spared else
-               "No large-pool depth was spared in these runs."), ""]
+                     f"{first['overlap']:,} bytes that all_reduce seq {first['seq']} still loads" if first else "-",
+                     ("yes" if calls == {measured(s)} else "NO") if calls else "-"])
+    lines = ["## Which depths collide: the placement model's prediction and the runs", "",
+             f"Where a step's window blocks are placed depends only on its token count and on what earlier "
+             f"steps left in the pool, never on values. Per token the row-parallel partial is {partial:,} bytes "
+             f"(bfloat16, hidden {h}) and each float32 mixing transient {transient:,} bytes ({n} streams). The "
+             f"caching allocator (the model the testbed places with) serves requests up to 1 MiB from its small "
+             f"pool, larger ones from the large pool. Up to {lo - 1} tokens the partial is in the small pool and "
+             f"the transients in the large one: they cannot meet. From {lo} tokens both are in the large pool, "
+             f"and a mixing transient allocated while the all-reduce still loads the freed partial is given the "
+             f"best-fitting free block, which can be the partial's bytes merged with free space next to them; "
+             f"whether it is depends on the segments earlier steps left, which the allocator model replays.", ""]
+    shapes = pred.get("shapes") or {}
+    if shapes:
+        lines += [f"`hazsan sweep --schedule` on `{one}`'s step {shapes['template_step']} (its first verify step), "
+                  f"each token count replayed {shapes['repeat']} times right after the capture's set-up: collides at "
+                  f"{_ranges(shapes['colliding'], 4) or 'no count'} tokens; clean at "
+                  f"{_ranges(shapes['clean'], 4) or 'no count'}.", ""]
+    lines += [f"A server's steps are not one shape held constant: SGLang's NGRAM decode at depth d is a "
+              f"prefill, then verify steps of {running} requests x (d + 1) tokens (the Scheduler hook records "
+              f"each step's token count: sanitizer/capture/sglang_hooks.py). Two predictions per depth, both "
+              f"`hazsan sweep --schedule` through the allocator model:", "",
+              f"- **from one capture**: `{one}` alone (step {pred.get('template_step', '?')} replayed), along the "
+              f"schedule SGLang makes at depth d with every draft accepted: its {pred.get('prefill_tokens', '?')}-token "
+              f"prefill, then 1 + ceil(({results['output_tokens']} - 2) / (d + 1)) verify steps (the first verify "
+              f"step has no draft: NGRAM's corpus holds a request's tokens only after its first decode). No run at "
+              f"depth d is used: what a user with one capture can ask;",
+              "- **from the depth's own capture**: its stock run's first verify step, along the schedule its fixed "
+              "run recorded (the shapes before corruption changed them)"
+              + (", which is the expected schedule at every depth" if all(
+                  results["runs"].get(f"stock-d{d}", {}).get("fixed_schedule_is_expected")
+                  for d in results["depths"] if f"stock-d{d}" in results["runs"]) else
+                 "; it differs from the expected schedule at depth(s) " + ", ".join(
+                     str(d) for d in results["depths"]
+                     if not results["runs"].get(f"stock-d{d}", {}).get("fixed_schedule_is_expected", True))) + ".",
+              "",
+              tabulate(rows, headers=["depth", "tokens per verify step", "partial bytes", "partial's pool",
+                                      f"predicted colliding steps: {one} alone", "predicted: own capture, clean schedule",
+                                      "measured: corrupted stock", "measured: first realised collision (hazsan check)",
+                                      "prediction agrees"],
+                       tablefmt="github"), ""]
+    text = []
+    if agree:
+        text.append(f"The prediction agrees with the runs at depth(s) {', '.join(map(str, agree))}")
+    if disagree:
+        text.append(f"it DISAGREES at depth(s) {', '.join(map(str, disagree))} (see the table: a predicted "
+                    "collision the run did not have, or a collision it did not predict)")
+    if text:
+        lines.append("; ".join(text) + ".")
+    spared = [d for d in results["depths"] if f"stock-d{d}" in results["runs"]
+              and running * (d + 1) in shapes.get("colliding", [])
+              and collides(results["runs"][f"stock-d{d}"].get("predicted_from_one")) is False
+              and not measured(results["runs"][f"stock-d{d}"])]
+    if spared:
+        lines[-1] += (f" Depth(s) {', '.join(map(str, spared))} collide when their verify shape is held constant "
+                      "from the set-up on, and not after the prefill: the step replayed at the prefill's token "
+                      "count leaves other segments behind, and the best-fitting free block for a mixing transient "
+                      "is then not the freed partial. The large pool is the necessary condition, not a sufficient "
+                      "one; the replay of the schedule decides.")
+    lines.append("")
+    return lines
+
+
+def _sweep_example(results: dict) -> list[str]:
+    """The prediction's command line for the first depth predicted to collide (or the first depth)."""
+    pred = results.get("prediction") or {}
+    runs = [results["runs"].get(f"stock-d{d}") or {} for d in results["depths"]]
+    replays = [r["predicted_from_one"] for r in runs if r.get("predicted_from_one")]
+    if not pred or not replays:
+        return []
+    r = next((r for r in replays if r["colliding"]), replays[0])
+    d = results["depths"][[x.get("predicted_from_one") for x in runs].index(r)]
+    return [f"    hazsan sweep DIR/{pred['capture']} --step {pred['template_step']} --schedule "
+            f"{','.join(map(str, r['schedule']))}     # the prediction for depth {d} from {pred['capture']}'s capture"]
 
 
 def write_report(results: dict, out: Path, runs_root: Path | None = None) -> None:
@@ -123,7 +207,11 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
             f"{p:.3g}" if p is not None else "-",
             f"{s['wall_s']} / {f['wall_s']}", f"{s.get('cpu_s')} / {f.get('cpu_s')}",
         ])
-    headers = ["depth", "corrupted stock", "corrupted fixed", "stock corruptions preceded by a finding",
+        rows[-1].insert(3, " / ".join({True: "collides", False: "clean", None: "-"}[collides(s.get(k))]
+                                      for k in ("predicted_from_one", "predicted")))
+    one = (results.get("prediction") or {}).get("capture", "one capture")
+    headers = ["depth", "corrupted stock", "corrupted fixed",
+               f"predicted (hazsan sweep: {one} alone / own capture)", "stock corruptions preceded by a finding",
                "stock reuse-in-flight", "stock free-in-flight / transient-in-window",
                "fixed free-in-flight / transient / reuse", "captures complete",
                "stock accept len mean / min (SGLang log)", "fixed accept len mean / min",
@@ -161,6 +249,12 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
         f"{pooled['fixed'][0]} of {pooled['fixed'][1]}.",
         f"- Colliding depth(s): {', '.join(map(str, colliding)) or 'none'}; clean stock depth(s): "
         f"{', '.join(map(str, clean)) or 'none'}.",
+        *([f"- Predicted colliding depth(s), by the placement model from `{one}`'s capture alone: "
+           f"{', '.join(str(d) for d in depths if collides(runs.get(f'stock-d{d}', {}).get('predicted_from_one'))) or 'none'}"
+           f"; from each depth's own capture: "
+           f"{', '.join(str(d) for d in depths if collides(runs.get(f'stock-d{d}', {}).get('predicted'))) or 'none'} "
+           f"(`hazsan sweep --schedule`, {results['prediction'].get('seconds')} s for every replay; below)."]
+          if results.get("prediction") else []),
         f"- Cost: bare reference run {results['bare']['wall_s']} s wall, {results['bare'].get('cpu_s')} s CPU; "
         f"all {len(runs) + 1} SGLang runs {results.get('sglang_seconds')} s wall and {results.get('sglang_cpu_seconds')} s "
         "CPU on this 2-core machine, shared with other work. Wall and "
@@ -224,9 +318,10 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
     lines += [
         "## Reproduce",
         "",
-        "    make sglang-proof                         # .venv-sglang (as make test-sglang), depths $SGLANG_PROOF_DEPTHS (default \"3 4 5 8\"), rewrites this folder",
+        "    make sglang-proof                         # .venv-sglang (as make test-sglang), depths $SGLANG_PROOF_DEPTHS (default 1 to 8), rewrites this folder",
         "    .venv-sglang/bin/python examples/sglang_mhc/proof.py --depths 5 --out DIR     # one depth; DIR keeps the runs",
         "    hazsan check DIR/stock-d5; hazsan compare DIR/stock-d5 DIR/fixed-d5; hazsan logscan DIR/stock-d5/server.log",
+        *_sweep_example(results),
         "",
         "Per run folder: `rank0.hzs`, `rank1.hzs` (the two schedulers' traces: model, testbed, steps), "
         "`pid*.hzs` (the Engine's and the detokenizer's processes, no model step), `server.log` (SGLang's "

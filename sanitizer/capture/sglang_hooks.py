@@ -19,13 +19,15 @@ and a missing one is a counted hook failure, never an error in the server.
     the window it shifts. The segment is found in the pool's snapshot only when an allocation
     falls outside every segment known: once per new segment.
   * pynccl_wrapper.NCCLLibrary and pynccl.PyNcclCommunicator: nccl.py's class-level hooks.
-  * Scheduler.run_batch(batch) -> a `step` event per batch (phase = forward mode, tokens =
-    len(batch.reqs) where known) and a flush: SGLang's decode-step boundary; when it returns, a
-    flush and the step's end in the header (what a scheduler SIGKILLed by Engine.shutdown proves).
+  * Scheduler.run_batch(batch) -> a `step` event per batch (phase = the batch's forward mode,
+    tokens = the token count of the step's model forward: `step_tokens`) and a flush: SGLang's
+    decode-step boundary; when it returns, a flush and the step's end in the header (what a
+    scheduler SIGKILLed by Engine.shutdown proves).
 """
 from __future__ import annotations
 
 import itertools
+import operator
 
 
 def _comm_name(ctx) -> str:
@@ -196,10 +198,13 @@ def on_scheduler(capture, module) -> None:
     def wrapped(self, batch, *args, **kwargs):
         n = next(counter)
         try:
+            tokens = step_tokens(self, batch)
+        except Exception as exc:          # the step is still marked, without its token count
+            tokens = None
+            capture.failed("sglang.step-tokens", exc)
+        try:
             mode = getattr(getattr(batch, "forward_mode", None), "name", None)
-            reqs = getattr(batch, "reqs", None)
-            capture.mark_step(n, phase=mode.lower() if mode else None,
-                              tokens=len(reqs) if reqs is not None else None)
+            capture.mark_step(n, phase=mode.lower() if mode else None, tokens=tokens)
         except Exception as exc:
             capture.failed("sglang.step", exc)
         try:
@@ -213,3 +218,50 @@ def on_scheduler(capture, module) -> None:
     wrapped._hazsan = True
     sched.run_batch = wrapped
     capture.installed.append("sglang.Scheduler.run_batch")
+
+
+def step_tokens(scheduler, batch) -> int | None:
+    """The token count of the model forward that run_batch(batch) makes: the first dimension of
+    its activations, what `hazsan sweep` scales (SGLang 0.5.23).
+
+    * EXTEND / MIXED (prefill, chunked prefill beside decodes): batch.extend_num_tokens, the new
+      tokens of every request (what the radix cache holds is not recomputed; MIXED counts each
+      running decode's token too: ScheduleBatch.mix_with_running).
+    * DECODE without speculative decoding: one token per request.
+    * DECODE with speculative decoding: the scheduler hands the DECODE batch to its draft worker,
+      which turns it into a TARGET_VERIFY forward of draft_token_num tokens per request (NGRAM:
+      NGRAMWorker._prepare_for_speculative_decoding; the verified token and depth drafts, every
+      step, whatever was accepted before): requests x draft_token_num.
+    * IDLE (a data-parallel rank with nothing to run): 0.
+    None where the batch says none of this (no forward mode, no request list, no draft width)."""
+    mode = getattr(batch, "forward_mode", None)
+    reqs = getattr(batch, "reqs", None)
+    if mode is None:
+        return None
+    if mode.is_idle():
+        return 0
+    if mode.is_decode():
+        if reqs is None:
+            return None
+        spec = getattr(batch, "spec_algorithm", None)
+        if spec is None or spec.is_none():
+            return len(reqs)
+        width = verify_width(scheduler)
+        return len(reqs) * width if width else None
+    extend = getattr(batch, "extend_num_tokens", None)
+    try:
+        return operator.index(extend) if extend is not None else None
+    except TypeError:
+        return None
+
+
+def verify_width(scheduler) -> int | None:
+    """Tokens per request of a speculative verify forward: the draft worker's draft_token_num
+    (NGRAM), else speculative_num_draft_tokens of the worker or of the server arguments."""
+    worker = getattr(scheduler, "draft_worker", None)
+    for holder, attr in ((worker, "draft_token_num"), (worker, "speculative_num_draft_tokens"),
+                         (getattr(scheduler, "server_args", None), "speculative_num_draft_tokens")):
+        width = getattr(holder, attr, None) if holder is not None else None
+        if isinstance(width, int) and width > 0:
+            return width
+    return None

@@ -4,8 +4,9 @@ SGLang itself is several GB and needs CUDA, so its recognition is exercised on a
 with the same module paths, class names and attributes as SGLang 0.5.23
 (sglang/srt/distributed/device_communicators/pynccl_allocator.py: SymmetricMemoryContext with
 .group_coordinator; sglang/srt/managers/scheduler.py: Scheduler.run_batch(batch) with
-batch.forward_mode and batch.reqs). What is tested is that the post-import hooks fire when the
-program imports those modules, and what they record.
+batch.forward_mode, batch.reqs and batch.extend_num_tokens; the speculative decode's token
+count is tested on the real SGLang, tests/examples/test_sglang_step_tokens.py). What is tested is
+that the post-import hooks fire when the program imports those modules, and what they record.
 """
 from __future__ import annotations
 
@@ -55,13 +56,21 @@ STAND_IN = {
     "sglang/srt/managers/scheduler.py": textwrap.dedent('''
         import enum
 
-        class ForwardMode(enum.Enum):
+        class ForwardMode(enum.IntEnum):
             EXTEND = 1
             DECODE = 2
+            IDLE = 3
+
+            def is_decode(self):
+                return self == ForwardMode.DECODE
+
+            def is_idle(self):
+                return self == ForwardMode.IDLE
 
         class Batch:
-            def __init__(self, mode, n):
+            def __init__(self, mode, n, extend_num_tokens=None):
                 self.forward_mode, self.reqs = mode, list(range(n))
+                self.extend_num_tokens = extend_num_tokens
 
         class Scheduler:
             def run_batch(self, batch):
@@ -77,7 +86,7 @@ SERVER = textwrap.dedent('''
 
     tp = GroupCoordinator("tp")
     s = Scheduler()
-    print(s.run_batch(Batch(ForwardMode.EXTEND, 3)))
+    print(s.run_batch(Batch(ForwardMode.EXTEND, 3, extend_num_tokens=42)))
     for _ in range(2):
         s.run_batch(Batch(ForwardMode.DECODE, 5))
         with use_symmetric_memory(tp):
@@ -107,7 +116,8 @@ def test_sglang_scopes_and_steps_recognised(tmp_path):
     events = load(path)[1:]
     assert not [e for e in events if e["ev"] == "hook_error"]
     steps = [(e["n"], e.get("phase"), e.get("tokens")) for e in events if e["ev"] == "step"]
-    assert steps == [(0, "extend", 3), (1, "decode", 5), (2, "decode", 5)]
+    # tokens: the forward's token count (a prefill's new tokens; one per request in a plain decode)
+    assert steps == [(0, "extend", 42), (1, "decode", 5), (2, "decode", 5)]
     scopes = [(e["enter"], e["pool"], e["comm"]) for e in events if e["ev"] == "scope"]
     assert scopes == [(True, "symm", "tp"), (False, "symm", "tp")] * 2   # disabled: no scope
     (window,) = [e for e in events if e["ev"] == "window"]
