@@ -41,6 +41,10 @@ import threading
 import time
 from collections import Counter
 
+from sanitizer.trace.binary import ORDER, position
+
+_ALLOC, _ADDR, _STREAM = ORDER["alloc"][0], position("alloc", "addr"), position("alloc", "stream")
+
 # every TraceEntry action c10 writes (memory_snapshot.cpp action_to_str)
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
            "segment_map", "segment_unmap", "oom", "snapshot")
@@ -147,7 +151,11 @@ class AllocatorHistory:
         hist = self
 
         def tap(ev):
-            if ev["ev"] == "alloc" and ev["stream"] != "cpu":
+            # the block table writes its allocations as arrays (binary.source_item)
+            if type(ev) is list:
+                if ev[0] == _ALLOC and ev[_STREAM] != "cpu":
+                    hist.seen.setdefault(ev[_ADDR], []).append(ev[_STREAM])
+            elif ev["ev"] == "alloc" and ev["stream"] != "cpu":
                 hist.seen.setdefault(ev["addr"], []).append(ev["stream"])
             emit(ev)
         table.emit = tap

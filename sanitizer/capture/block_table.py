@@ -41,8 +41,16 @@ import torch
 
 from sanitizer.capture import cuda_state
 from sanitizer.capture.live_ranges import LiveRanges
+from sanitizer.trace.binary import ORDER
 
 _STRIDED = torch.strided
+# The hot events are built as the binary layout's arrays, in these fields' order (a test holds
+# them to binary.ORDER): [kind number, field, ...], None for an absent field.
+_ALLOC, _FREE, _LAUNCH = ORDER["alloc"][0], ORDER["free"][0], ORDER["launch"][0]
+ALLOC_FIELDS = ("id", "addr", "size", "stream", "pool", "requested", "segment", "token_dims", "t", "step",
+                "site", "stack", "op", "shape", "dtype")
+FREE_FIELDS = ("id", "t")
+LAUNCH_FIELDS = ("stream", "reads", "writes", "t", "step", "site", "stack", "op")
 # Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
 # the plain tensors inside them are recorded when they are made or first used.
 _CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)   # absent on CPU builds
@@ -192,17 +200,9 @@ class BlockTable:
             cap = self.capture
             if cap.host_work_unsynced and stream != "cpu":
                 cap.host_ran_cpu_work()
-            ev = {"ev": "launch", "stream": stream, "op": name, "t": time_ns()}
-            if reads:
-                ev["reads"] = reads
-            if writes:
-                ev["writes"] = writes
             site, frames = where
-            if site is not None:
-                ev["site"] = site
-                if frames is not None:
-                    ev["stack"] = frames
-            self.emit(ev)
+            self.emit([_LAUNCH, stream, reads or None, writes or None, time_ns(), None, site,     # LAUNCH_FIELDS
+                       frames if site is not None else None, name])
             if stream == "cpu":
                 cap.host_work_unsynced = True
         except Exception as exc:
@@ -316,14 +316,10 @@ class BlockTable:
                 pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
         key = s._cdata
         bid = next(self._ids)
-        ev = {"ev": "alloc", "id": bid, "addr": addr, "size": size, "stream": stream, "pool": pool,
-              "op": opname, "shape": list(t.shape), "dtype": dtype, "t": time_ns()}
-        if model is not None:
-            ev["requested"] = nbytes
-        if site is not None:
-            ev["site"] = site
-            if frames is not None:
-                ev["stack"] = frames
+        # the event as the binary layout's array (ALLOC_FIELDS; None: absent): no dict to make
+        # here nor to take apart at flush time (binary.source_item)
+        ev = [_ALLOC, bid, addr, size, stream, pool, None if model is None else nbytes, None, None,
+              time_ns(), None, site, frames if site is not None else None, opname, list(t.shape), dtype]
         b = StorageBlock(bid, key, real, nbytes, addr, size, model, stream)
         b.ref = weakref.ref(s, partial(self.died, key, bid))
         # registered once written: a block whose alloc a failing emit lost must get no free
@@ -342,7 +338,7 @@ class BlockTable:
             self.on_stash_release(b.addr, b.size)
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
-        self.emit({"ev": "free", "id": b.id, "t": time_ns()})
+        self.emit([_FREE, b.id, time_ns()])           # FREE_FIELDS
         if b.recorded and self.on_free is not None:
             self.on_free(b)             # its free_done comes when those streams are seen finished
 

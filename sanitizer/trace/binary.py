@@ -27,6 +27,7 @@ the JSON Lines that `hazsan cat` prints.
 """
 from __future__ import annotations
 
+import operator
 import re
 import struct
 from typing import Union
@@ -242,11 +243,12 @@ def end_frame(events: int, dropped: int) -> bytes:
     return frame(FRAME_END, _encode({"events": events, "dropped": dropped}))
 
 
-#: kind -> ("ev", every field in array order), and kind -> its number: to_item's tables
-_KEYS = {kind: ("ev",) + names for kind, (_, names) in ORDER.items()}
-_KEYS_GET = _KEYS.get
+#: kind -> its number, and to_item's tables
 _TAG = {kind: tag for kind, (tag, _) in ORDER.items()}
 _INDEXED_AT_TAG = {tag: INDEXED_AT[kind] for kind, (tag, _) in ORDER.items()}
+#: kind -> {the keys of an event in their order: to_item's plan for them}
+_PLANS: dict[str, dict] = {kind: {} for kind in ORDER}
+_PLANS_GET = _PLANS.get
 
 
 class ValueTable:
@@ -322,16 +324,28 @@ def to_item(ev: dict, table: ValueTable | None = None):
     """One capture event (a dict) as a binary item: its array, or, for an event this layout cannot
     hold exactly (an unknown kind or field, a field set to None), the dict itself: a map item,
     which the reader treats as it treats a JSON Lines event. With `table` (version 2), its INDEXED
-    fields hold the index of their value in the table."""
-    kind = ev.get("ev")
-    keys = _KEYS_GET(kind)
-    if keys is None:
+    fields hold the index of their value in the table. Trailing absent fields are left out."""
+    if type(ev) is list:
+        return _source_item(ev, table)
+    plans = _PLANS_GET(ev.get("ev"))
+    if plans is None:
         return ev
-    item = list(map(ev.get, keys))        # [kind name, fields...]: the loop in C
-    # every key of the event among `keys`, none of them None: then the array holds the whole event
-    if len(ev) + item.count(None) != len(keys):
+    # capture makes each kind of event from a few key layouts: the layout, worked out once
+    # (_plan), reorders the values into the array in one C call
+    keys = tuple(ev)
+    plan = plans.get(keys)
+    if plan is None:
+        plan = _plan(ev["ev"], keys)
+        if len(plans) < 1024:     # a program of capture's makes a handful per kind
+            plans[keys] = plan
+    if plan is False:
         return ev
-    tag = item[0] = _TAG[kind]
+    values = list(ev.values())
+    if None in values:            # a field set to None: the reader treats it as JSON Lines does
+        return ev
+    values.append(None)           # what the getter takes for an absent field
+    item = list(plan[1](values))
+    tag = item[0] = plan[0]
     if tag == _COLL:
         bufs = item[_BUFS]
         if type(bufs) is list:
@@ -344,10 +358,10 @@ def to_item(ev: dict, table: ValueTable | None = None):
     if table is not None:
         # a value seen before costs one lookup, inline (capture pays this per event); a new one,
         # or one of the wrong type, goes through ValueTable.ref
-        for pos, field, seen in table.at[tag]:
+        at = table.at[tag]
+        for i in plan[2]:
+            pos, field, seen = at[i]
             value = item[pos]
-            if value is None:
-                continue
             kind_of = type(value)
             if kind_of is str:
                 found = seen.get(value)
@@ -364,6 +378,73 @@ def to_item(ev: dict, table: ValueTable | None = None):
                     return ev
             item[pos] = found
     return item
+
+
+def _source_item(ev: list, table: ValueTable | None):
+    """An event capture made as an array already (its hot kinds: `alloc`, `free`, `launch`; see
+    source_item): values in place, which version 2 interns here."""
+    if table is None:
+        return ev
+    item = None
+    n = len(ev)
+    for pos, field, seen in table.at[ev[0]]:
+        if pos >= n:
+            continue
+        value = ev[pos]
+        kind_of = type(value)
+        if kind_of is str:
+            found = seen.get(value)
+        elif kind_of is list:
+            try:
+                found = seen.get(tuple(value))
+            except TypeError:
+                return to_dict(ev)
+        elif value is None:
+            continue
+        else:
+            return to_dict(ev)
+        if found is None:
+            found = table.ref(field, value)
+            if found is None:
+                return to_dict(ev)
+        if item is None:
+            item = ev.copy()     # the caller's array keeps its values (to_dict above needs them)
+        item[pos] = found
+    return ev if item is None else item
+
+
+def source_item(kind: str, **fields) -> list:
+    """The array `to_item` would make of {"ev": kind, **fields}, for code that builds its events
+    as arrays on a hot path (the block table): the layout's order, values not interned."""
+    tag, names = ORDER[kind]
+    item = [tag] + [fields.pop(n, None) for n in names]
+    if fields:
+        raise KeyError(f"{kind} has no field(s) {sorted(fields)}")
+    while len(item) > 1 + len(LAYOUT[kind][1]) and item[-1] is None:
+        item.pop()
+    return item
+
+
+#: Positions in a source array (ORDER), for the code that builds or reads one.
+def position(kind: str, field: str) -> int:
+    return 1 + ORDER[kind][1].index(field)
+
+
+def _plan(kind: str, keys: tuple):
+    """(tag, getter, which of the kind's INDEXED fields are present) for `kind` events with these
+    keys in this order, or False when the layout cannot hold them (a field it does not have).
+    The getter takes the event's values with None appended and returns the array: the values in
+    the kind's field order, None for an absent field, cut after the last present one (never
+    before the kind's own fields: the reader names a missing required field)."""
+    tag, names = ORDER[kind]
+    if not set(keys) <= {"ev", *names}:
+        return False
+    absent = len(keys)                       # the index of the appended None
+    where = [keys.index("ev")] + [keys.index(n) if n in keys else absent for n in names]
+    last = max([1 + len(LAYOUT[kind][1])] + [2 + i for i, n in enumerate(names) if n in keys])
+    where = where[:last]
+    present = tuple(i for i, (pos, f) in enumerate(INDEXED_AT[kind]) if f in keys and pos < last)
+    return tag, operator.itemgetter(*where), present
 
 
 _COLL = LAYOUT["coll"][0]

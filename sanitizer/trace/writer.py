@@ -326,7 +326,8 @@ class TraceWriter(TraceFile, TimeFlush):
     def _encode(self, part: list) -> bytes:
         if self.format == "binary":
             return B.encode_frames(part, self._values)
-        return b"".join([_dumps(ev) for ev in part])
+        # capture's hot kinds come as arrays (binary.source_item): their dicts are made here
+        return b"".join([_dumps(ev if type(ev) is dict else B.to_dict(ev)) for ev in part])
 
     def _end_bytes(self) -> bytes:
         if self.format == "binary":
