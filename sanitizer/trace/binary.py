@@ -670,7 +670,7 @@ class BinaryDecoder:
 
 
 #: Every binary record class met so far (version 1's and each file's version 2 ones) -> the JSON
-#: Lines class of its kind: the engine's dispatch (engine._kind_entry) pairs them through it.
+#: Lines class of its kind: the engine's dispatch (rules.kinds.kind_entry) pairs them through it.
 TO_JSON_CLASS_ALL: dict = {}
 
 
