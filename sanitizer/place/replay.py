@@ -588,12 +588,13 @@ def _open_out(path: Path, gz: bool):
     return open(path, "wb")
 
 
-def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=()) -> PlaceStats:
-    """Place one rank file; write the result (gzip if the name ends .gz). Raises PlaceError or
-    the reader's TraceError for unusable input."""
+def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(), limits=None) -> PlaceStats:
+    """Place one rank file, read within `limits` (sanitizer.limits.Limits; default: its defaults);
+    write the result (gzip if the name ends .gz). Raises PlaceError or the reader's TraceError for
+    unusable input."""
     from sanitizer.trace.reader import TraceError, open_trace
 
-    tf = open_trace(in_path)
+    tf = open_trace(in_path, limits)
     placer = RankPlacer(config, in_path, no_split_pools=no_split_pools)
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".part")

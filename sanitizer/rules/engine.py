@@ -62,6 +62,7 @@ record_stream streams were its own is accepted and changes nothing.
 """
 from __future__ import annotations
 
+from sanitizer.limits import Limits
 from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
 from sanitizer.rules.findings import BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.rules.inflight import InFlightTable
@@ -80,8 +81,8 @@ from sanitizer.rules.records import LiveBlock, Op, Window  # noqa: F401
 from sanitizer.rules.successor import SuccessorWait  # noqa: F401
 from sanitizer.rules.windows import BlockSet, WindowTable  # noqa: F401
 
-#: Distinct communicators one rank may use (`hazsan check --max-comms`).
-MAX_COMMS = 100_000
+#: Distinct communicators one rank may use by default (sanitizer.limits.Limits; `hazsan check --max-comms`).
+MAX_COMMS = Limits.max_comms
 LOCAL, SUCCESSOR = "local", "successor"
 
 
