@@ -1,4 +1,4 @@
-"""The binary trace format (docs/trace-format.md, "The binary format"; sanitizer/trace/binary.py):
+"""The binary trace format (docs/trace-format.md, "The binary format"; sanitizer/trace/binary/):
 the same analysis as the JSON Lines it stands for, `hazsan cat` back to that JSON Lines, and the
 reader's treatment of hostile input: frames cut short (a killed writer: a warning), lengths past
 the limit or the file, wrong types, unknown kinds, garbage, bad signatures, gzip."""
