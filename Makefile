@@ -27,8 +27,10 @@ VENV_E2E := .venv-e2e
 E2EPY := $(VENV_E2E)/bin/python
 
 # setup.py compiles the engine's source with Cython: a change there reinstalls (and recompiles).
-ENGINE_SRC := setup.py sanitizer/rules/engine.py sanitizer/rules/engine.pxd sanitizer/order/clocks.py sanitizer/order/clocks.pxd \
-	sanitizer/rules/intervals.py sanitizer/rules/intervals.pxd sanitizer/rules/matcher.py
+ENGINE_SRC := setup.py sanitizer/rules/buildinfo.py sanitizer/order/clocks.py sanitizer/order/clocks.pxd \
+	$(wildcard sanitizer/rules/kinds.p* sanitizer/rules/records.p* sanitizer/rules/intervals.p* \
+	sanitizer/rules/inflight.p* sanitizer/rules/successor.p* sanitizer/rules/windows.p* \
+	sanitizer/rules/matcher.py sanitizer/rules/engine.p*)
 
 $(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	$(PY) -m venv $(VENV)

@@ -1,7 +1,8 @@
 """Build of hazsan's compiled engine (the project metadata is in pyproject.toml).
 
-Cython compiles the engine's own source, sanitizer/rules/engine.py and sanitizer/order/clocks.py
-(pure-Python mode, types in the .pxd files beside them), into extension modules of the same names.
+Cython compiles the engine's own source, sanitizer/rules/engine.py and the modules compiled with it
+(sanitizer/rules/buildinfo.py's COMPILED; pure-Python mode, types in the .pxd files beside them),
+into extension modules of the same names.
 The .py files stay installed: `HAZSAN_ENGINE=interpreted` runs them as they are.
 
 Where no compiler is found, the install goes on with a one-line warning and hazsan runs the

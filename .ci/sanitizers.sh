@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compiled engine under AddressSanitizer and UndefinedBehaviorSanitizer (issue 14).
 #
-# Builds the Cython engine (sanitizer/rules/engine.py, sanitizer/order/clocks.py) with
+# Builds the Cython engine (sanitizer/rules/engine.py and the modules compiled with it, buildinfo.COMPILED) with
 # -fsanitize=address,undefined into a scratch copy of the tree, then runs the engine's property,
 # fuzz and hostile-input tests against that build, the sanitizer runtime preloaded into CPython
 # (LD_PRELOAD; CPython itself is not instrumented, so leak checking is off). Any ASan report or

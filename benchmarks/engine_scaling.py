@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r"""
 import json, resource, sys, time
 spec = json.loads(sys.argv[1])
-from sanitizer.rules import driver
+from sanitizer.limits import Limits
 from sanitizer.rules.driver import analyze
 # the engine itself is measured here, not `hazsan check`'s limits (100,000 streams by default)
-driver.ENGINE_LIMITS = {"max_streams": 10**9, "max_events": 10**9, "max_comms": 10**9}
+limits = Limits(max_streams=10**9, max_events=10**9, max_comms=10**9)
 cpu = time.process_time()
-a = analyze([spec["path"]], engine=spec["engine"], peer_completion=spec.get("peer", "local"))
+a = analyze([spec["path"]], engine=spec["engine"], peer_completion=spec.get("peer", "local"), limits=limits)
 out = {"cpu": time.process_time() - cpu, "events": a.summary["events"],
        "findings": a.summary["findings"], "engine": a.summary["engine"], "errors": len(a.errors),
        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

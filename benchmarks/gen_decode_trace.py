@@ -537,7 +537,7 @@ def plan_hazards(count: int, seed: int, events: int) -> dict:
 def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: int = 0,
              gzip_level: int | None = None, stacks: bool = False, lean: bool = False, fmt: str = "jsonl") -> dict:
     """Writes rank{r}.jsonl[.gz] (or, `fmt` "binary", rank{r}.hzs[.gz]: the same events in the
-    binary format, sanitizer/trace/binary.py) and expected.json into `out`; returns a summary dict."""
+    binary format, sanitizer/trace/binary/) and expected.json into `out`; returns a summary dict."""
     out.mkdir(parents=True, exist_ok=True)
     hazards = plan_hazards(inject, seed, events)
     suffix = (".hzs" if fmt == "binary" else ".jsonl") + (".gz" if gzip_level else "")

@@ -72,7 +72,7 @@ class StorageBlock:
         self.nbytes = nbytes
         self.addr = addr          # address in the trace (== real, or modelled inside a window)
         self.size = size
-        self.model = model        # sanitizer.place Block when modelled, else None
+        self.model = model        # sanitizer.place AllocatorBlock when modelled, else None
         self.stream = stream      # the stream it was allocated on
         self.recorded = None      # streams given to record_stream (set), when any
 

@@ -12,9 +12,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-header", action="store_true",
                    help="leave out each file's header line (line numbers then start at 2)")
     p.add_argument("--no-end", action="store_true", help="leave out the end record of a complete trace")
-    from sanitizer.commands.check import add_limit_arguments
+    from sanitizer.commands._options import add_read_limits
 
-    add_limit_arguments(p)
+    add_read_limits(p)
 
 
 def _default(obj):
@@ -40,10 +40,10 @@ class _TextOut:
 def run(args) -> int:
     import orjson
 
-    from sanitizer.commands.check import apply_limits
+    from sanitizer.commands._options import limits
     from sanitizer.trace.reader import TraceError, expand_paths, open_trace
 
-    apply_limits(args)
+    read_limits = limits(args)
     out = getattr(sys.stdout, "buffer", None) or _TextOut(sys.stdout)
     options = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
 
@@ -58,7 +58,7 @@ def run(args) -> int:
         return 2
     for path in files:
         try:
-            tf = open_trace(path)
+            tf = open_trace(path, read_limits)
         except TraceError as exc:
             print(f"hazsan: error: {exc}", file=sys.stderr)
             status = 2

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 
+from sanitizer.commands import _options as options
+
 HELP = "compare a stock run with a fixed run: findings per step and request, exact statistics, verdict"
 
 
@@ -20,16 +22,14 @@ def add_arguments(p) -> None:
     p.add_argument("stock", metavar="STOCK_DIR", help="trace directory of the run without the fix")
     p.add_argument("fixed", metavar="FIXED_DIR", help="trace directory of the run with the fix")
     p.add_argument("--format", choices=("text", "json", "markdown"), default="text")
-    p.add_argument("--peer-completion", choices=("local", "successor"), default="local",
-                   help="as in `hazsan check` (applied to both sides)")
-    p.add_argument("--lenient", action="store_true",
-                   help="skip and count malformed trace lines (a fixed side with skipped lines is not clean)")
+    options.add_peer_completion(p, help="as in `hazsan check` (applied to both sides)")
+    options.add_lenient(p, help="skip and count malformed trace lines (a fixed side with skipped lines is not clean)")
     p.add_argument("--primary", choices=("steps", "steps_realised", "requests", "corrupted"), default="steps",
                    help="the measure whose difference must be significant (default: steps with any finding)")
     p.add_argument("--alpha", type=float, default=0.05,
                    help="significance level; bounds are one-sided at 1 - alpha (default 0.05)")
-    p.add_argument("--fail-on", choices=("error", "warning"), default="warning",
-                   help="lowest severity that makes the fixed side not clean (default: warning, i.e. any finding)")
+    options.add_fail_on(p, default="warning",
+                        help="lowest severity that makes the fixed side not clean (default: warning, i.e. any finding)")
     p.add_argument("--max-rows", type=int, default=40, metavar="N",
                    help="text/markdown: at most N rows in the per-step and per-request tables (0: all)")
 

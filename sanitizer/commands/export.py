@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from sanitizer.commands import _options as options
+
 HELP = "export rank traces for other tools (--perfetto: Chrome trace format for the Perfetto UI)"
 
 
@@ -11,8 +13,8 @@ def add_arguments(p) -> None:
     p.add_argument("--perfetto", action="store_true", required=True,
                    help="Chrome Trace Event Format (JSON): streams, collectives, memory, findings")
     p.add_argument("-o", "--output", required=True, metavar="FILE")
-    p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
-    p.add_argument("--lenient", action="store_true")
+    options.add_peer_completion(p)
+    options.add_lenient(p)
 
 
 def run(args) -> int:

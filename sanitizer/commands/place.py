@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-split", action="append", default=[], metavar="POOL",
                    help="treat POOL as a no_split pool (torch symmetric memory); repeatable")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
-    from sanitizer.commands.check import add_limit_arguments
-    add_limit_arguments(p)
+    from sanitizer.commands._options import add_read_limits
+    add_read_limits(p)
 
 
 def run(args) -> int:
@@ -45,11 +45,11 @@ def run(args) -> int:
 
     from sanitizer.place import AllocatorConfig, ConfigError
     from sanitizer.place.replay import PlaceError, place_file
-    from sanitizer.commands.check import apply_limits
+    from sanitizer.commands._options import limits
     from sanitizer.trace.reader import TraceError, expand_paths
     from sanitizer.trace.schema import jsonl_name
 
-    apply_limits(args)
+    read_limits = limits(args)
 
     try:
         config = (AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None
@@ -76,7 +76,8 @@ def run(args) -> int:
         print(f"hazsan place: note: {note}", file=sys.stderr)
     for f in files:
         try:
-            stats = place_file(f, out_dir / jsonl_name(f.name), config, no_split_pools=args.no_split)
+            stats = place_file(f, out_dir / jsonl_name(f.name), config, no_split_pools=args.no_split,
+                               limits=read_limits)
         except (TraceError, PlaceError) as exc:
             print(f"hazsan place: {exc}", file=sys.stderr)
             return 2

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import sys
 
+from sanitizer.commands import _options as options
+
 HELP = "write a self-contained HTML report: window timelines per rank, findings per step and call site"
 
 
 def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="the HTML file to write")
-    p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
-    p.add_argument("--lenient", action="store_true",
-                   help="skip and count malformed lines instead of failing with exit 2")
+    options.add_peer_completion(p)
+    options.add_lenient(p)
     p.add_argument("--max-items", type=int, default=5000, metavar="N",
                    help="draw at most N collective buffers and N blocks per window (the first ones)")
-    p.add_argument("--fail-on", choices=("error", "warning"), default="error")
+    options.add_fail_on(p)
     p.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="as for hazsan check")
 
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from sanitizer.commands import _options as options
+
 HELP = "run a command with capture on (HAZSAN=1), then check every rank's trace together"
 
 
@@ -35,18 +37,16 @@ def add_arguments(p) -> None:
     p.add_argument("--max-events", type=int, metavar="N",
                    help="events per trace file before counted drops (HAZSAN_MAX_EVENTS)")
     p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text")
-    p.add_argument("--fail-on", choices=("error", "warning"), default=None,
-                   help="lowest severity that makes the exit code 1 (default: error; with --rule, "
-                        "that rule's severity)")
+    options.add_fail_on(p, default=None, help="lowest severity that makes the exit code 1 (default: error; "
+                                              "with --rule, that rule's severity)")
     p.add_argument("--rule", choices=sorted(_rules()), metavar="RULE",
                    help="only this rule's findings make the verdict and the report "
                         f"({', '.join(sorted(_rules()))})")
     p.add_argument("--bisect", action="store_true",
                    help="a `git bisect run` step: replace D's traces, print one line (commit, verdict, "
                         "first finding's site), exit 0 clean / 1 findings / 125 unusable capture (skip)")
-    p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
-    p.add_argument("--lenient", action="store_true",
-                   help="skip and count malformed lines instead of failing with exit 2")
+    options.add_peer_completion(p)
+    options.add_lenient(p)
     p.add_argument("cmd", nargs="...", metavar="-- CMD",
                    help="the command to run, after --")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sanitizer.commands import _options as options
+
 HELP = "replay one recorded decode step at several token counts; realised collisions vs latent hazards per shape"
 
 EPILOG = """\
@@ -68,12 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--alloc-conf", metavar="CONF", default=None,
                    help="allocator settings (default: $PYTORCH_ALLOC_CONF / $PYTORCH_CUDA_ALLOC_CONF)")
-    p.add_argument("--peer-completion", choices=("local", "successor"), default="local")
+    options.add_peer_completion(p)
     p.add_argument("--no-split", action="append", default=[], metavar="POOL")
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="keep the scaled and placed traces under DIR (one folder per scale)")
-    from sanitizer.commands.check import add_limit_arguments
-    add_limit_arguments(p)
+    options.add_read_limits(p)
 
 def _site(f) -> str:
     block = f.block or {}
@@ -89,9 +90,6 @@ def run(args) -> int:
     from sanitizer.place.sweep import LATENT_RULES, REALISED_RULES, SweepError, sweep
     from sanitizer.trace.reader import TraceError
 
-    from sanitizer.commands.check import apply_limits
-
-    apply_limits(args)
     if args.repeat < 1:
         print("hazsan sweep: --repeat must be >= 1", file=sys.stderr)
         return 2
@@ -100,7 +98,7 @@ def run(args) -> int:
                   else AllocatorConfig.from_env())
         results = sweep([args.trace], args.scale, step=args.step, repeat=args.repeat, config=config,
                         peer_completion=args.peer_completion, workdir=args.keep,
-                        no_split_pools=args.no_split, schedule=args.schedule)
+                        no_split_pools=args.no_split, schedule=args.schedule, limits=options.limits(args))
     except (ConfigError, SweepError, TraceError, PlaceError) as exc:
         print(f"hazsan sweep: {exc}", file=sys.stderr)
         return 2

@@ -33,15 +33,18 @@ retires in-flight work of those streams only.
 """
 from __future__ import annotations
 
+from sanitizer.limits import Limits
+
 Clock = dict
 #: A stored clock (an event's, a snapshot): (base clock, shared and never changed; stream; that
 #: stream's own count then). What it stands for is max(base, {stream: count}).
 Stored = tuple
 _EMPTY: Clock = {}
 
-#: Distinct stream and event ids one rank may use (`hazsan check --max-streams/--max-events`).
-MAX_STREAMS = 100_000
-MAX_EVENTS = 100_000
+#: Distinct stream and event ids one rank may use by default (sanitizer.limits.Limits; `hazsan
+#: check --max-streams/--max-events`).
+MAX_STREAMS = Limits.max_streams
+MAX_EVENTS = Limits.max_events
 
 
 class TooMany(Exception):

@@ -12,7 +12,7 @@ Entry points (stable; other parts of hazsan code against these):
 
     cfg = AllocatorConfig.parse("max_split_size_mb:128")      # or AllocatorConfig.from_env()
     alloc = CachingAllocator(cfg)                               # ConfigError for unmodelled keys
-    b = alloc.malloc(4096, stream=0)                            # -> Block
+    b = alloc.malloc(4096, stream=0)                            # -> AllocatorBlock
     b.addr, b.size, b.requested, b.stream, b.pool, b.segment    # segment: Segment(addr, size, pool, ...)
     b.offset                                                    # b.addr - b.segment.addr
     alloc.record_stream(b, stream=1)
@@ -37,7 +37,7 @@ unknown pool, ...), OutOfMemory (an Arena is full).
 """
 from .allocator import (
     DEFAULT_POOL,
-    Block,
+    AllocatorBlock,
     BlockPool,
     CachingAllocator,
     PlacementError,
@@ -58,7 +58,7 @@ from .segments import (
 )
 
 __all__ = [
-    "AllocatorConfig", "Arena", "Block", "BlockPool", "CachingAllocator", "ConfigError",
+    "AllocatorBlock", "AllocatorConfig", "Arena", "BlockPool", "CachingAllocator", "ConfigError",
     "DEFAULT_DEVICE_BASE", "DEFAULT_PLUGGABLE_BASE", "DEFAULT_POOL", "DeviceDriver", "MB",
     "OutOfMemory", "PlacementError", "Pool", "Segment", "SegmentSource", "allocation_size",
     "round_size", "roundup_power2_next_division",

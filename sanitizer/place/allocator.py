@@ -98,8 +98,10 @@ def allocation_size(size: int, config: AllocatorConfig) -> int:
 _block_serial = itertools.count()
 
 
-class Block:
-    """A piece of a segment: handed out (allocated), cached (free), or held (events pending)."""
+class AllocatorBlock:
+    """A piece of a segment in the caching-allocator model (c10's Block): handed out (allocated),
+    cached (free), or held (events pending). The engine's live allocation is
+    sanitizer.rules.records.LiveBlock, capture's sanitizer.capture.block_table.StorageBlock."""
 
     __slots__ = ("addr", "size", "requested", "stream", "pool", "segment", "allocated",
                  "prev", "next", "stream_uses", "pending", "serial", "__weakref__")
@@ -112,8 +114,8 @@ class Block:
         self.pool = pool
         self.segment = segment
         self.allocated = False
-        self.prev: Block | None = None
-        self.next: Block | None = None
+        self.prev: AllocatorBlock | None = None
+        self.next: AllocatorBlock | None = None
         self.stream_uses: set = set()
         self.pending = False          # freed, waiting for record_stream streams (event_count > 0)
         self.serial = next(_block_serial)
@@ -141,7 +143,7 @@ class Block:
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else ("held" if self.pending else "free")
-        return (f"Block({self.addr:#x}, size={self.size}, requested={self.requested}, "
+        return (f"AllocatorBlock({self.addr:#x}, size={self.size}, requested={self.requested}, "
                 f"stream={self.stream!r}, pool={self.pool!r}, offset={self.offset}, {state})")
 
 
@@ -154,19 +156,19 @@ class BlockPool:
 
     def __init__(self, is_small: bool):
         self.is_small = is_small
-        self.by_stream: dict[object, list[tuple[int, int, Block]]] = {}
+        self.by_stream: dict[object, list[tuple[int, int, AllocatorBlock]]] = {}
 
-    def insert(self, block: Block) -> None:
+    def insert(self, block: AllocatorBlock) -> None:
         bisect.insort(self.by_stream.setdefault(block.stream, []), (block.size, block.addr, block),
                       key=lambda e: (e[0], e[1]))
 
-    def remove(self, block: Block) -> None:
+    def remove(self, block: AllocatorBlock) -> None:
         lst = self.by_stream[block.stream]
         k = bisect.bisect_left(lst, (block.size, block.addr), key=lambda e: (e[0], e[1]))
         assert lst[k][2] is block, "free-block index out of sync"
         del lst[k]
 
-    def lower_bound(self, stream, size: int) -> Block | None:
+    def lower_bound(self, stream, size: int) -> AllocatorBlock | None:
         lst = self.by_stream.get(stream)
         if not lst:
             return None
@@ -211,8 +213,8 @@ class CachingAllocator:
         self.stream_done = stream_done       # (stream) -> bool: its queued work is finished
         self.driver = driver or DeviceDriver(DEFAULT_DEVICE_BASE)
         self.pools: dict[str, Pool] = {DEFAULT_POOL: Pool(DEFAULT_POOL, self.driver)}
-        self.live: set[Block] = set()        # allocated blocks
-        self.held: set[Block] = set()        # freed, record_stream events pending
+        self.live: set[AllocatorBlock] = set()        # allocated blocks
+        self.held: set[AllocatorBlock] = set()        # freed, record_stream events pending
         self.on_segment = on_segment         # callback(segment) for every new segment
 
     # ---- pools ------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class CachingAllocator:
             raise PlacementError(f"unknown pool {name!r}; create it with create_pool()") from None
 
     # ---- malloc -----------------------------------------------------------------------
-    def malloc(self, size: int, stream=0, pool: str | None = None) -> Block:
+    def malloc(self, size: int, stream=0, pool: str | None = None) -> AllocatorBlock:
         if size < 0:
             raise PlacementError(f"negative allocation size {size}")
         p = self.pool(pool)
@@ -258,7 +260,7 @@ class CachingAllocator:
         self.live.add(block)
         return block
 
-    def _get_free_block(self, bp: BlockPool, stream, size: int) -> Block | None:
+    def _get_free_block(self, bp: BlockPool, stream, size: int) -> AllocatorBlock | None:
         block = bp.lower_bound(stream, size)
         if block is None:
             return None
@@ -273,16 +275,16 @@ class CachingAllocator:
         bp.remove(block)
         return block
 
-    def _alloc_segment(self, p: Pool, bp: BlockPool, stream, size: int) -> Block:
+    def _alloc_segment(self, p: Pool, bp: BlockPool, stream, size: int) -> AllocatorBlock:
         seg_size = allocation_size(size, self.config)
         addr = p.source.allocate(seg_size)
         seg = Segment(addr, seg_size, p.name, p.source, bp.is_small, stream)
         p.segments.append(seg)
         if self.on_segment is not None:
             self.on_segment(seg)
-        return Block(addr, seg_size, stream, p.name, seg)
+        return AllocatorBlock(addr, seg_size, stream, p.name, seg)
 
-    def _should_split(self, p: Pool, bp: BlockPool, block: Block, size: int) -> bool:
+    def _should_split(self, p: Pool, bp: BlockPool, block: AllocatorBlock, size: int) -> bool:
         if p.no_split:
             return False
         remaining = block.size - size
@@ -291,9 +293,9 @@ class CachingAllocator:
         return size < self.config.max_split_size and remaining > K_SMALL_SIZE
 
     @staticmethod
-    def _split(bp: BlockPool, block: Block, size: int, stream) -> Block:
+    def _split(bp: BlockPool, block: AllocatorBlock, size: int, stream) -> AllocatorBlock:
         """alloc_found_block with split_remainder: the caller gets the low `size` bytes."""
-        front = Block(block.addr, size, stream, block.pool, block.segment)
+        front = AllocatorBlock(block.addr, size, stream, block.pool, block.segment)
         front.prev = block.prev
         if front.prev is not None:
             front.prev.next = front
@@ -305,13 +307,13 @@ class CachingAllocator:
         return front
 
     # ---- free -------------------------------------------------------------------------
-    def record_stream(self, block: Block, stream) -> None:
+    def record_stream(self, block: AllocatorBlock, stream) -> None:
         if not block.allocated:
             raise PlacementError(f"record_stream on a block that is not allocated: {block!r}")
         if stream != block.stream:   # uses on the allocation stream need no event
             block.stream_uses.add(stream)
 
-    def free(self, block: Block) -> bool:
+    def free(self, block: AllocatorBlock) -> bool:
         """Release a block. Returns True when it went back to the pool now, False when it is held
         until free_done (record_stream streams other than its own)."""
         if not block.allocated:
@@ -325,7 +327,7 @@ class CachingAllocator:
         self._free_block(block)
         return True
 
-    def free_done(self, block: Block) -> None:
+    def free_done(self, block: AllocatorBlock) -> None:
         """The record_stream streams of a held block finished (process_events saw its events)."""
         if not block.pending:
             raise PlacementError(f"free_done for a block that is not waiting for streams: {block!r}")
@@ -334,7 +336,7 @@ class CachingAllocator:
         self.held.discard(block)
         self._free_block(block)
 
-    def process_events(self, finished_streams=None) -> list[Block]:
+    def process_events(self, finished_streams=None) -> list[AllocatorBlock]:
         """Release held blocks whose recorded streams have all finished.
 
         finished_streams=None means every stream finished (synchronize_and_free_events)."""
@@ -344,7 +346,7 @@ class CachingAllocator:
             self.free_done(b)
         return done
 
-    def _free_block(self, block: Block) -> None:
+    def _free_block(self, block: AllocatorBlock) -> None:
         bp = self._block_pool_of(block)
         for other in (block.prev, block.next):
             if other is None or not other.is_free:
@@ -362,7 +364,7 @@ class CachingAllocator:
             block.size += other.size
         bp.insert(block)
 
-    def _block_pool_of(self, block: Block) -> BlockPool:
+    def _block_pool_of(self, block: AllocatorBlock) -> BlockPool:
         p = self.pools[block.pool]
         return p.small if block.segment.is_small else p.large
 
@@ -383,7 +385,7 @@ class CachingAllocator:
         return released
 
     # ---- inspection -------------------------------------------------------------------------
-    def segment_blocks(self, segment: Segment) -> list[Block]:
+    def segment_blocks(self, segment: Segment) -> list[AllocatorBlock]:
         """The blocks of a segment, in address order (allocated, held and free)."""
         owner = [b for b in self.live | self.held if b.segment is segment]
         p = self.pools[segment.pool]
@@ -399,7 +401,7 @@ class CachingAllocator:
             head = head.next
         return out
 
-    def find(self, addr: int) -> Block | None:
+    def find(self, addr: int) -> AllocatorBlock | None:
         """The live or held block containing addr."""
         for b in self.live:
             if b.addr <= addr < b.end:

@@ -40,7 +40,7 @@ import orjson
 
 from sanitizer.rules.intervals import RangeIndex
 
-from .allocator import DEFAULT_POOL, Block, CachingAllocator, PlacementError
+from .allocator import DEFAULT_POOL, AllocatorBlock, CachingAllocator, PlacementError
 from .config import AllocatorConfig
 from .segments import DEFAULT_PLUGGABLE_BASE, Arena, DeviceDriver, OutOfMemory, SegmentSource
 
@@ -108,7 +108,7 @@ class _ArenaChain(SegmentSource):
 class _InputRanges:
     """Input blocks by input address, non-overlapping, sorted: [start, end, model_addr, alive, block].
 
-    The model address is kept as a number: once freed, the allocator may reuse the Block object.
+    The model address is kept as a number: once freed, the allocator may reuse the AllocatorBlock object.
 
     A freed block's entry stays (dead) until a new block overlaps it, so a stale pointer keeps
     mapping to where its block was placed."""
@@ -117,7 +117,7 @@ class _InputRanges:
         self.starts: list[int] = []
         self.entries: list[list] = []
 
-    def add(self, start: int, end: int, block: Block) -> None:
+    def add(self, start: int, end: int, block: AllocatorBlock) -> None:
         k = bisect.bisect_left(self.starts, start)
         j = k - 1 if k > 0 and self.entries[k - 1][1] > start else k
         m = k
@@ -128,7 +128,7 @@ class _InputRanges:
         self.starts.insert(j, start)
         self.entries.insert(j, [start, end, block.addr, True, block])
 
-    def kill(self, start: int, block: Block) -> None:
+    def kill(self, start: int, block: AllocatorBlock) -> None:
         k = bisect.bisect_right(self.starts, start) - 1
         if k >= 0 and self.entries[k][4] is block:
             self.entries[k][3] = False
@@ -162,10 +162,10 @@ class RankPlacer:
         self.alloc = CachingAllocator(config, on_segment=self._new_segments.append,
                                       **({"driver": DeviceDriver(device_base)} if device_base else {}))
         self.stats = PlaceStats()
-        self.blocks: dict = {}                 # trace id -> model Block
+        self.blocks: dict = {}                 # trace id -> model AllocatorBlock
         self.input_start: dict = {}            # trace id -> input address
-        self.freed: set = set()                # ids freed (their Block may be reused by the model)
-        self.held: dict = {}                   # id -> Block freed with record_stream, until free_done
+        self.freed: set = set()                # ids freed (their AllocatorBlock may be reused by the model)
+        self.held: dict = {}                   # id -> AllocatorBlock freed with record_stream, until free_done
         self.inputs = _InputRanges()
         self.scopes: list[dict] = []           # open scopes
         self.captures: dict = {}               # graph id -> pool name (open graph_begin)
@@ -588,12 +588,13 @@ def _open_out(path: Path, gz: bool):
     return open(path, "wb")
 
 
-def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=()) -> PlaceStats:
-    """Place one rank file; write the result (gzip if the name ends .gz). Raises PlaceError or
-    the reader's TraceError for unusable input."""
+def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(), limits=None) -> PlaceStats:
+    """Place one rank file, read within `limits` (sanitizer.limits.Limits; default: its defaults);
+    write the result (gzip if the name ends .gz). Raises PlaceError or the reader's TraceError for
+    unusable input."""
     from sanitizer.trace.reader import TraceError, open_trace
 
-    tf = open_trace(in_path)
+    tf = open_trace(in_path, limits)
     placer = RankPlacer(config, in_path, no_split_pools=no_split_pools)
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".part")

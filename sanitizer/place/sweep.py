@@ -69,10 +69,10 @@ class ScaleResult:
         return "clean" if not self.by_rule else "other findings"
 
 
-def _read(path: Path):
+def _read(path: Path, limits):
     from sanitizer.trace.reader import TraceError, open_trace
 
-    tf = open_trace(path)
+    tf = open_trace(path, limits)
     events = []
     for line, ev in tf.events():
         if isinstance(ev, TraceError):
@@ -289,13 +289,15 @@ class _Scaler:
 
 
 def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig | None = None,
-          peer_completion: str = "local", workdir=None, no_split_pools=(), schedule=None) -> list[ScaleResult]:
+          peer_completion: str = "local", workdir=None, no_split_pools=(), schedule=None,
+          limits=None) -> list[ScaleResult]:
     """Run the sweep; returns one ScaleResult per scale (in the order given).
 
     With `schedule` (token counts), `scales` is ignored: the step is replayed once per listed
     token count, in order, as a server's consecutive steps, and one ScaleResult comes back
     (scale 1.0, `tokens` the first count); a finding's `step` minus the recorded step's `n` is
-    its index in the schedule."""
+    its index in the schedule. `limits` (sanitizer.limits.Limits; default: its defaults): what
+    reading the input and analysing the placed traces may cost."""
     if schedule:
         schedule = [int(t) for t in schedule]
         if not all(t > 0 for t in schedule):
@@ -309,7 +311,7 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
     ranks = []
     skipped = []
     for f in files:
-        header, events = _read(f)
+        header, events = _read(f, limits)
         if not any(isinstance(ev, dict) and ev.get("ev") == "step" for _, ev in events):
             # a process that ran no step (a server's front end, an engine core without the model)
             skipped.append(f)
@@ -348,7 +350,8 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                                 if e is not head else "header (step, token count)"
                             raise SweepError(f"{f}: scale {scale:g}: the scaled {what} is out of range "
                                              f"({exc})") from None
-                stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools)
+                stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools,
+                                   limits=limits)
                 segments += stats.segments
                 if res is None:
                     res = ScaleResult(scale, sc.new_tokens, {}, [], recorded_step=marker.get("n") or 0)
@@ -356,7 +359,7 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                 res.allocs_unscaled += sc.unscaled
                 res.dropped += sc.dropped
                 res.warnings.extend(stats.notes)
-            analysis = analyze([placed_dir], peer_completion=peer_completion)
+            analysis = analyze([placed_dir], peer_completion=peer_completion, limits=limits)
             if analysis.errors:
                 raise SweepError(f"scale {scale:g}: the engine rejected the placed trace: {analysis.errors[0]}")
             res.by_rule = dict(analysis.summary.get("by_rule", {}))

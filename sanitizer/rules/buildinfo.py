@@ -14,12 +14,15 @@ from pathlib import Path
 
 #: The modules Cython compiles, each a module of its own (extension of the same name), those
 #: another imports first (sanitizer.rules.select loads them in this order when interpreted).
-COMPILED = ("sanitizer/order/clocks.py", "sanitizer/rules/intervals.py", "sanitizer/rules/matcher.py",
-            "sanitizer/rules/engine.py")
-#: The engine's source, relative to the directory that holds the `sanitizer` package.
-SOURCES = ("sanitizer/rules/engine.py", "sanitizer/rules/engine.pxd",
-           "sanitizer/order/clocks.py", "sanitizer/order/clocks.pxd",
-           "sanitizer/rules/intervals.py", "sanitizer/rules/intervals.pxd", "sanitizer/rules/matcher.py")
+COMPILED = ("sanitizer/order/clocks.py", "sanitizer/rules/kinds.py", "sanitizer/rules/records.py",
+            "sanitizer/rules/intervals.py", "sanitizer/rules/inflight.py", "sanitizer/rules/successor.py",
+            "sanitizer/rules/windows.py", "sanitizer/rules/matcher.py", "sanitizer/rules/engine.py")
+#: The engine's source, relative to the directory that holds the `sanitizer` package: the compiled
+#: modules and the types Cython reads beside them.
+SOURCES = COMPILED + ("sanitizer/order/clocks.pxd", "sanitizer/rules/kinds.pxd", "sanitizer/rules/records.pxd",
+                      "sanitizer/rules/intervals.pxd", "sanitizer/rules/inflight.pxd",
+                      "sanitizer/rules/successor.pxd", "sanitizer/rules/windows.pxd",
+                      "sanitizer/rules/engine.pxd")
 DIGEST_FILE = "sanitizer/rules/engine_build.digest"
 
 

@@ -80,16 +80,20 @@ class CompletionReplay:
     reading the same file hears `on_complete(op, line)` as it reaches `line`. Lines the engine
     rejects are skipped (`hazsan check` reports them)."""
 
-    def __init__(self, path, on_complete, *, peer_completion: str = LOCAL, engine: str | None = None):
-        from sanitizer.rules.driver import CHUNK, ENGINE_LIMITS, RankReader
+    def __init__(self, path, on_complete, *, peer_completion: str = LOCAL, engine: str | None = None,
+                 limits=None):
+        """`limits` (sanitizer.limits.Limits; default: its defaults): as for `analyze`."""
+        from sanitizer.limits import Limits
+        from sanitizer.rules.driver import CHUNK, RankReader, new_analyzer
         from sanitizer.rules.select import load_engine
 
         eng, _, _ = load_engine(engine)
         self.engine = eng
-        trace = open_trace(path)
+        limits = limits or Limits()
+        trace = open_trace(path, limits)
         sink = _Unreported()
-        self.analyzer = eng.RankAnalyzer(str(path), trace.rank, sink, eng.CollectiveMatcher(sink, enabled=False),
-                                         peer_completion, **ENGINE_LIMITS)
+        self.analyzer = new_analyzer(eng, str(path), trace.rank, sink, eng.CollectiveMatcher(sink, enabled=False),
+                                     peer_completion, limits)
         Completions(self.analyzer, on_complete)
         self.reader = RankReader(trace, self.analyzer)
         self.source: TypedEvents = self.reader.source

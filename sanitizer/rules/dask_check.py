@@ -23,6 +23,7 @@ import hashlib
 import os
 import uuid
 
+from sanitizer.limits import Limits
 from sanitizer.rules import driver, parallel, select
 from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import FindingSink
@@ -106,7 +107,7 @@ def plan(listing: dict, paths: list[str]) -> tuple[list[tuple[str, str]], list[T
 
 def analyze_on_cluster(paths, *, scheduler: str, peer_completion: str = "local", lenient: bool = False,
                        max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
-                       timeout: float = DEFAULT_TIMEOUT) -> Analysis:
+                       timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None) -> Analysis:
     """The driver's `analyze`, each rank file analysed on a Dask worker that can read it, joined
     here. Raises SchedulerError when the scheduler cannot be used."""
     paths = [str(p) for p in paths]
@@ -131,7 +132,7 @@ def analyze_on_cluster(paths, *, scheduler: str, peer_completion: str = "local",
         if errors or not tasks:      # as a serial run: a path that cannot be read ends the check
             exc = errors[0] if errors else TraceError(scheduler, None, "no trace files on any worker")
             return Analysis([], driver._summary(0, 0, FindingSink(), [str(exc)], 0, 0, 0, engine_kind), [exc], [])
-        limits = (reader.DEFAULT_LIMITS, driver.ENGINE_LIMITS)
+        limits = limits or Limits()
         run_id = uuid.uuid4().hex
         futures = [client.submit(parallel.analyze_one, path, peer_completion, lenient, max_per_group, max_errors,
                                  engine_kind, limits, workers=[worker], allow_other_workers=False, pure=False,

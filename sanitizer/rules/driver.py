@@ -13,6 +13,7 @@ import gc
 import os
 from dataclasses import dataclass, field
 
+from sanitizer.limits import Limits
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
 # engine choice, re-exported: callers and tests name it here
 from sanitizer.rules.select import CHOICES, ENV, REQUIRE_ENV, compiled_available, load_engine  # noqa: F401
@@ -23,10 +24,6 @@ BATCH = 4096  # lines read from one rank before moving to the next
 # chunk keeps that memory inside the allocator's pools (4096 at a time cost a third more time,
 # measured on the 1M-event decode trace).
 CHUNK = 512
-#: What one rank may hold (the engine's limits: distinct streams, events, communicators);
-#: `hazsan check --max-streams/--max-events/--max-comms` sets them.
-DEFAULT_ENGINE_LIMITS = {"max_streams": 100_000, "max_events": 100_000, "max_comms": 100_000}
-ENGINE_LIMITS = dict(DEFAULT_ENGINE_LIMITS)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -46,6 +43,12 @@ class Analysis:
             return 2
         threshold = {"error": ("error",), "warning": ("error", "warning")}[fail_on]
         return 1 if any(f.severity in threshold for f in self.findings) else 0
+
+
+def new_analyzer(eng, file: str, rank: int, sink, matcher, peer_completion: str, limits: Limits):
+    """`eng`'s RankAnalyzer for one rank file, holding at most what `limits` allows."""
+    return eng.RankAnalyzer(file, rank, sink, matcher, peer_completion, max_streams=limits.max_streams,
+                            max_events=limits.max_events, max_comms=limits.max_comms)
 
 
 class RankReader:
@@ -92,7 +95,7 @@ class RankReader:
 
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
             max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
-            matcher=None, live=()) -> Analysis:
+            matcher=None, live=(), limits: Limits | None = None) -> Analysis:
     """Analyse rank trace files (or directories of them) together.
 
     Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
@@ -108,19 +111,23 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
 
     `live`: paths of files still being written (the pytest plugin's own file, a process still
     running): read up to their last flush, their missing end record is not a truncated trace.
+
+    `limits`: what reading each file, and each rank in the engine, may cost (default: Limits()).
     """
     # Millions of short-lived decoded events, no reference cycles among them: the cyclic
     # collector's passes over them cost time and find nothing.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher, live)
+        return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher, live,
+                        limits or Limits())
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher, live=()) -> Analysis:
+def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher, live,
+             limits: Limits) -> Analysis:
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
     sink = FindingSink(max_per_group=max_per_group)
@@ -140,7 +147,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     live = {os.path.realpath(p) for p in live}
     for p in files:
         try:
-            t = open_trace(p)
+            t = open_trace(p, limits)
         except TraceError as exc:
             errors.append(exc)
             continue
@@ -153,8 +160,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         ranks_seen.setdefault(t.rank, str(t.path))
     matcher = (make_matcher or eng.CollectiveMatcher)(
         sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces), ranks=ranks_seen)
-    readers = [RankReader(t, eng.RankAnalyzer(str(t.path), t.rank, sink, matcher, peer_completion,
-                                              **ENGINE_LIMITS))
+    readers = [RankReader(t, new_analyzer(eng, str(t.path), t.rank, sink, matcher, peer_completion, limits))
                for t in traces]
     error_total = 0
     # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.

@@ -25,10 +25,10 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
+from sanitizer.limits import Limits
 from sanitizer.rules import driver, select
 from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import Finding, FindingSink
-from sanitizer.trace import reader
 from sanitizer.trace.reader import TraceError, expand_paths
 
 # Warnings the driver computes over all files at once: recomputed after the join.
@@ -102,14 +102,14 @@ class SignatureRecorder:
 
 
 def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int,
-                engine: str | None, limits):
-    """Worker: one rank file. Returns plain data (TraceError does not survive pickling)."""
-    # what the parent's command line set (spawned workers too)
-    reader.DEFAULT_LIMITS, driver.ENGINE_LIMITS = limits
+                engine: str | None, limits: Limits):
+    """Worker: one rank file, within `limits` (the parent's, passed as a value: spawned workers
+    and Dask's share no module state with it). Returns plain data (TraceError does not survive
+    pickling)."""
     recorder = SignatureRecorder()
     a = driver.analyze([path], peer_completion=peer_completion, lenient=lenient,
                        max_per_group=max_per_group, max_errors=max_errors, engine=engine,
-                       matcher=lambda sink, enabled, ranks=None: recorder)
+                       matcher=lambda sink, enabled, ranks=None: recorder, limits=limits)
     errors = [(e.path, e.line, e.message) if isinstance(e, TraceError) else (path, None, str(e))
               for e in a.errors]
     steps = a.summary.get("steps_by_rank", {})
@@ -143,8 +143,9 @@ def _progress(total_bytes: int, enabled: bool | None):
 
 def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenient: bool = False,
                      max_per_group: int = 100, max_errors: int = 50, progress: bool | None = None,
-                     engine: str | None = None) -> Analysis:
+                     engine: str | None = None, limits: Limits | None = None) -> Analysis:
     """The driver's `analyze`, with rank files analysed in `jobs` processes and joined."""
+    limits = limits or Limits()
     try:
         files = [str(p) for p in expand_paths(paths)]
     except TraceError:
@@ -155,7 +156,7 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
         eng = None                     # the serial run reports it, as an error
     if jobs <= 1 or len(files) <= 1 or eng is None or peer_completion not in ("local", "successor"):
         return driver.analyze(paths, peer_completion=peer_completion, lenient=lenient,
-                              max_per_group=max_per_group, max_errors=max_errors, engine=engine)
+                              max_per_group=max_per_group, max_errors=max_errors, engine=engine, limits=limits)
     sizes = {}
     for f in files:
         try:
@@ -170,7 +171,7 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
     try:
         with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=_pool_context()) as pool:
             futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors,
-                                   engine_kind, (reader.DEFAULT_LIMITS, driver.ENGINE_LIMITS))
+                                   engine_kind, limits)
                        for f in files]
             for fut in as_completed(futures):
                 res = fut.result()

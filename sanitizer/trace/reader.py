@@ -21,29 +21,10 @@ from typing import Iterator
 
 import orjson
 
+from sanitizer.limits import Limits
 from sanitizer.trace import binary as B
 from sanitizer.trace.progress import no_end_record
 from sanitizer.trace.schema import NON_TRACE_FILES, SCHEMA_VERSION, is_trace_name
-
-
-@dataclass
-class ReadLimits:
-    """What one trace file may cost to read; 0 turns a limit off.
-
-    `max_line_bytes`: the longest line (its newline not counted), or binary frame (its payload).
-    Without it `/dev/zero`, or a line that never ends, is read until memory runs out.
-    `max_gzip_ratio`: decompressed bytes of a `.gz` file per compressed byte read so far (after
-    the first `gzip_ratio_floor` bytes). Deflate reaches about 1000x on repeated bytes; hazsan's
-    own traces compress 5-20x.
-    """
-
-    max_line_bytes: int = 8 << 20
-    max_gzip_ratio: float = 200.0
-    gzip_ratio_floor: int = 64 << 20
-
-
-#: The limits `open_trace` applies when none are passed (`hazsan check --max-line-bytes ...` sets them).
-DEFAULT_LIMITS = ReadLimits()
 
 
 #: The last line a capture writer writes on a clean close (sanitizer.trace.writer).
@@ -82,7 +63,7 @@ class TraceFile:
     #: still running): its missing end record, or a last line not yet complete, is no truncation
     live: bool = False
     warnings: list[str] = field(default_factory=list)
-    limits: "ReadLimits" = field(default_factory=lambda: DEFAULT_LIMITS)
+    limits: Limits = field(default_factory=Limits)
     _stream: io.BufferedIOBase | None = None
 
     @property
@@ -310,7 +291,7 @@ class _BoundedRaw(io.RawIOBase):
     #: IOBase's own `closed` property costs more than the rest of reading that line.
     closed = False
 
-    def __init__(self, path: Path, source, limits: ReadLimits, compressed_source=None):
+    def __init__(self, path: Path, source, limits: Limits, compressed_source=None):
         self.path, self.source, self.limits = path, source, limits
         # read1: what one decompression step gives (GzipFile.read would keep reading and lose
         # the part before a cut-short end with the EOFError)
@@ -427,10 +408,11 @@ class _BoundedRaw(io.RawIOBase):
             self.closed = True
 
 
-def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> TraceFile:
-    """Open one rank file and parse its header. Raises TraceError on unusable input."""
+def open_trace(path: str | os.PathLike, limits: Limits | None = None) -> TraceFile:
+    """Open one rank file and parse its header, reading it within `limits` (default: Limits()).
+    Raises TraceError on unusable input."""
     path = Path(path)
-    limits = limits or DEFAULT_LIMITS
+    limits = limits or Limits()
     compressed = path.name.endswith(".gz")
     try:
         if compressed:
@@ -463,7 +445,7 @@ def open_trace(path: str | os.PathLike, limits: ReadLimits | None = None) -> Tra
                                             limits=limits))
 
 
-def _open_binary(path: Path, stream, compressed: bool, limits: ReadLimits) -> TraceFile:
+def _open_binary(path: Path, stream, compressed: bool, limits: Limits) -> TraceFile:
     """The signature and the header frame of a binary trace (its first byte was 0x89)."""
     stream.raw.lines = False
     try:

@@ -219,8 +219,8 @@ def test_memory_stays_bounded_by_in_flight_work(tmp_path):
         decoded.extend(enumerate(EventDecoder().decode(first, raws, []), first))
     for line, ev in decoded:
         an.feed(line, ev)
-        inflight = sum(len(fl.epochs) - fl.start for fl in an.inflight.values())
-        stored = sum(len(fl.epochs) for fl in an.inflight.values())
+        inflight = sum(len(fl.epochs) - fl.start for fl in an.inflight.streams.values())
+        stored = sum(len(fl.epochs) for fl in an.inflight.streams.values())
         peak = max(peak, stored)
         assert inflight <= 20
     assert sink.findings == [] and len(an.live) == 0 and len(an.colls_in_flight) == 0

@@ -7,17 +7,10 @@ import json
 import pytest
 
 from sanitizer.cli import main
-from sanitizer.rules import driver
-from sanitizer.rules.driver import compiled_available
+from sanitizer.limits import Limits
+from sanitizer.rules.driver import analyze, compiled_available
 
 ENGINES = ["interpreted", "compiled"] if compiled_available()[0] else ["interpreted"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_limits():
-    saved = dict(driver.ENGINE_LIMITS)
-    yield
-    driver.ENGINE_LIMITS = saved
 
 
 def trace(tmp_path, kind: str, n: int):
@@ -57,7 +50,18 @@ def test_at_the_limit_is_clean_and_the_default_is_generous(tmp_path, capsys, mon
     assert main(["check", f"--max-{kind}", "5", str(p)]) == 0
     p = trace(tmp_path, kind, 2000)
     assert main(["check", str(p)]) == 0
-    assert driver.ENGINE_LIMITS[f"max_{kind}"] == 100_000
+    assert getattr(Limits(), f"max_{kind}") == 100_000
+
+
+@pytest.mark.parametrize("kind", ["streams", "events", "comms"])
+def test_limits_are_a_value_passed_to_analyze(tmp_path, kind):
+    """A command's limits do not outlive it: analyze() takes them as a value, and a later call
+    without them has the defaults."""
+    p = trace(tmp_path, kind, 6)
+    assert main(["check", f"--max-{kind}", "5", str(p)]) == 2
+    assert analyze([p]).exit_code() == 0
+    a = analyze([p], limits=Limits(**{f"max_{kind}": 5}))
+    assert a.exit_code() == 2 and "limit of 5 " in str(a.errors[0])
 
 
 def test_limit_option_rejects_nonsense(capsys):

@@ -86,6 +86,6 @@ def test_compiled_engine_reads_the_frequent_kinds_from_slots():
     for kind in ("launch", "alloc", "free", "record", "wait", "coll", "free_done", "record_stream"):
         number, slots, json_cls = eng.KIND_CODES[E.BY_KIND[kind]]
         assert number > 0 and slots and all(type(o) is int and o > 0 for o in slots), kind
-        number_b, slots_b, json_b = eng._kind_entry(binary.BY_KIND[kind])
+        number_b, slots_b, json_b = eng.kind_entry(binary.BY_KIND[kind])
         assert (number_b, json_b) == (number, json_cls) and slots_b and len(slots_b) == len(slots), kind
     assert eng.KIND_CODES[E.Window][0] == -1 and eng.KIND_CODES[E.Sync][1] is None

@@ -254,7 +254,7 @@ def test_graph_frees_ask_only_the_graphs_they_overlap(tmp_path, monkeypatch):
             for blo, bhi, op in g.reserved.overlapping(lo, hi):
                 if hits is None:
                     hits = {}
-                eng._widen(hits, op, max(lo, blo), min(hi, bhi))
+                eng.widen(hits, op, max(lo, blo), min(hi, bhi))
         return hits
 
     monkeypatch.setattr(eng.RankAnalyzer, "_graph_hits", every_graph)

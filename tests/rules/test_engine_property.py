@@ -283,14 +283,17 @@ def test_reference_alternative_reading_of_strict_reads():
 # ---------------------------------------------------------------- the collective-touch log
 
 class _TouchLog:
-    """The engine's log of collective buffers outside windows (RankAnalyzer._mark_coll_touched)
+    """The engine's log of collective buffers outside windows (WindowBlocks.mark_coll_touched)
     shortened, in the build `backend` runs, so that small traces take its every path: marking
     through the index when the log is full, and when a window is registered."""
 
     def __init__(self, backend, log):
+        import sys
+
         from sanitizer.rules.driver import load_engine
 
-        self.module = load_engine(backend)[0]
+        # the windows module of that build (select loads the interpreted one under its own name)
+        self.module = sys.modules[load_engine(backend)[0].WindowBlocks.__module__]
         self.values = {"TOUCH_LOG": log}
 
     def __enter__(self):

@@ -111,14 +111,14 @@ def test_wide_index_holds_exactly_the_work_in_flight(backend):
     for i in range(n):
         line += 1
         an.feed(line, Launch(stream=i, writes=[[BASE + 64 * i, 16], [BASE + 64 * i + 32, 16]]))
-    assert an.wide is not None and len(an.wide) == 2 * n and len(an.inflight) == n
+    assert an.inflight.wide is not None and len(an.inflight.wide) == 2 * n and len(an.inflight.streams) == n
     for i in range(n - eng.CROWD // 4 + 1):
         line += 1
         an.feed(line, Sync(stream=i))
-        if an.wide is not None:
-            assert len(an.wide) == 2 * len(an.inflight)
-    assert an.wide is None and len(an.inflight) == eng.CROWD // 4 - 1
-    assert all(op.wide_serial == 0 for fl in an.inflight.values() for op in fl.ops)
+        if an.inflight.wide is not None:
+            assert len(an.inflight.wide) == 2 * len(an.inflight.streams)
+    assert an.inflight.wide is None and len(an.inflight.streams) == eng.CROWD // 4 - 1
+    assert all(op.wide_serial == 0 for fl in an.inflight.streams.values() for op in fl.ops)
     assert sink.findings == []
 
 

@@ -202,22 +202,22 @@ def many_comms_trace(rng: random.Random, comms: int = 8, events: int = 500) -> l
 @pytest.fixture
 def ask_every_communicator(monkeypatch):
     """The interpreted engine's successor mode by its definition: every communicator asked on
-    every access, in order, and every one retired at every sync (no successor_index, no
-    successor_on)."""
+    every access, in order, and every one retired at every sync (no SuccessorWaits.index, no
+    SuccessorWaits.on)."""
     eng = load_engine("interpreted")[0]
 
     def not_done(self, clocks, stream, lo, hi, access, protected, hits):
-        for sc in self.successor_waits.values():
+        for sc in self.by_comm.values():
             hits = sc.not_done(clocks, stream, lo, hi, access, protected, hits)
         return hits
 
-    def retire(self, learned):
-        for sc in self.successor_waits.values():
-            sc.retire(self.clocks.host)
+    def retire(self, host, learned, completions):
+        for sc in self.by_comm.values():
+            sc.retire(host)
 
     def forced():
-        monkeypatch.setattr(eng.RankAnalyzer, "_successor_not_done", not_done)
-        monkeypatch.setattr(eng.RankAnalyzer, "_successor_retire", retire)
+        monkeypatch.setattr(eng.SuccessorWaits, "not_done", not_done)
+        monkeypatch.setattr(eng.SuccessorWaits, "retire", retire)
 
     return forced
 
@@ -241,7 +241,7 @@ def test_many_communicators_ask_only_the_overlapping_ones(tmp_path, ask_every_co
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_communicator_leaves_the_sync_lists_when_nothing_of_it_waits(engine):
-    """State, not speed: each waiting collective's window buffers are in successor_index and its
+    """State, not speed: each waiting collective's window buffers are in SuccessorWaits.index and its
     communicator is listed under its stream; a sync of that stream retires it from both once a
     later collective is done, and a communicator with nothing waiting is listed nowhere."""
     from sanitizer.rules.findings import FindingSink
@@ -260,8 +260,9 @@ def test_a_communicator_leaves_the_sync_lists_when_nothing_of_it_waits(engine):
             line += 1
             an.feed(line, Coll(cid=k * n + c, comm=f"c{c}", seq=k, op="all_reduce", stream=100 + c,
                                bufs=[Buf(addr=WIN + 128 * c + 64 * k, size=64, access="rw")]))
-    assert len(an.successor_waits) == n and an.successor_index.count == 2 * n
-    assert sorted(an.successor_on) == [100 + c for c in range(n)]
+    waits = an.successor_waits
+    assert len(waits.by_comm) == n and waits.index.count == 2 * n
+    assert sorted(waits.on) == [100 + c for c in range(n)]
     for c in range(n):           # both complete: the first one has a successor and leaves
         line += 1
         an.feed(line, CollDone(cid=c))
@@ -269,6 +270,6 @@ def test_a_communicator_leaves_the_sync_lists_when_nothing_of_it_waits(engine):
         an.feed(line, CollDone(cid=n + c))
         line += 1
         an.feed(line, Sync(stream=100 + c))
-        assert len(an.successor_waits[f"c{c}"]) == 1      # the last one waits for a successor
-    assert an.successor_index.count == n and len(an.successor_on) == n
+        assert len(waits.by_comm[f"c{c}"]) == 1      # the last one waits for a successor
+    assert waits.index.count == n and len(waits.on) == n
     assert not sink.findings

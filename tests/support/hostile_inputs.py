@@ -210,7 +210,7 @@ def _as_item(B, it, table):
 
 
 def trace_binary(rng: random.Random, *, rank: int = 0, events: int = 40, mutation_rate: float = 0.15) -> bytes:
-    """One rank file's bytes in the binary format (sanitizer/trace/binary.py): the grammar's events,
+    """One rank file's bytes in the binary format (sanitizer/trace/binary/): the grammar's events,
     some mutated as in trace_lines, then items of the wrong shape, trailing elements, map items;
     frames of random sizes, some with their payload garbled, their kind or length wrong, an end
     frame in the middle; half the files with version 2's value tables (`V` frames, some lost,

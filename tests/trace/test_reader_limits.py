@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sanitizer.trace.reader import ReadLimits, TraceError, open_trace
+from sanitizer.limits import Limits
+from sanitizer.trace.reader import TraceError, open_trace
 
 HEADER = orjson.dumps({"hazsan": 1, "rank": 0}) + b"\n"
 SYNC = b'{"ev":"sync"}\n'
@@ -90,12 +91,12 @@ def test_gzip_ratio_limit_stops_a_decompression_bomb(tmp_path):
     ratio = 11_200_000 / path.stat().st_size
     assert ratio > 150
     with pytest.raises(TraceError) as info:
-        tf = open_trace(path, ReadLimits(max_gzip_ratio=100, gzip_ratio_floor=1 << 20))
+        tf = open_trace(path, Limits(max_gzip_ratio=100, gzip_ratio_floor=1 << 20))
         for _ in tf.line_batches():
             pass
     assert "gzip data expands more than 100x" in str(info.value) and info.value.line > 1
     # the same file within limits: every line read
-    tf = open_trace(path, ReadLimits(max_gzip_ratio=0))
+    tf = open_trace(path, Limits(max_gzip_ratio=0))
     assert sum(len(b) for _, b in tf.line_batches()) == 800_000
 
 
@@ -130,7 +131,7 @@ def test_line_limit_is_exact_and_names_the_first_long_line(tmp_path_factory, len
     data = HEADER + b"".join(lines)
     path.write_bytes(gzip.compress(data) if chunked else data)
     first_long = next((i for i, n in enumerate(lengths) if n > limit), None)
-    tf = open_trace(path, ReadLimits(max_line_bytes=limit))
+    tf = open_trace(path, Limits(max_line_bytes=limit))
     got = []
     if first_long is None:
         for _, batch in tf.line_batches(7):

@@ -1,4 +1,4 @@
-"""The binary trace format (docs/trace-format.md, "The binary format"; sanitizer/trace/binary.py):
+"""The binary trace format (docs/trace-format.md, "The binary format"; sanitizer/trace/binary/):
 the same analysis as the JSON Lines it stands for, `hazsan cat` back to that JSON Lines, and the
 reader's treatment of hostile input: frames cut short (a killed writer: a warning), lengths past
 the limit or the file, wrong types, unknown kinds, garbage, bad signatures, gzip."""
@@ -351,16 +351,16 @@ def test_gzip_binary_traces_read_and_a_cut_one_is_a_warning(tmp_path):
 
 
 def test_gzip_bomb_limit_holds_for_binary_traces(tmp_path):
-    from sanitizer.trace.reader import ReadLimits
+    from sanitizer.limits import Limits
 
     p = tmp_path / "rank0.hzs.gz"
     body = msgspec.msgpack.encode([[20, 1]] * 50_000)
     data = B.signature_and_header(HEADER) + B.frame(B.FRAME_EVENTS, body) * 40
     p.write_bytes(gzip.compress(data, 9))
-    tf = open_trace(p, ReadLimits(max_gzip_ratio=20, gzip_ratio_floor=1 << 20))
+    tf = open_trace(p, Limits(max_gzip_ratio=20, gzip_ratio_floor=1 << 20))
     with pytest.raises(TraceError, match="gzip data expands more than 20x"):
         list(tf.events())
-    tf = open_trace(p, ReadLimits(max_gzip_ratio=0))
+    tf = open_trace(p, Limits(max_gzip_ratio=0))
     assert sum(1 for _ in tf.events()) == 2_000_000
 
 

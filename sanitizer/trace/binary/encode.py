@@ -1,0 +1,337 @@
+"""Writing the binary format (capture's writer, `jsonl_to_binary`): the signature and header frame,
+events as arrays in LAYOUT's order, version 2's value tables (`ValueTable`, `V` frames), frames of
+at most FRAME_EVENTS_MAX events.
+"""
+from __future__ import annotations
+
+import operator
+
+import msgspec
+
+from sanitizer.trace.binary.decode import to_dict
+from sanitizer.trace.binary.layout import (
+    BUF_FIELDS,
+    FRAME_BYTES_SOFT,
+    FRAME_END,
+    FRAME_EVENTS,
+    FRAME_EVENTS_MAX,
+    FRAME_HEADER,
+    FRAME_VALUES,
+    INDEXED,
+    INDEXED_AT,
+    KIND_OF_TAG,
+    LAYOUT,
+    ORDER,
+    PREFIX,
+    PREFIX_SIZE,
+    SIGNATURE,
+)
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def signature_and_header(header: dict, room: int = 0) -> bytes | None:
+    """The file's first bytes: the signature and the header frame, padded to `room` bytes in all
+    (0: not padded). None when the header does not fit in `room`.
+
+    The header frame's payload is a msgpack array [header map, padding bytes]: the padding lets a
+    later header be written over it in place, the frame's length unchanged."""
+    body = _encode(header)
+    fixed = len(SIGNATURE) + PREFIX_SIZE + 1 + len(body)   # + fixarray(2) marker
+    if not room:
+        pad = b"\xc4\x00"                                  # bin8, empty
+    else:
+        left = room - fixed
+        if left < 3:
+            return None
+        if left - 3 <= 0xFFFF:
+            pad = b"\xc5" + (left - 3).to_bytes(2, "big") + bytes(left - 3)        # bin16
+        elif left - 5 <= 0xFFFFFFFF:
+            pad = b"\xc6" + (left - 5).to_bytes(4, "big") + bytes(left - 5)        # bin32
+        else:
+            return None
+    payload = b"\x92" + body + pad
+    return SIGNATURE + PREFIX.pack(FRAME_HEADER, len(payload)) + payload
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return PREFIX.pack(kind, len(payload)) + payload
+
+
+def end_frame(events: int, dropped: int) -> bytes:
+    return frame(FRAME_END, _encode({"events": events, "dropped": dropped}))
+
+
+#: kind -> ("ev", every field in array order), and kind -> its number: to_item's tables
+_TAG = {kind: tag for kind, (tag, _) in ORDER.items()}
+_INDEXED_AT_TAG = {tag: INDEXED_AT[kind] for kind, (tag, _) in ORDER.items()}
+#: kind -> {the keys of an event in their order: to_item's plan for them}
+_PLANS: dict[str, dict] = {kind: {} for kind in ORDER}
+_PLANS_GET = _PLANS.get
+
+
+class ValueTable:
+    """The writer's side of version 2's value tables, for one file: each INDEXED field's values by
+    the index they got, and those not yet written (`V` frame). A value of the wrong type (which
+    the reader would refuse) is never interned: its event goes as a map, and the reader names the
+    field, as for JSON Lines."""
+
+    __slots__ = ("index", "new", "at")
+
+    def __init__(self) -> None:
+        self.index: dict[str, dict] = {f: {} for f in INDEXED}
+        self.new: dict[str, list] = {f: [] for f in INDEXED}
+        # kind number -> ((position in the item, field, that field's index), ...): to_item's table
+        self.at = {tag: tuple((pos, f, self.index[f]) for pos, f in at) for tag, at in _INDEXED_AT_TAG.items()}
+
+    def ref(self, field: str, value):
+        """The index of `value` in `field`'s table (added if new), or None when it cannot be
+        interned (a wrong type)."""
+        table = self.index[field]
+        if type(value) is str:
+            if field in _STR_FIELDS:
+                found = table.get(value)
+                if found is None:
+                    found = self._add(field, table, value, value)
+                return found
+            return None
+        if type(value) is not list:
+            return None
+        try:
+            key = tuple(value)
+            found = table.get(key)
+        except TypeError:                  # an element that is not hashable: not a list of ints or strs
+            return None
+        if found is None:
+            want = str if field == "stack" else int
+            if field in _STR_FIELDS or not all(type(x) is want for x in value):
+                return None
+            found = self._add(field, table, key, list(value))
+        return found
+
+    def _add(self, field, table, key, value) -> int:
+        found = table[key] = len(table)
+        self.new[field].append(value)
+        return found
+
+    def pending(self) -> dict | None:
+        """The values added since the last call, by field (None: none), now counted as written."""
+        out = {f: v for f, v in self.new.items() if v}
+        if not out:
+            return None
+        self.new = {f: [] for f in INDEXED}
+        return out
+
+    def mark(self) -> tuple:
+        """The table's state, for `rollback` when the frames that define new values are not written."""
+        return tuple(len(self.index[f]) - len(self.new[f]) for f in INDEXED)
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget the values added since `mark` was taken (their `V` frame never reached the file)."""
+        for f, size in zip(INDEXED, mark):
+            table = self.index[f]
+            if len(table) > size:
+                for key in [k for k, i in table.items() if i >= size]:
+                    del table[key]
+            self.new[f] = []
+
+
+_STR_FIELDS = frozenset(("site", "op", "dtype"))
+
+
+def to_item(ev: dict, table: ValueTable | None = None):
+    """One capture event (a dict) as a binary item: its array, or, for an event this layout cannot
+    hold exactly (an unknown kind or field, a field set to None), the dict itself: a map item,
+    which the reader treats as it treats a JSON Lines event. With `table` (version 2), its INDEXED
+    fields hold the index of their value in the table. Trailing absent fields are left out."""
+    if type(ev) is list:
+        return _source_item(ev, table)
+    plans = _PLANS_GET(ev.get("ev"))
+    if plans is None:
+        return ev
+    # capture makes each kind of event from a few key layouts: the layout, worked out once
+    # (_plan), reorders the values into the array in one C call
+    keys = tuple(ev)
+    plan = plans.get(keys)
+    if plan is None:
+        plan = _plan(ev["ev"], keys)
+        if len(plans) < 1024:     # a program of capture's makes a handful per kind
+            plans[keys] = plan
+    if plan is False:
+        return ev
+    values = list(ev.values())
+    if None in values:            # a field set to None: the reader treats it as JSON Lines does
+        return ev
+    values.append(None)           # what the getter takes for an absent field
+    item = list(plan[1](values))
+    tag = item[0] = plan[0]
+    if tag == _COLL:
+        bufs = item[_BUFS]
+        if type(bufs) is list:
+            try:
+                item[_BUFS] = [[b["addr"], b["size"], b["access"]] if len(b) == 3 else _no_buf for b in bufs]
+            except (KeyError, TypeError):
+                return ev
+            if _no_buf in item[_BUFS]:
+                return ev
+    if table is not None:
+        # a value seen before costs one lookup, inline (capture pays this per event); a new one,
+        # or one of the wrong type, goes through ValueTable.ref
+        at = table.at[tag]
+        for i in plan[2]:
+            pos, field, seen = at[i]
+            value = item[pos]
+            kind_of = type(value)
+            if kind_of is str:
+                found = seen.get(value)
+            elif kind_of is list:
+                try:
+                    found = seen.get(tuple(value))
+                except TypeError:
+                    return ev
+            else:
+                return ev
+            if found is None:
+                found = table.ref(field, value)
+                if found is None:
+                    return ev
+            item[pos] = found
+    return item
+
+
+def _source_item(ev: list, table: ValueTable | None):
+    """An event capture made as an array already (its hot kinds: `alloc`, `free`, `launch`; see
+    source_item): values in place, which version 2 interns here."""
+    if table is None:
+        return ev
+    item = None
+    n = len(ev)
+    for pos, field, seen in table.at[ev[0]]:
+        if pos >= n:
+            continue
+        value = ev[pos]
+        kind_of = type(value)
+        if kind_of is str:
+            found = seen.get(value)
+        elif kind_of is list:
+            try:
+                found = seen.get(tuple(value))
+            except TypeError:
+                return to_dict(ev)
+        elif value is None:
+            continue
+        else:
+            return to_dict(ev)
+        if found is None:
+            found = table.ref(field, value)
+            if found is None:
+                return to_dict(ev)
+        if item is None:
+            item = ev.copy()     # the caller's array keeps its values (to_dict above needs them)
+        item[pos] = found
+    return ev if item is None else item
+
+
+def source_item(kind: str, **fields) -> list:
+    """The array `to_item` would make of {"ev": kind, **fields}, for code that builds its events
+    as arrays on a hot path (the block table): the layout's order, values not interned."""
+    tag, names = ORDER[kind]
+    item = [tag] + [fields.pop(n, None) for n in names]
+    if fields:
+        raise KeyError(f"{kind} has no field(s) {sorted(fields)}")
+    while len(item) > 1 + len(LAYOUT[kind][1]) and item[-1] is None:
+        item.pop()
+    return item
+
+
+def _plan(kind: str, keys: tuple):
+    """(tag, getter, which of the kind's INDEXED fields are present) for `kind` events with these
+    keys in this order, or False when the layout cannot hold them (a field it does not have).
+    The getter takes the event's values with None appended and returns the array: the values in
+    the kind's field order, None for an absent field, cut after the last present one (never
+    before the kind's own fields: the reader names a missing required field)."""
+    tag, names = ORDER[kind]
+    if not set(keys) <= {"ev", *names}:
+        return False
+    absent = len(keys)                       # the index of the appended None
+    where = [keys.index("ev")] + [keys.index(n) if n in keys else absent for n in names]
+    last = max([1 + len(LAYOUT[kind][1])] + [2 + i for i, n in enumerate(names) if n in keys])
+    where = where[:last]
+    present = tuple(i for i, (pos, f) in enumerate(INDEXED_AT[kind]) if f in keys and pos < last)
+    return tag, operator.itemgetter(*where), present
+
+
+_COLL = LAYOUT["coll"][0]
+_BUFS = 1 + ORDER["coll"][1].index("bufs")
+_no_buf = object()   # a buffer with other keys than addr, size, access: the event goes as a map
+
+
+def encode_frames(batch: list, table: ValueTable | None = None) -> bytes:
+    """Event frames for capture events (dicts), FRAME_EVENTS_MAX a frame; with `table`, the
+    INDEXED fields as indices, and first a `V` frame with the values new to the table."""
+    out = []
+    for i in range(0, len(batch), FRAME_EVENTS_MAX):
+        out.append(_encode_part([to_item(ev, table) for ev in batch[i:i + FRAME_EVENTS_MAX]]))
+    if table is not None:
+        new = table.pending()
+        if new is not None:
+            out.insert(0, values_frame(new))
+    return b"".join(out)
+
+
+def values_frame(new: dict) -> bytes:
+    """A `V` frame: {field: [values appended to its table], ...}."""
+    return frame(FRAME_VALUES, _encode(new))
+
+
+def _encode_part(items: list) -> bytes:
+    payload = _encode(items)
+    if len(payload) > FRAME_BYTES_SOFT and len(items) > 1:
+        half = len(items) // 2
+        return _encode_part(items[:half]) + _encode_part(items[half:])
+    return frame(FRAME_EVENTS, payload)
+
+
+def encode_records(records, table: ValueTable | None = None) -> bytes:
+    """Event frames for typed records of either format, or dicts (gen_decode_trace, tests); with
+    `table` (one per file), version 2's indices and `V` frame, as capture writes them."""
+    from sanitizer.trace.events import described
+
+    items = []
+    for r in records:
+        if isinstance(r, dict):
+            items.append(to_item(r, table))
+        else:
+            kind = r.__struct_config__.tag
+            if isinstance(kind, int):
+                kind = KIND_OF_TAG[kind]
+            ev = {"ev": kind}
+            for n in ORDER[kind][1]:
+                v = _plain(described(r, n))
+                if v is not None:
+                    ev[n] = [dict(zip(BUF_FIELDS, b)) for b in v] if n == "bufs" else v
+            items.append(to_item(ev, table))
+    body = encode_frames_items(items)
+    new = table.pending() if table is not None else None
+    return body if new is None else values_frame(new) + body
+
+
+def encode_frames_items(items: list) -> bytes:
+    return b"".join(_encode_part(items[i:i + FRAME_EVENTS_MAX]) for i in range(0, len(items), FRAME_EVENTS_MAX))
+
+
+def _plain(v):
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if isinstance(v, msgspec.Struct):
+        return [getattr(v, f) for f in v.__struct_fields__]
+    return v
+
+
+def jsonl_to_binary(header: dict, events, end: dict | None = None, intern: bool = True) -> bytes:
+    """A whole binary trace from a header and events (dicts), optionally with an end record;
+    `intern=False` keeps every value in place (no `V` frame)."""
+    data = signature_and_header(header) + encode_frames(list(events), ValueTable() if intern else None)
+    if end is not None:
+        data += end_frame(end.get("events", 0), end.get("dropped", 0))
+    return data
