@@ -113,6 +113,10 @@ class BlockTable:
         # on_stash_release before a free)
         self.stashed: dict = {}
         self.on_stash_release = None
+        # collective_state.WorkHeldTensors: tensors of gloo collectives not yet seen complete
+        # (non-empty: ask on_held_death when a storage dies, before its free)
+        self.held_by_work: dict = {}
+        self.on_held_death = None
         # pool name -> callable(comm, ptr, nbytes): a CUDA allocation inside a scope of that pool,
         # before its `alloc` is written (sglang_hooks: the pool segment's window, learnt early)
         self.scope_allocs: dict = {}
@@ -363,6 +367,8 @@ class BlockTable:
             if b is None or b.id != bid:
                 return                     # already released by a resize
             del self.live[key]
+            if self.held_by_work:
+                self.on_held_death(b.addr, b.size)     # a Work let go of it: its coll_done first
             slot = self.slot
             if slot.quiet:
                 slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)

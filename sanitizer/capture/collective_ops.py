@@ -90,6 +90,15 @@ COPIED_AT_ENQUEUE = {
 # completes each Work on its own (CompletionStreams).
 IN_ORDER_BACKENDS = frozenset({"nccl"})
 
+# Backends whose async Works hold every tensor of their collective until they are released, which
+# happens only after they ran (WorkHeldTensors):
+#   gloo: torch/csrc/distributed/c10d/ProcessGroupGloo.cpp, each AsyncWork keeps its tensors as
+#     members (AsyncGatherWork: `std::vector<std::vector<at::Tensor>> outputs;
+#     std::vector<at::Tensor> inputs;`, AsyncBroadcastWork `inputs`, SendWork/RecvWork `tensor_`,
+#     ...), and ProcessGroupGloo::runLoop drops the queue's reference only after it ran:
+#     `work->execute(); lock.lock(); workInProgress_[workerIndex].reset();`.
+WORK_HOLDS_TENSORS = frozenset({"gloo"})
+
 # Barriers that complete every Work of their group enqueued before them: backend -> barrier ops.
 #   gloo: ProcessGroupGloo::barrier (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp) snapshots
 #     workInProgress_ and workQueue_ (every collective enqueued before it), and AsyncBarrierWork::run

@@ -211,6 +211,7 @@ def _patch_work(capture, colls) -> None:
     f_wait, f_value, f_done, f_then = Future.wait, Future.value, Future.done, Future.then
     ORIGINAL["Work.get_future"] = w_fut
     ORIGINAL["Future.done"] = f_done
+    ORIGINAL["Work.is_completed"] = w_done
     slot = colls.slot
 
     # the program's call has returned: nothing capture does afterwards may raise into it

@@ -1,13 +1,17 @@
 """What the collectives recorder keeps beyond single collectives: which stream each Work
 completes on, per backend (CompletionStreams); what capture knows it cannot record (CoverageGaps);
-how long a PyTorch >= 2.8 NCCL Work keeps its tensors (NcclWorkLifetimes)."""
+how long a PyTorch >= 2.8 NCCL Work keeps its tensors (NcclWorkLifetimes), and what the death of
+a storage a gloo Work held proves (WorkHeldTensors)."""
 from __future__ import annotations
 
 import threading
 import time
+import weakref
+
+import torch
 
 from sanitizer.capture.collective_ops import (BARRIER_COMPLETES_PRIOR, IN_ORDER_BACKENDS, P2P_OPS,
-                                              current_stream)
+                                              WORK_HOLDS_TENSORS, current_stream)
 
 
 class CompletionStreams:
@@ -147,3 +151,78 @@ class NcclWorkLifetimes:
                         self.colls.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
         except Exception as exc:
             self.colls.capture.failed("coll.stash_release", exc)
+
+
+class WorkHeldTensors:
+    """When a storage of a gloo collective not yet seen complete dies (WORK_HOLDS_TENSORS).
+    Its Work holds each of the collective's tensors (their TensorImpls) until it is released,
+    which gloo's worker does only after it ran. PyTorch's test_gather_stress keeps only the
+    Futures of gathers on temporary inputs: each input dies when its Work is released, on the
+    worker or as the program drops the Work, before the host waits on the Future. Then, if every
+    tensor of the collective in that storage is gone too (the Work let go of it) and a Future or
+    Work of the collective the program still holds reports it complete, the collective is done:
+    its `coll_done` is written before the `free`; so too when the storage died on a thread the
+    program did not start (gloo's worker, releasing a Work after it ran: PyTorch's
+    test_set_gloo_pg_timeout drops an all-reduce's Work and its input at once). Nothing is
+    inferred otherwise:
+      * a storage that dies under a tensor of the collective still alive had its memory swapped
+        out from under it (`t.data = ...`, `set_`, as Megatron-LM#4047's deallocate_output_tensor
+        does under an isend): the Work may still read it, the free stays in flight;
+      * a storage the program itself lets go of (on its own thread) after it dropped every handle
+        of the collective, which it never observed (DeepSpeed#8539's discarded handles, then the
+        outputs freed): the free stays in flight, as before.
+    A tensor is known alive by a weak reference: PyTorch keeps a tensor's Python object while C++
+    holds its TensorImpl, and clears its weak references before its storage is released."""
+
+    def __init__(self, colls):
+        self.colls = colls
+        self.held: dict[int, list] = {}     # cid -> [(lo, hi, weakref to the tensor)]
+        table = getattr(colls.capture, "blocks", None)
+        if table is not None:
+            table.held_by_work = self.held  # non-empty: the table asks `died` at each death
+            table.on_held_death = self.died
+
+    def recorded(self, cid: int, stream: str, tensors: list) -> None:
+        """`tensors`: (tensor, (addr, size)) of the collective `cid`, recorded on `stream`."""
+        if not tensors or stream.partition(":")[0] not in WORK_HOLDS_TENSORS:
+            return
+        entries = [(r[0], r[0] + r[1], weakref.ref(t)) for t, r in tensors if r[1]]
+        if entries:
+            self.held[cid] = entries
+
+    def finished(self, cid: int) -> None:
+        self.held.pop(cid, None)
+
+    def died(self, addr: int, size: int) -> None:
+        """block_table.BlockTable: the storage [addr, addr+size) died (not a resize)."""
+        try:
+            end = addr + size
+            for cid, entries in list(self.held.items()):
+                inside = [ref for lo, hi, ref in entries if lo < end and addr < hi]
+                if inside and all(ref() is None for ref in inside) and (
+                        _on_backend_thread() or self._seen_complete(cid)):
+                    self.held.pop(cid, None)
+                    if cid in self.colls.issued_cids:
+                        self.colls.done(cid)
+        except Exception as exc:
+            self.colls.capture.failed("coll.work_release", exc)
+
+    def _seen_complete(self, cid: int) -> bool:
+        """A Work or Future of `cid` the program still holds reports it complete (the stock
+        methods: the patched ones would count as the program's observation)."""
+        from sanitizer.capture.collective_patches import ORIGINAL
+        for ref, cids in list(self.colls.pending.values()):
+            handle = ref()
+            if handle is None or cid not in cids:
+                continue
+            query = ORIGINAL["Future.done"] if isinstance(handle, torch._C.Future) \
+                else ORIGINAL["Work.is_completed"]
+            if query(handle):
+                return True
+        return False
+
+
+def _on_backend_thread() -> bool:
+    """The current thread was not started by Python's threading (a backend's C++ worker that
+    entered Python, here to run a storage's finalizer)."""
+    return isinstance(threading.current_thread(), getattr(threading, "_DummyThread", ()))

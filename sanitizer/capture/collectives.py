@@ -86,7 +86,8 @@ from sanitizer.capture.collective_ops import (
     hook_name, p2p_comm, rank_in_options, register_collective_op, register_wrapping_op,
     tensors_in, work_in)
 from sanitizer.capture.collective_patches import ORIGINAL, install_patches
-from sanitizer.capture.collective_state import CompletionStreams, CoverageGaps, NcclWorkLifetimes
+from sanitizer.capture.collective_state import (CompletionStreams, CoverageGaps, NcclWorkLifetimes,
+                                                WorkHeldTensors)
 
 _C10D = torch._C._distributed_c10d
 SETTLE_SECONDS = 0.0002
@@ -114,6 +115,7 @@ class DispatchedCollectives:
         self.custom = dict(CUSTOM)
         self.nccl_works = NcclWorkLifetimes(self)   # PyTorch >= 2.8's NCCL streams and stashes
         self.streams = CompletionStreams()
+        self.work_held = WorkHeldTensors(self)      # gloo: a storage its Work let go of
         self.backends: dict[int, str] = {}      # id(Backend object) -> its comm name
         gaps = getattr(capture, "coverage", None)
         self.coverage = gaps if isinstance(gaps, CoverageGaps) else CoverageGaps()
@@ -185,9 +187,10 @@ class DispatchedCollectives:
             self.seq[comm] = seq + 1
         return seq
 
-    def _bufs(self, entry, named, result=None, copied=()):
+    def _bufs(self, entry, named, result=None, copied=(), tensors=None):
         """The `bufs` of a collective: each argument of the entry with its access, but those the
-        backend copies inside the call (`copied`, from COPIED_AT_ENQUEUE)."""
+        backend copies inside the call (`copied`, from COPIED_AT_ENQUEUE); `tensors`, a list:
+        each tensor with its range is appended to it (WorkHeldTensors)."""
         table = self.capture.blocks
         out = []
         if table is None:
@@ -205,6 +208,8 @@ class DispatchedCollectives:
                 r = table.buffer(t)
                 if r is not None:
                     out.append({"addr": r[0], "size": r[1], "access": access})
+                    if tensors is not None:
+                        tensors.append((t, r))
         return out
 
     def _copy_read(self, table, value) -> None:
@@ -231,9 +236,10 @@ class DispatchedCollectives:
         self.emit(ev)
         self.capture.host_work_unsynced = True
 
-    def _record(self, op, comm, stream, bufs, by_backend: bool = True) -> int:
+    def _record(self, op, comm, stream, bufs, by_backend: bool = True, tensors=()) -> int:
         """Write one `coll`; by_backend: the stream is a process group's, ordered as its backend
-        orders Works (CompletionStreams), not a stream the op runs on directly."""
+        orders Works (CompletionStreams), not a stream the op runs on directly; `tensors`: the
+        tensors of `bufs` with their ranges (_bufs)."""
         cap = self.capture
         cid = cap.next_cid()
         self.issued_cids.add(cid)
@@ -252,6 +258,8 @@ class DispatchedCollectives:
                 self.nccl_works.stashed(cid, bufs)
             cap.event({"ev": "coll", "cid": cid, "comm": comm, "seq": seq, "op": op,
                        "stream": stream, "bufs": bufs})
+            if by_backend:
+                self.work_held.recorded(cid, stream, tensors)
         except BaseException:
             # not written: nothing may complete it later (a barrier completes what is in flight)
             self.issued_cids.discard(cid)
@@ -282,10 +290,12 @@ class DispatchedCollectives:
             if "peer" in entry:
                 comm = p2p_comm(comm, pg, named.get(entry["peer"]) if entry["peer"] else None)
             op = f"c10d.{func._schema.name[6:]}"
-            bufs = self._bufs(entry, named, copied=copied_args(stream, op))
+            tensors: list = []
+            bufs = self._bufs(entry, named, copied=copied_args(stream, op), tensors=tensors)
             # a collective on the caller's current stream (NCCL, async_op=False) runs in that
             # stream's order: no lane of its group
-            cid = self._record(op, comm, stream, bufs, by_backend=stream == group_stream)
+            cid = self._record(op, comm, stream, bufs, by_backend=stream == group_stream,
+                               tensors=tensors)
             if stream != group_stream:
                 self.nccl_works.current.add(cid)
         except Exception as exc:
@@ -324,8 +334,9 @@ class DispatchedCollectives:
             if table is not None:       # the fresh result, before the coll that names it
                 table.on_op(func, args, out)
             op = f"{func.namespace}.{base}"
-            bufs = self._bufs(entry, named, out, copied=copied_args(stream, op))
-            cid = self._record(op, comm, stream, bufs)
+            tensors: list = []
+            bufs = self._bufs(entry, named, out, copied=copied_args(stream, op), tensors=tensors)
+            cid = self._record(op, comm, stream, bufs, tensors=tensors)
             # wait_tensor names the result (for in-place forms, the input it returns)
             live = table.live if table is not None else {}
             for t in tensors_in(out):
@@ -390,7 +401,8 @@ class DispatchedCollectives:
                 # every other tensor of the same (coalesced) collective is complete too
                 for k in [k for k, e in self.functional.items() if e[0] == cid]:
                     del self.functional[k]
-                self.done(cid, waited=True)
+                if cid in self.issued_cids:     # (not already completed: WorkHeldTensors)
+                    self.done(cid, waited=True)
 
     # ------------------------------------------------------------------ ops that wrap collectives
     def _transparent(self, func, args, kwargs, mode=None):
@@ -560,6 +572,7 @@ class DispatchedCollectives:
 
     def _done(self, cid, waited: bool = False) -> None:
         self.issued_cids.discard(cid)
+        self.work_held.finished(cid)
         if not self.nccl_works.finished(cid):     # a current-stream collective: nothing to write
             nccl_stream = self.device_streamed.pop(cid, None)
             if nccl_stream is not None and waited:
@@ -621,8 +634,9 @@ class DispatchedCollectives:
                 lo, hi = sorted((rank, peer))
                 comm = f"{comm}:p2p:{lo}-{hi}"
         op = f"Backend.{name}"
-        bufs = self._bufs(entry, named, copied=copied_args(stream, op))
-        cid = self._record(op, comm, stream, bufs)
+        tensors: list = []
+        bufs = self._bufs(entry, named, copied=copied_args(stream, op), tensors=tensors)
+        cid = self._record(op, comm, stream, bufs, tensors=tensors)
         if work is None:                             # a blocking method: done on return
             self.done(cid, waited=True)
         else:
