@@ -176,7 +176,9 @@ class WorkHeldTensors:
 
     def __init__(self, colls):
         self.colls = colls
-        self.held: dict[int, list] = {}     # cid -> [(lo, hi, weakref to the tensor)]
+        self._lock = threading.Lock()
+        self.held: dict[int, list] = {}     # cid -> [(its block's addr, weakref to the tensor)]
+        self.by_block: dict[int, set] = {}  # block addr -> cids holding a tensor in it
         table = getattr(colls.capture, "blocks", None)
         if table is not None:
             table.held_by_work = self.held  # non-empty: the table asks `died` at each death
@@ -184,26 +186,48 @@ class WorkHeldTensors:
 
     def recorded(self, cid: int, stream: str, tensors: list) -> None:
         """`tensors`: (tensor, (addr, size)) of the collective `cid`, recorded on `stream`."""
-        if not tensors or stream.partition(":")[0] not in WORK_HOLDS_TENSORS:
+        table = self.colls.capture.blocks
+        if not tensors or table is None or stream.partition(":")[0] not in WORK_HOLDS_TENSORS:
             return
-        entries = [(r[0], r[0] + r[1], weakref.ref(t)) for t, r in tensors if r[1]]
-        if entries:
+        entries = []
+        for t, r in tensors:
+            b = table.live.get(t.untyped_storage()._cdata) if r[1] else None
+            if b is not None:
+                entries.append((b.addr, weakref.ref(t)))
+        if not entries:
+            return
+        with self._lock:
             self.held[cid] = entries
+            for addr, _ in entries:
+                self.by_block.setdefault(addr, set()).add(cid)
 
     def finished(self, cid: int) -> None:
-        self.held.pop(cid, None)
+        with self._lock:
+            for addr, _ in self.held.pop(cid, ()):
+                cids = self.by_block.get(addr)
+                if cids is not None:
+                    cids.discard(cid)
+                    if not cids:
+                        del self.by_block[addr]
 
     def died(self, addr: int, size: int) -> None:
-        """block_table.BlockTable: the storage [addr, addr+size) died (not a resize)."""
+        """block_table.BlockTable: the storage at `addr` died (not a resize)."""
         try:
-            end = addr + size
-            for cid, entries in list(self.held.items()):
-                inside = [ref for lo, hi, ref in entries if lo < end and addr < hi]
-                if inside and all(ref() is None for ref in inside) and (
-                        _on_backend_thread() or self._seen_complete(cid)):
-                    self.held.pop(cid, None)
-                    if cid in self.colls.issued_cids:
-                        self.colls.done(cid)
+            complete = []
+            with self._lock:
+                for cid in self.by_block.pop(addr, ()):
+                    entries = self.held.get(cid, [])
+                    inside = [ref for a, ref in entries if a == addr]
+                    rest = [e for e in entries if e[0] != addr]
+                    if rest:
+                        self.held[cid] = rest          # (the dead block names nothing any more)
+                    else:
+                        self.held.pop(cid, None)
+                    if inside and all(ref() is None for ref in inside):
+                        complete.append(cid)
+            for cid in complete:
+                if (_on_backend_thread() or self._seen_complete(cid)) and cid in self.colls.issued_cids:
+                    self.colls.done(cid)
         except Exception as exc:
             self.colls.capture.failed("coll.work_release", exc)
 
