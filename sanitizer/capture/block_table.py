@@ -80,7 +80,7 @@ class StorageBlock:
 class DispatchSlot(threading.local):
     """Per thread: how deep the thread is inside a collective's own call (Work.wait, wait_tensor),
     where ops are the collective's work, not the program's launches; and the collectives a
-    ProcessGroup method dispatched, for the Work it returns (collectives.py)."""
+    ProcessGroup method dispatched, for the Work it returns (collective_patches.py)."""
 
     def __init__(self):
         self.quiet = 0
@@ -88,9 +88,9 @@ class DispatchSlot(threading.local):
         # once the wait has recorded the collective's completion (a Work's last reference to its
         # input goes inside wait_tensor, after the collective finished)
         self.deferred: list = []
-        self.in_method = False   # inside a ProcessGroup method (collectives.py)
+        self.in_method = False   # inside a ProcessGroup method (collective_patches.py)
         self.in_dispatch = 0     # inside a dispatched c10d op (collectives.py)
-        self.in_backend = 0      # inside a wrapped Backend method (collectives.py)
+        self.in_backend = 0      # inside a wrapped Backend method (collective_patches.py)
         self.cids: list = []     # collectives it dispatched
         self.coalesced = None    # cids since _start_coalescing, while coalescing
 
@@ -117,10 +117,14 @@ class BlockTable:
         # on_reuse before a CUDA alloc), and the call that writes the free_done of those it overlaps
         self.held_frees: dict = {}
         self.on_reuse = None
-        # collectives.NcclWorkLifetimes: buffers a Work still stashes (non-empty: ask
+        # collective_state.NcclWorkLifetimes: buffers a Work still stashes (non-empty: ask
         # on_stash_release before a free)
         self.stashed: dict = {}
         self.on_stash_release = None
+        # collective_state.WorkHeldTensors: tensors of gloo collectives not yet seen complete
+        # (non-empty: ask on_held_death when a storage dies, before its free)
+        self.held_by_work: dict = {}
+        self.on_held_death = None
         # pool name -> callable(comm, ptr, nbytes): a CUDA allocation inside a scope of that pool,
         # before its `alloc` is written (sglang_hooks: the pool segment's window, learnt early)
         self.scope_allocs: dict = {}
@@ -359,6 +363,8 @@ class BlockTable:
             if b is None or b.id != bid:
                 return                     # already released by a resize
             del self.live[key]
+            if self.held_by_work:
+                self.on_held_death(b.addr, b.size)     # a Work let go of it: its coll_done first
             slot = self.slot
             if slot.quiet:
                 slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)

@@ -43,7 +43,7 @@ class CollectiveDepth(threading.local):
     """Exactly one `coll` per collective, whichever layers it passes (docs/capture.md, "Exactly
     once"). A Python-level hook that records a collective itself (ops.py: SGLang's custom
     communicators) holds `depth` while its call runs. Inside it, the registered kernel it stands
-    for (collectives.CUSTOM) and nested hooks stand back: the hook records that kernel once, named
+    for (collective_ops.CUSTOM) and nested hooks stand back: the hook records that kernel once, named
     by its group. But when the call goes out through a path that records itself (torch.distributed
     at the dispatcher, pynccl's NCCLLibrary: a fallback, such as the multimem all-gather on a
     tensor its kernel does not take), that record carries the real op, comm and completion, and

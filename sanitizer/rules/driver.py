@@ -225,7 +225,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
 
 
 def coverage_warnings(file: str, header: dict) -> list[str]:
-    """The header's `coverage` (capture/collectives.py: CoverageGaps) as warnings: collectives
+    """The header's `coverage` (capture/collective_state.py: CoverageGaps) as warnings: collectives
     the process could issue, or did issue, that capture could not record. Hazards on their
     buffers are not checked; saying so is the point (never silence)."""
     cov = header.get("coverage") if isinstance(header, dict) else None

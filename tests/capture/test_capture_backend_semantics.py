@@ -17,6 +17,9 @@ One program runs, a decode step per case, under `hazsan run` at `alloc` and at `
   80/81  a Backend built directly (`ProcessGroupGloo(store, rank, size, opts)`, as PyTorch's own
          tests do): an all-reduce's tensor read before its wait (80), after it (81)
   82     that Backend's other collectives, each waited
+  83     that Backend's gathers on temporary inputs, only their Futures kept (PyTorch's
+         test_gather_stress): each input dies on gloo's worker once its Work ran, before the wait;
+         an all-reduce whose Work and input are dropped at once (test_set_gloo_pg_timeout)
 
 Every "bug" step must be flagged (at `full`, where reads are seen, and at `alloc` where the
 program frees what is in flight), every other step clean: no finding against an op it enqueued.
@@ -221,6 +224,34 @@ PROGRAM = textwrap.dedent(r'''
             res["backend_a2a_raised"] = True
         res["backend"] = [x.tolist(), y.tolist(), base.tolist(), rso.tolist()]
         del x, y, go, base, rso
+
+        # 83: gathers whose inputs are temporaries, only their Futures kept (PyTorch's
+        # test_gather_stress): the Work holds each input until it ran, and lets go of it on
+        # gloo's worker, before the host waits; the freed memory is then reused and written
+        sanitizer.step(83)
+        futs, gone = [], []
+        outs = [torch.full((64,), -1.0) for _ in range(ws)]
+        for root in range(ws):
+            go = c10d.GatherOptions(); go.rootRank = root
+            tmp = torch.full((64,), float(rank))
+            gone.append(died(tmp))
+            futs.append(pg.gather([outs] if root == rank else [], [tmp], go).get_future())
+            del tmp
+        res["gather_inputs_died"] = all(g.wait(10) for g in gone)
+        reused = [torch.full((64,), 7.0) for _ in range(8)]
+        for f in futs:
+            f.wait()
+        res["gather"] = [float(o[0]) for o in outs]
+        del futs, outs, reused, go, f
+        # and an all-reduce whose Work and input rank 0 drops at once (test_set_gloo_pg_timeout):
+        # the input dies when gloo's worker releases the Work, after it ran (rank 1 joins 0.3 s
+        # later, so it cannot have run before rank 0 dropped it; rank 1 waits for its own)
+        if rank == 0:
+            pg.allreduce([torch.rand(64)])
+            time.sleep(1.0)
+        else:
+            time.sleep(0.3)
+            pg.allreduce([torch.rand(64)]).wait()
         sanitizer.step(90)
         dist.barrier()
         json.dump(res, open(f"{out}/res{rank}.json", "w"))
@@ -231,7 +262,7 @@ PROGRAM = textwrap.dedent(r'''
 ''')
 
 BUGS = {10: "DeepSpeed#8539", 20: "vllm-ascend#11961", 30: "gloo out-of-order", 80: "Backend read before wait"}
-CLEAN = (11, 21, 31, 40, 50, 60, 65, 70, 81, 82)
+CLEAN = (11, 21, 31, 40, 50, 60, 65, 70, 81, 82, 83)
 
 
 @pytest.fixture(scope="module", params=["full", "alloc"])
@@ -249,6 +280,8 @@ def test_program_ran_as_upstream_torch_runs_it(run):
     assert r0["ag"] == r1["ag"] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
     assert r0["backend"][0] == [1.0] * 8 and r0["backend"][1] == [0.0] * 8
     assert r0["barrier"] == [0.0, 2.0, 4.0, 6.0]
+    assert r0["gather_inputs_died"] and r1["gather_inputs_died"], "the Works kept their inputs"
+    assert r0["gather"] == r1["gather"] == [0.0, 1.0]
     print(f"\n[{level}] later small all-gather completed first in {r0['later_small_first']}/10 "
           f"and {r1['later_small_first']}/10 trials (ranks 0, 1)")
 
@@ -329,7 +362,8 @@ def test_backend_collectives_recorded_alike_on_both_ranks(run):
     p2p = [s for s in sigs[0] if s[0] in ("Backend.send", "Backend.recv")]
     assert p2p and p2p[0][1].endswith(":p2p:0-1")
     # send on one rank, recv on the other: the same comm and seq, the rest identical
-    strip = lambda sig: [(c, q, n) for o, c, q, n in sig]
+    # (a gather's outputs are on its root only)
+    strip = lambda sig: [(c, q, n if o != "Backend.gather" else None) for o, c, q, n in sig]
     assert strip(sigs[0]) == strip(sigs[1])
 
 

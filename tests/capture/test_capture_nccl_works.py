@@ -1,4 +1,4 @@
-"""NCCL Works since PyTorch 2.8 (issue 29, item 10): collectives.NcclWorkLifetimes, on CPU.
+"""NCCL Works since PyTorch 2.8 (issue 29, item 10): collective_state.NcclWorkLifetimes, on CPU.
 
 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ProcessGroupNCCL::collective:
 
@@ -109,7 +109,7 @@ def test_async_op_left_out_at_its_default_is_bound_from_the_schema():
     import os
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
-    from sanitizer.capture.collectives import _bind
+    from sanitizer.capture.collective_ops import bind
 
     seen = []
 
@@ -131,9 +131,9 @@ def test_async_op_left_out_at_its_default_is_bound_from_the_schema():
         dist.destroy_process_group()
     (f1, a1, k1), (f2, a2, k2) = seen
     assert len(a1) < len(a2)                      # the default was left out
-    assert _bind(f1, a1, k1)["async_op"] is True
-    assert _bind(f2, a2, k2)["async_op"] is False
-    assert _bind(f1, a1, k1)["timeout"] == -1
+    assert bind(f1, a1, k1)["async_op"] is True
+    assert bind(f2, a2, k2)["async_op"] is False
+    assert bind(f1, a1, k1)["timeout"] == -1
 
 
 class _Handle:

@@ -214,7 +214,7 @@ def test_torch_single_collectives_from_sglang(run):
         assert [(e["op"], [(b["size"], b["access"]) for b in e["bufs"]]) for e in singles] == [
             ("c10d._allgather_base_", [(32, "r"), (64, "w")]),
             # gloo clones a reduce-scatter's input inside the call: only its output is in flight
-            # (collectives.py: COPIED_AT_ENQUEUE)
+            # (collective_ops.py: COPIED_AT_ENQUEUE)
             ("c10d._reduce_scatter_base_", [(24, "w")]),
             ("c10d._allgather_base_", [(128, "r"), (256, "w")])]     # the multimem fallback
         assert all(e["stream"].startswith("gloo:") and "sglang/srt/distributed/parallel_state.py" in e["site"]
