@@ -1,8 +1,6 @@
-"""The issue's acceptance pair, through `hazsan run` on a real 2-rank gloo program.
-
-A buffer allocated in a symmetric scope, its all_reduce started asynchronously, and the buffer
-released back to the scope's pool while the collective still runs must be flagged; the same program
-waiting for the collective first must be clean. Ranks are started with multiprocessing's spawn
+"""A symmetric-scope buffer released around an async all_reduce, through `hazsan run` on a real
+2-rank gloo program: dropped with its handle (gloo frees it only after the collective ran: clean,
+the completion recorded before the free), or waited first (clean). Ranks are started with multiprocessing's spawn
 context from a parent that never imports torch (activation reaches them through the .pth).
 """
 from __future__ import annotations
@@ -69,15 +67,29 @@ def _hazsan_run(d, mode):
     return out.returncode, json.loads(out.stdout), out.stderr
 
 
-def test_release_while_collective_in_flight_is_flagged(tmp_path):
+def test_buffer_only_the_work_holds_is_freed_after_the_collective(tmp_path):
+    """The program drops its buffer and the handle while the all_reduce may still run. On gloo
+    that is safe: the Work holds the tensor until gloo's thread has run it (ProcessGroupGloo.cpp:
+    the Work keeps `inputs`/`outputs`; runLoop lets the Work go after execute()), so the storage
+    dies after the collective, and the next scope allocation that takes its offset is not a reuse
+    in flight. (This test expected reuse-in-flight until capture learnt that: issue 32's
+    WorkHeldTensors. A storage freed while a live tensor still feeds the collective, the real early
+    release, is flagged in test_capture_public_patterns.py: Megatron-LM#4047.)"""
     rc, report, err = _hazsan_run(tmp_path, "nowait")
-    assert rc == 1, err[-2000:]
-    rules = {(f["rule"], f["rank"]) for f in report["findings"]}
-    # the realised collision on every rank, and its latent cause
-    assert {("reuse-in-flight", 0), ("reuse-in-flight", 1)} <= rules
-    assert {("free-in-flight", 0), ("free-in-flight", 1)} <= rules
-    reuse = [f for f in report["findings"] if f["rule"] == "reuse-in-flight"][0]
-    assert reuse["op"]["comm"] == "0" and reuse["op"]["seq"] == 0
+    assert rc == 0 and report["findings"] == [], (report["summary"], err[-2000:])
+    assert report["summary"]["complete"] and report["summary"]["ranks"] == 2
+    for rank in (0, 1):
+        r = subprocess.run([sys.executable, "-m", "sanitizer", "cat", str(tmp_path / "traces" / f"rank{rank}.hzs"),
+                            "--no-header"], capture_output=True, text=True, timeout=120, check=True)
+        events = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+        first = next(ev for ev in events if ev["ev"] == "coll")
+        buf = next(ev for ev in events if ev["ev"] == "alloc" and ev["addr"] == first["bufs"][0]["addr"])
+        order = [(ev["ev"], ev.get("cid", ev.get("id"))) for ev in events if ev["ev"] in ("coll_done", "free")]
+        # the collective's completion is recorded before the death of the buffer it held
+        assert order.index(("coll_done", first["cid"])) < order.index(("free", buf["id"])), order
+        # and the next scope allocation really takes the freed offset (the case the test is about)
+        again = [ev for ev in events if ev["ev"] == "alloc" and ev["addr"] == buf["addr"] and ev["id"] != buf["id"]]
+        assert again and again[0]["pool"] == buf["pool"]
 
 
 def test_same_program_waiting_first_is_clean(tmp_path):
