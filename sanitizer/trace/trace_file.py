@@ -88,9 +88,10 @@ class TraceFile:
         js = orjson.dumps(h)
         return _padded(js, len(js) + 1 + HEADER_ROOM // 4)
 
-    def _open(self, facts: bool = True) -> None:
+    def _open(self, facts: bool = True, keep: str | None = None) -> None:
         """Create this process's file (O_EXCL, owner-only) and write its header line, padded to
-        HEADER_ROOM so that later facts fit in place."""
+        HEADER_ROOM so that later facts fit in place. `keep`: the file this writer still has open
+        (a rename in progress), never taken over as a stale one."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         pid = os.getpid()
         sfx = self.suffix
@@ -113,7 +114,7 @@ class TraceFile:
                 fd = _create(path)
             except FileExistsError as exc:
                 last_exc = exc
-                if not _stale_own_header(path, pid):
+                if path == keep or not _stale_own_header(path, pid):
                     continue
                 try:                    # this process's own file from before an exec: take it over
                     os.unlink(path)
@@ -141,10 +142,16 @@ class TraceFile:
         """Copy the file under its rank's name with the right header; on failure keep writing
         where we were."""
         old_fd, old_path = self._fd, self.path
+        if old_path is not None and os.path.basename(old_path) == f"rank{self.rank}{self.suffix}":
+            # already named after this rank (the rank came from RANK, the world size only now):
+            # the header is written again in place; copying the file onto its own name would
+            # take it over and unlink it ("removed while running")
+            self._refresh_header()
+            return
         self._fd = self.path = None
         values = self._values            # the body is copied: its `V` frames with it
         try:
-            self._open(facts=True)
+            self._open(facts=True, keep=old_path)
         except OSError as exc:
             self.hook_failed("writer.rename", exc)
             self._fd, self.path = old_fd, old_path

@@ -275,6 +275,50 @@ def test_writer_renames_pid_file_when_rank_becomes_known(tmp_path, monkeypatch):
     assert [e["n"] for e in lines[1:-1]] == [0, 1] and lines[-1]["ev"] == "end"
 
 
+@pytest.mark.parametrize("flushed", [False, True])
+def test_world_size_learnt_later_keeps_the_rank_file(tmp_path, monkeypatch, flushed):
+    """RANK in the environment names the file at start; init_process_group then tells the world
+    size. The file keeps its name and gets the world size in its header. (It used to be copied
+    onto its own name: taken over as a stale file and unlinked, "trace file removed while
+    running", a hook error in PyTorch's own FileStore tests.)"""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    w = TraceWriter(str(tmp_path))
+    w.start()
+    if flushed:
+        w.emit({"ev": "step", "n": 0})
+        w.flush()
+    w.set_rank(0, 4)
+    assert os.listdir(tmp_path) == ["rank0.jsonl"]
+    w.emit({"ev": "step", "n": 1})
+    w.close()
+    assert os.listdir(tmp_path) == ["rank0.jsonl"]
+    lines = load(tmp_path / "rank0.jsonl")
+    assert lines[0]["rank"] == 0 and lines[0]["world_size"] == 4
+    assert [e["n"] for e in lines[1:-1]] == ([0, 1] if flushed else [1])
+    assert lines[-1] == {"ev": "end", "events": 2 if flushed else 1, "dropped": 0}
+
+
+def test_rank_from_environment_then_init_process_group(tmp_path):
+    """The same through real torch: RANK=0 in the environment, WORLD_SIZE not, a FileStore group."""
+    code = f"""
+        import torch, torch.distributed as dist
+        store = dist.FileStore({str(tmp_path / "store")!r}, 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        x = torch.ones(8)
+        dist.all_reduce(x)
+        dist.destroy_process_group()
+    """
+    out = py(code, {"HAZSAN": "1", "HAZSAN_DIR": str(tmp_path / "t"), "RANK": "0"}, unset=())
+    assert out.returncode == 0, out.stderr
+    assert os.listdir(tmp_path / "t") == ["rank0.jsonl"], out.stderr
+    lines = load(tmp_path / "t" / "rank0.jsonl")
+    assert (lines[0]["rank"], lines[0]["world_size"]) == (0, 1)
+    events = lines[1:]                  # (the header has no "ev")
+    assert not [e for e in events if e.get("ev") in ("hook_error", "dropped")], events
+    assert any(e.get("ev") == "coll" for e in events) and events[-1]["ev"] == "end"
+
+
 def test_writer_never_clobbers_another_process_file(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     (tmp_path / "rank0.jsonl").write_text("someone else's\n")
