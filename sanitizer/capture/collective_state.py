@@ -155,30 +155,34 @@ class NcclWorkLifetimes:
 
 class WorkHeldTensors:
     """When a storage of a gloo collective not yet seen complete dies (WORK_HOLDS_TENSORS).
-    Its Work holds each of the collective's tensors (their TensorImpls) until it is released,
-    which gloo's worker does only after it ran. PyTorch's test_gather_stress keeps only the
-    Futures of gathers on temporary inputs: each input dies when its Work is released, on the
-    worker or as the program drops the Work, before the host waits on the Future. Then, if every
-    tensor of the collective in that storage is gone too (the Work let go of it) and a Future or
-    Work of the collective the program still holds reports it complete, the collective is done:
-    its `coll_done` is written before the `free`; so too when the storage died on a thread the
-    program did not start (gloo's worker, releasing a Work after it ran: PyTorch's
-    test_set_gloo_pg_timeout drops an all-reduce's Work and its input at once). Nothing is
-    inferred otherwise:
+    Its Work holds each of the collective's tensors (their TensorImpls) as members until the Work
+    is destroyed, and gloo's worker lets go of its reference only after it ran the Work
+    (ProcessGroupGloo::runLoop). So once every tensor of the collective in a storage is gone and
+    the storage dies, the Work is gone: it ran, wherever the last reference was dropped (on gloo's
+    worker, or on the program's thread when it dropped the Work after the worker was done:
+    PyTorch's test_gather_stress keeps only the Futures of gathers on temporary inputs;
+    DeepSpeed#8539's discarded handles and then the outputs). The collective is done: its
+    `coll_done` is written before the `free`. Inputs a backend copies inside the call
+    (COPIED_AT_ENQUEUE) are not among the tensors: the Work holds the copy, not them.
+    Nothing is inferred otherwise:
       * a storage that dies under a tensor of the collective still alive had its memory swapped
         out from under it (`t.data = ...`, `set_`, as Megatron-LM#4047's deallocate_output_tensor
         does under an isend): the Work may still read it, the free stays in flight;
-      * a storage the program itself lets go of (on its own thread) after it dropped every handle
-        of the collective, which it never observed (DeepSpeed#8539's discarded handles, then the
-        outputs freed): the free stays in flight, as before.
+      * a collective on device tensors (gloo's CUDA Works copy the result back to the device
+        asynchronously at the end of run(), so the Work's release does not order that copy):
+        only a death on gloo's worker thread or a completion a held Future or Work reports counts,
+        as a host-side completion of the gloo part.
     A tensor is known alive by a weak reference: PyTorch keeps a tensor's Python object while C++
-    holds its TensorImpl, and clears its weak references before its storage is released."""
+    holds its TensorImpl, and clears its weak references before its storage is released.
+    (DeepSpeed#8539's hazard is the read of the outputs before their Works were waited: an
+    `unordered-access` at level full, which this does not touch.)"""
 
     def __init__(self, colls):
         self.colls = colls
         self._lock = threading.Lock()
         self.held: dict[int, list] = {}     # cid -> [(its block's addr, weakref to the tensor)]
         self.by_block: dict[int, set] = {}  # block addr -> cids holding a tensor in it
+        self.on_host: set[int] = set()      # cids whose tensors are all host (CPU) tensors
         table = getattr(colls.capture, "blocks", None)
         if table is not None:
             table.held_by_work = self.held  # non-empty: the table asks `died` at each death
@@ -196,13 +200,17 @@ class WorkHeldTensors:
                 entries.append((b.addr, weakref.ref(t)))
         if not entries:
             return
+        host = all(t.device.type == "cpu" for t, _ in tensors)
         with self._lock:
             self.held[cid] = entries
+            if host:
+                self.on_host.add(cid)
             for addr, _ in entries:
                 self.by_block.setdefault(addr, set()).add(cid)
 
     def finished(self, cid: int) -> None:
         with self._lock:
+            self.on_host.discard(cid)
             for addr, _ in self.held.pop(cid, ()):
                 cids = self.by_block.get(addr)
                 if cids is not None:
@@ -226,7 +234,9 @@ class WorkHeldTensors:
                     if inside and all(ref() is None for ref in inside):
                         complete.append(cid)
             for cid in complete:
-                if (_on_backend_thread() or self._seen_complete(cid)) and cid in self.colls.issued_cids:
+                if cid not in self.colls.issued_cids:
+                    continue
+                if cid in self.on_host or _on_backend_thread() or self._seen_complete(cid):
                     self.colls.done(cid)
         except Exception as exc:
             self.colls.capture.failed("coll.work_release", exc)
