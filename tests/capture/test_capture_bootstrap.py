@@ -319,6 +319,47 @@ def test_rank_from_environment_then_init_process_group(tmp_path):
     assert any(e.get("ev") == "coll" for e in events) and events[-1]["ev"] == "end"
 
 
+SPAWNED_WITH_STALE_RANK = """
+import sys, torch.multiprocessing as mp
+
+def worker(rank, store_path):
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    x = torch.full((8,), float(rank))
+    dist.all_reduce(x)
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_ranks_spawned_with_a_stale_rank_in_the_environment(tmp_path):
+    """Both ranks inherit RANK=0 (a parent process that ran an env:// test before, as PyTorch's
+    RendezvousEnvTest leaves it): both start as rank 0, one in rank0, the other in rank0.pid<N>;
+    init_process_group then names each after its real rank. Both files whole, no hook error.
+    (Before, a rank that kept the name rank0 unlinked its own file: PyTorch's FileStore tests run
+    in a batch after RendezvousEnvTest had hook errors and lost traces.)"""
+    (tmp_path / "prog.py").write_text(SPAWNED_WITH_STALE_RANK)
+    env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(tmp_path / "t"), HAZSAN_TRACE_FORMAT="jsonl",
+               RANK="0")
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, "prog.py", str(tmp_path / "store")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # the launcher holds RANK=0 too: its file is rank 0's of a world of one, with nothing in it
+    files = {f: load(tmp_path / "t" / f) for f in os.listdir(tmp_path / "t")}
+    ranks = {(lines[0]["rank"], lines[0].get("world_size")): (f, lines) for f, lines in files.items()}
+    assert len(files) == 3 and {(0, 2), (1, 2)} <= set(ranks), sorted(files)
+    assert all(lines[-1].get("ev") == "end" for lines in files.values()), sorted(files)
+    for r in (0, 1):
+        f, lines = ranks[(r, 2)]
+        events = lines[1:]
+        assert not [e for e in events if e.get("ev") in ("hook_error", "dropped")], events
+        assert sum(e.get("ev") == "coll" for e in events) >= 2 and events[-1]["ev"] == "end"
+
+
 def test_writer_never_clobbers_another_process_file(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     (tmp_path / "rank0.jsonl").write_text("someone else's\n")
