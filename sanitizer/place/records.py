@@ -1,14 +1,17 @@
-"""Typed trace records as the JSON Lines events they stand for, for the placer.
+"""Reading a rank file for `hazsan place` and `hazsan sweep`: as `hazsan check` reads it.
 
-`hazsan place` reads a rank file through sanitizer.trace.reader.TypedEvents, the reader and schema
-`hazsan check` uses (sanitizer.trace.events): every field already has its type and bounds when it
-gets here. The placer rewrites events and writes JSON Lines, so each record becomes a dict: the
-event as a JSON Lines trace holds it, with absent optional fields left out (a required field that
-may be null, as an alloc's `pool`, stays), a collective's buffers as objects, and, in a version 2
-binary trace, a described field's index (site, stack, op, shape, dtype) as its value
-(events.described).
+`records` takes the typed records of sanitizer.trace.reader.TypedEvents, the reader and schema
+check uses (sanitizer.trace.events), in either format: every field has its type and bounds when
+it gets past here, and the first line check refuses stops the reading with check's message, naming
+file and line. The placer rewrites events and writes JSON Lines, so `RecordDicts` turns each
+record into a dict: the event as a JSON Lines trace holds it, with absent optional fields left out
+(a required field that may be null, as an alloc's `pool`, stays), a collective's buffers as
+objects, and, in a version 2 binary trace, a described field's index (site, stack, op, shape,
+dtype) as its value (events.described).
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 import msgspec
 
@@ -55,3 +58,25 @@ class RecordDicts:
                 value = values[name][value]   # checked against the table when decoded
             out[name] = value
         return out
+
+
+def records(source, path) -> Iterator[tuple[int, object]]:
+    """(line, typed record) pairs of a rank file, in program order, read as `hazsan check` reads
+    it (TypedEvents); the first line it refuses raises TraceError with check's message, after
+    the records before that line."""
+    from sanitizer.trace.reader import TraceError
+
+    problems: list = []
+    while True:
+        try:
+            first, items = source.next(problems)
+        except StopIteration:
+            return
+        bad = min(problems) if problems else None
+        for line, record in enumerate(items, first):
+            if bad is not None and line >= bad[0]:
+                break
+            if record is not None:
+                yield line, record
+        if bad is not None:
+            raise TraceError(path, *bad)

@@ -47,7 +47,7 @@ from sanitizer.trace.events import ADDR_LIMIT
 
 from .allocator import DEFAULT_POOL, AllocatorBlock, CachingAllocator, PlacementError
 from .config import AllocatorConfig
-from .records import RecordDicts
+from .records import RecordDicts, records
 from .segments import DEFAULT_PLUGGABLE_BASE, Arena, DeviceDriver, OutOfMemory, SegmentSource
 
 WINDOW_BASE = 0x7D0000000000      # where arena windows are put
@@ -186,6 +186,7 @@ class RankPlacer:
         self.last_stream = 0                   # the stream of the latest alloc ("current stream")
         self._replaced_windows: set = set()    # input windows the model's own registrations replace
         self._releasing = False                # inside a run of input segment_free events
+        self._empty_windows: dict = {}         # (input addr, comm) -> model addr of a size-0 window
         self._as_dict = RecordDicts()
 
     # ---- helpers ------------------------------------------------------------------------
@@ -413,8 +414,9 @@ class RankPlacer:
         addr, size, comm = ev["addr"], ev["size"], ev["comm"]
         if size == 0:
             # an empty registration (the schema allows it, as check does): nothing can land in
-            # it, its address moves as a pointer's would
-            yield {**ev, "addr": self.map_addr(addr, line)}
+            # it, its address moves as a pointer's would, and its window_free's with it
+            moved = self._empty_windows[(addr, comm)] = self.map_addr(addr, line)
+            yield {**ev, "addr": moved}
             return
         covered = self.inputs.overlapping_live(addr, addr + size)
         pre = self.pending_segments.pop(addr, None)
@@ -480,7 +482,10 @@ class RankPlacer:
             return
         model = self.windows.get((addr, comm))
         out = dict(ev)
-        out["addr"] = model[0] if model is not None else self.map_addr(addr, line)
+        if (addr, comm) in self._empty_windows:
+            out["addr"] = self._empty_windows.pop((addr, comm))
+        else:
+            out["addr"] = model[0] if model is not None else self.map_addr(addr, line)
         yield out
 
 
@@ -526,28 +531,6 @@ def _open_out(path: Path, gz: bool):
     return open(path, "wb")
 
 
-def _records(source, path) -> Iterator[tuple[int, object]]:
-    """(line, typed record) pairs of a rank file, in program order, read as `hazsan check` reads
-    it (TypedEvents); the first line it refuses raises TraceError with check's message, after
-    the records before that line."""
-    from sanitizer.trace.reader import TraceError
-
-    problems: list = []
-    while True:
-        try:
-            first, items = source.next(problems)
-        except StopIteration:
-            return
-        bad = min(problems) if problems else None
-        for line, record in enumerate(items, first):
-            if bad is not None and line >= bad[0]:
-                break
-            if record is not None:
-                yield line, record
-        if bad is not None:
-            raise TraceError(path, *bad)
-
-
 def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(), limits=None) -> PlaceStats:
     """Place one rank file (either format, sanitizer.trace.reader), read within `limits`
     (sanitizer.limits.Limits; default: its defaults); write the result as JSON Lines (gzip if
@@ -568,7 +551,7 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(),
             header["placed"] = {"by": "hazsan place", "allocator_conf": config.describe(),
                                 "model": "c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.4-2.14)"}
             fh.write(dumps(header) + b"\n")
-            for line_no, record in _records(source, in_path):
+            for line_no, record in records(source, in_path):
                 for out in placer.place(line_no, record):
                     try:
                         fh.write(dumps(out) + b"\n")
