@@ -196,3 +196,20 @@ def test_files_without_steps_are_skipped(tmp_path):
     write(d / "rank0.jsonl", mhc_step_trace()[:10])            # no step marker left anywhere
     with pytest.raises(SweepError, match="no trace file has a step marker"):
         sweep([d], [1.0])
+
+
+def test_a_size_scaled_past_the_formats_limit_names_the_input_not_the_scratch_file(tmp_path):
+    """The input is read as check reads it; a scaled trace the format refuses (a size past 2^61)
+    is a SweepError naming the input and the scale, never the temporary file placed."""
+    trace = write(tmp_path / "rank0.jsonl", [
+        {"hazsan": 1, "rank": 0, "world_size": 1},
+        {"ev": "step", "n": 1, "tokens": 4},
+        {"ev": "alloc", "id": 1, "addr": 4096, "size": 1 << 58, "stream": 0, "pool": "default",
+         "shape": [4, 1 << 56], "dtype": "uint8"},
+        {"ev": "free", "id": 1},
+    ])
+    assert sweep([trace], [1])[0].verdict == "clean"
+    with pytest.raises(SweepError) as err:
+        sweep([trace], [16])
+    assert str(err.value).startswith(f"{trace}: scale 16: line 3 of the scaled trace: alloc: field 'size'")
+    assert "hazsan-sweep-" not in str(err.value)
