@@ -21,14 +21,16 @@ testbed), the pool's segments are carved from it instead. `no_split: true` on th
 --no-split) makes a no_split pool (torch symmetric memory). A block freed
 after record_stream stays unavailable until its free_done. PYTORCH_CUDA_ALLOC_CONF keys that change
 placement are honoured; unmodelled ones (expandable_segments:True, backend:cudaMallocAsync, ...) are
-refused. Then run `hazsan check DIR`: its line numbers are those of the placed files (segment and
-window events are inserted, input segment events dropped)."""
+refused. Input is read as `hazsan check` reads it (JSON Lines or binary .hzs, the same schema): a
+line check refuses stops place with check's message, naming file and line; unknown kinds and fields
+are dropped with check's warnings. Then run `hazsan check DIR`: its line numbers are those of the
+placed files (segment and window events are inserted, input segment events dropped)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument("trace", metavar="TRACE_OR_DIR", help="a rank file (.jsonl/.jsonl.gz) or a directory of them")
+    p.add_argument("trace", metavar="TRACE_OR_DIR", help="a rank file (.jsonl, .hzs, either .gz) or a directory of them")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the placed traces (created)")
     p.add_argument("--alloc-conf", metavar="CONF", default=None,
                    help="allocator settings, PYTORCH_CUDA_ALLOC_CONF syntax "

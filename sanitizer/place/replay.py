@@ -1,8 +1,12 @@
 """Trace transform: replay a rank's allocation requests through the model, rewrite addresses.
 
-Input: schema-1 events whose addresses mean nothing on a GPU (captured on CPU). Output: the same
-events with every alloc, window and buffer address replaced by where the model places it, plus a
-`segment` event before the first allocation that lands in each new segment.
+Input: schema-1 events whose addresses mean nothing on a GPU (captured on CPU), read through
+sanitizer.trace.reader.TypedEvents, the reader and schema (sanitizer.trace.events) of `hazsan
+check`: a line check refuses, place refuses with the same message naming file and line, and every
+field reaches the placer typed and in range. Output: the same events (unknown kinds and fields
+dropped with a warning, as check ignores them) with every alloc, window and buffer address
+replaced by where the model places it, plus a `segment` event before the first allocation that
+lands in each new segment.
 
 Rules (also in `hazsan place --help`):
 - Pool of an alloc: the innermost open `scope` that names a `pool`; else the alloc's own `pool`
@@ -39,19 +43,21 @@ from typing import Iterable, Iterator
 import orjson
 
 from sanitizer.rules.intervals import RangeIndex
+from sanitizer.trace.events import ADDR_LIMIT
 
 from .allocator import DEFAULT_POOL, AllocatorBlock, CachingAllocator, PlacementError
 from .config import AllocatorConfig
+from .records import RecordDicts, records
 from .segments import DEFAULT_PLUGGABLE_BASE, Arena, DeviceDriver, OutOfMemory, SegmentSource
 
 WINDOW_BASE = 0x7D0000000000      # where arena windows are put
 FOREIGN_BASE = 1 << 48            # memory the allocator never handed out
-ADDRESS_LIMIT = 1 << 64           # a device address, a size and their sum fit in 64 bits
 _DEFAULT_NAMES = (None, "", DEFAULT_POOL, 0, "0", "native")
 
 
 class PlaceError(Exception):
-    """Unusable input for placement; names file and line."""
+    """A trace the schema accepts that cannot be placed (a free of an unknown id, a block the
+    model cannot fit, an address placed past the format's limit); names file and line."""
 
     def __init__(self, path, line, message):
         self.path, self.line, self.message = str(path), line, message
@@ -151,7 +157,8 @@ class _InputRanges:
 
 
 class RankPlacer:
-    """Places one rank's events. Feed (line_no, event) pairs in program order to `place`."""
+    """Places one rank's events. Feed (line_no, typed record) pairs (sanitizer.trace.events or
+    the binary format's classes) in program order to `place`."""
 
     def __init__(self, config: AllocatorConfig, path="<trace>", *, no_split_pools=(),
                  device_base: int | None = None):
@@ -179,44 +186,18 @@ class RankPlacer:
         self.last_stream = 0                   # the stream of the latest alloc ("current stream")
         self._replaced_windows: set = set()    # input windows the model's own registrations replace
         self._releasing = False                # inside a run of input segment_free events
+        self._empty_windows: dict = {}         # (input addr, comm) -> model addr of a size-0 window
+        self._as_dict = RecordDicts()
 
     # ---- helpers ------------------------------------------------------------------------
     def _err(self, line, msg):
         return PlaceError(self.path, line, msg)
 
-    def _field(self, ev, name, line, types=(int,)):
-        if name not in ev:
-            raise self._err(line, f"{ev.get('ev')!r} event lacks field {name!r}")
-        v = ev[name]
-        if types and (not isinstance(v, types) or isinstance(v, bool)):
-            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} has the wrong type: {_short(v)}")
-        return v
-
-    def _u64(self, ev, name, line, *, positive=False):
-        """An address or size: an integer in [0, 2^64) (a size > 0 with `positive`)."""
-        v = self._field(ev, name, line)
-        if not (0 < v if positive else 0 <= v) or v >= ADDRESS_LIMIT:
-            want = "positive" if positive else "at least 0"
-            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} must be {want} and below 2^64, got {v}")
-        return v
-
-    def _ident(self, ev, name, line, *, required=True, default=None):
-        """An id, stream, graph, comm or pool name: an integer or a string (a dict key here)."""
-        if name not in ev or ev[name] is None:
-            if required:
-                raise self._err(line, f"{ev.get('ev')!r} event lacks field {name!r}")
-            return default
-        v = ev[name]
-        if type(v) not in (int, str):
-            raise self._err(line, f"field {name!r} of {ev.get('ev')!r} must be an integer or a string, "
-                                  f"got {_short(v)}")
-        return v
-
     def _placed(self, addr: int, line, what: str) -> int:
-        """An address written out: past 2^64 no device has it (and JSON readers refuse it)."""
-        if not 0 <= addr < ADDRESS_LIMIT:
-            raise self._err(line, f"{what} would be placed at {addr:#x}, past 2^64: "
-                                  "the input address or size is out of any device's range")
+        """An address written out: the placed trace must be one `hazsan check` reads."""
+        if not 0 <= addr < ADDR_LIMIT:
+            raise self._err(line, f"{what} would be placed at {addr:#x}, past the trace format's address "
+                                  f"limit {ADDR_LIMIT:#x}: the input address or size is out of any device's range")
         return addr
 
     def _pool_for(self, ev) -> str:
@@ -259,36 +240,23 @@ class RankPlacer:
         self.stats.foreign_buffers += 1
         return self._placed(FOREIGN_BASE + addr, line, f"address {addr:#x} (outside every block)")
 
-    def _map_range_list(self, ranges, line, what):
-        if not isinstance(ranges, list):
-            raise self._err(line, f"{what} must be a list of [addr, size]")
-        out = []
-        for r in ranges:
-            if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)):
-                raise self._err(line, f"{what} entries must be [addr, size], got {_short(r)}")
-            if not (0 <= r[0] < ADDRESS_LIMIT and 0 <= r[1] < ADDRESS_LIMIT):
-                raise self._err(line, f"{what} entry {r!r}: addr and size must be in [0, 2^64)")
-            out.append([self.map_addr(r[0], line), r[1]])
-        return out
-
     # ---- the event loop ---------------------------------------------------------------------
-    def place(self, line: int, ev: dict) -> Iterator[dict]:
-        """Yield the output events for one input event (0, 1 or several)."""
-        if not isinstance(ev, dict):
-            raise self._err(line, f"event is not a JSON object: {ev!r}")
+    def place(self, line: int, record) -> Iterator[dict]:
+        """Yield the output events (dicts) for one input record (0, 1 or several)."""
+        ev = self._as_dict(record)
         self.stats.events += 1
-        kind = ev.get("ev")
+        kind = ev["ev"]
         if kind != "segment_free":
             self._releasing = False
-        handler = getattr(self, f"_ev_{kind}", None) if isinstance(kind, str) else None
+        handler = getattr(self, f"_ev_{kind}", None)
         if handler is None:
             yield ev
             return
         try:
             yield from handler(line, ev)
         except (TypeError, ValueError, OverflowError, KeyError) as exc:
-            # Every field is checked where it is read; this only keeps a check that was missed
-            # from becoming a traceback, and still names the line.
+            # The schema typed every field; this only keeps a case the placer missed from
+            # becoming a traceback, and still names the line.
             raise self._err(line, f"cannot place this {kind!r} event: {type(exc).__name__}: {exc}") from None
 
     def _ev_segment(self, line, ev):
@@ -297,8 +265,8 @@ class RankPlacer:
         # pool preallocation (torch.empty(N GiB) in the pool, dropped at once). Remember it until
         # an allocation lands in it (then it was an ordinary segment) or a window claims it.
         self.stats.dropped_segment_events += 1
-        addr, size = ev.get("addr"), ev.get("size")
-        if type(addr) is int and type(size) is int and size > 0:
+        addr, size = ev["addr"], ev["size"]
+        if size > 0:
             self.pending_segments[addr] = (size, ev.get("pool"), line)
             if len(self.pending_segments) > 64:
                 self.pending_segments.pop(next(iter(self.pending_segments)))
@@ -310,8 +278,7 @@ class RankPlacer:
         # frees every unsplit cached segment of the default pool. The first segment_free of a run
         # replays that on the model; the model's own segment_free events replace the input's.
         self.stats.dropped_segment_events += 1
-        addr = ev.get("addr")
-        if type(addr) is int and self.pending_segments.pop(addr, None) is not None or self._releasing:
+        if self.pending_segments.pop(ev["addr"], None) is not None or self._releasing:
             return
         self._releasing = True
         for bid, b in list(self.held.items()):
@@ -328,12 +295,8 @@ class RankPlacer:
                 del self.pending_segments[start]
 
     def _ev_scope(self, line, ev):
-        enter = ev.get("enter")
-        if not isinstance(enter, bool):
-            raise self._err(line, "scope event needs a boolean 'enter'")
-        if enter:
-            pool = self._ident(ev, "pool", line, required=False)
-            comm = self._ident(ev, "comm", line, required=False)
+        if ev["enter"]:
+            pool, comm = ev.get("pool"), ev.get("comm")
             self.scopes.append(ev)
             if pool not in (None, ""):
                 if comm is not None:
@@ -348,30 +311,23 @@ class RankPlacer:
         yield ev
 
     def _ev_graph_begin(self, line, ev):
-        g = self._ident(ev, "graph", line)
-        pool = self._ident(ev, "pool", line, required=False)
+        g, pool = ev["graph"], ev.get("pool")
         self.captures[g] = str(pool) if pool not in (None, "") else f"graph:{g}"
         yield ev
 
     def _ev_graph_end(self, line, ev):
-        self.captures.pop(self._ident(ev, "graph", line), None)
+        self.captures.pop(ev["graph"], None)
         yield ev
 
     def _ev_alloc(self, line, ev):
-        bid = self._ident(ev, "id", line)
-        addr = self._u64(ev, "addr", line)
-        size = self._u64(ev, "size", line)
-        stream = self._ident(ev, "stream", line, required=False, default=0)
-        self._ident(ev, "pool", line, required=False)
-        if addr + size > ADDRESS_LIMIT:
-            raise self._err(line, f"alloc [{addr:#x}, +{size}) ends past 2^64")
+        bid, addr, size, stream = ev["id"], ev["addr"], ev["size"], ev["stream"]
         if bid in self.blocks and bid not in self.freed:
             raise self._err(line, f"alloc of id {bid!r} which is still allocated")
         self.freed.discard(bid)
         # a trace that records both gives `size` = the block its allocator made and `requested` =
         # the bytes asked for: the request is what the model must place
         requested = ev.get("requested")
-        has_request = isinstance(requested, int) and 0 <= requested <= size
+        has_request = requested is not None and 0 <= requested <= size
         request = requested if has_request else size
         pool = self._pool_for(ev)
         self._ensure_pool(pool)
@@ -410,7 +366,7 @@ class RankPlacer:
         self._new_segments.clear()
 
     def _block(self, line, ev):
-        bid = self._ident(ev, "id", line)
+        bid = ev["id"]
         b = self.blocks.get(bid)
         if b is None:
             raise self._err(line, f"{ev.get('ev')} of unknown id {bid!r}")
@@ -431,13 +387,12 @@ class RankPlacer:
 
     def _ev_record_stream(self, line, ev):
         b = self._block(line, ev)
-        self._ident(ev, "stream", line)
         if ev["id"] not in self.freed:
             self.alloc.record_stream(b, ev["stream"])
         yield ev
 
     def _ev_free_done(self, line, ev):
-        b = self._block(line, ev)
+        self._block(line, ev)             # an unknown id is refused
         held = self.held.pop(ev["id"], None)
         if held is not None:
             self.alloc.free_done(held)
@@ -447,31 +402,22 @@ class RankPlacer:
         out = dict(ev)
         for key in ("reads", "writes"):
             if key in ev:
-                out[key] = self._map_range_list(ev[key], line, key)
+                out[key] = [[self.map_addr(a, line), n] for a, n in ev[key]]
         yield out
 
     def _ev_coll(self, line, ev):
         out = dict(ev)
-        bufs = ev.get("bufs")
-        if bufs is not None:
-            if not isinstance(bufs, list):
-                raise self._err(line, "coll 'bufs' must be a list")
-            nb = []
-            for b in bufs:
-                if not isinstance(b, dict) or type(b.get("addr")) is not int:
-                    raise self._err(line, f"coll buffer needs an integer 'addr': {_short(b)}")
-                if not 0 <= b["addr"] < ADDRESS_LIMIT:
-                    raise self._err(line, f"coll buffer 'addr' must be in [0, 2^64), got {b['addr']}")
-                nb.append({**b, "addr": self.map_addr(b["addr"], line)})
-            out["bufs"] = nb
+        out["bufs"] = [{**b, "addr": self.map_addr(b["addr"], line)} for b in ev["bufs"]]
         yield out
 
     def _ev_window(self, line, ev):
-        addr = self._u64(ev, "addr", line)
-        size = self._u64(ev, "size", line, positive=True)
-        comm = self._ident(ev, "comm", line, required=False)
-        if addr + size > ADDRESS_LIMIT:
-            raise self._err(line, f"window [{addr:#x}, +{size}) ends past 2^64")
+        addr, size, comm = ev["addr"], ev["size"], ev["comm"]
+        if size == 0:
+            # an empty registration (the schema allows it, as check does): nothing can land in
+            # it, its address moves as a pointer's would, and its window_free's with it
+            moved = self._empty_windows[(addr, comm)] = self.map_addr(addr, line)
+            yield {**ev, "addr": moved}
+            return
         covered = self.inputs.overlapping_live(addr, addr + size)
         pre = self.pending_segments.pop(addr, None)
         if not covered and pre is not None:
@@ -515,7 +461,8 @@ class RankPlacer:
             self.stats.windows_registered += 1
             yield {**ev, "addr": lo, "size": hi - lo}
             return
-        base = (self._window_cursor + (2 << 20) - 1) & ~((2 << 20) - 1)
+        base = self._placed((self._window_cursor + (2 << 20) - 1) & ~((2 << 20) - 1), line,
+                            f"window {addr:#x}")
         self._window_cursor = base + size + (2 << 20)
         arena = Arena(base=base, capacity=size, name=f"window[{comm}]@{addr:#x}", comm=comm)
         self.arenas.setdefault(comm, []).append(arena)
@@ -529,14 +476,16 @@ class RankPlacer:
         yield {**ev, "addr": base}
 
     def _ev_window_free(self, line, ev):
-        addr = self._u64(ev, "addr", line)
-        comm = self._ident(ev, "comm", line, required=False)
+        addr, comm = ev["addr"], ev["comm"]
         if (addr, comm) in self._replaced_windows:
             self._replaced_windows.discard((addr, comm))
             return
         model = self.windows.get((addr, comm))
         out = dict(ev)
-        out["addr"] = model[0] if model is not None else self.map_addr(addr, line)
+        if (addr, comm) in self._empty_windows:
+            out["addr"] = self._empty_windows.pop((addr, comm))
+        else:
+            out["addr"] = model[0] if model is not None else self.map_addr(addr, line)
         yield out
 
 
@@ -575,12 +524,6 @@ class _WindowMap:
         return None if best is None else (best[1], best[2])
 
 
-def _short(value, limit: int = 60) -> str:
-    """A field's value for an error message: a hostile line may hold megabytes."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 # ---------------------------------------------------------------- files ------------------
 def _open_out(path: Path, gz: bool):
     if gz:
@@ -589,12 +532,14 @@ def _open_out(path: Path, gz: bool):
 
 
 def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(), limits=None) -> PlaceStats:
-    """Place one rank file, read within `limits` (sanitizer.limits.Limits; default: its defaults);
-    write the result (gzip if the name ends .gz). Raises PlaceError or the reader's TraceError for
-    unusable input."""
-    from sanitizer.trace.reader import TraceError, open_trace
+    """Place one rank file (either format, sanitizer.trace.reader), read within `limits`
+    (sanitizer.limits.Limits; default: its defaults); write the result as JSON Lines (gzip if
+    the name ends .gz). Raises the reader's TraceError for what `hazsan check` refuses, with its
+    message, or PlaceError for what cannot be placed."""
+    from sanitizer.trace.reader import TypedEvents, open_trace
 
     tf = open_trace(in_path, limits)
+    source = TypedEvents(tf)
     placer = RankPlacer(config, in_path, no_split_pools=no_split_pools)
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".part")
@@ -606,10 +551,8 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(),
             header["placed"] = {"by": "hazsan place", "allocator_conf": config.describe(),
                                 "model": "c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.4-2.14)"}
             fh.write(dumps(header) + b"\n")
-            for line_no, ev in tf.events():
-                if isinstance(ev, TraceError):
-                    raise ev
-                for out in placer.place(line_no, ev):
+            for line_no, record in records(source, in_path):
+                for out in placer.place(line_no, record):
                     try:
                         fh.write(dumps(out) + b"\n")
                     except orjson.JSONEncodeError as exc:
@@ -618,15 +561,31 @@ def place_file(in_path, out_path, config: AllocatorConfig, *, no_split_pools=(),
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        tf.close()
+        source.forget()     # a binary version 2 file's record classes leave the registry
     placer.stats.notes.extend(tf.warnings)
+    placer.stats.notes.extend(source.warnings(str(in_path)))
     return placer.stats
 
 
 def place_events(header: dict, events: Iterable[tuple[int, dict]], config: AllocatorConfig,
                  path="<memory>", *, no_split_pools=()) -> tuple[list[dict], PlaceStats]:
-    """In-memory variant: returns the placed events (header not included) and the stats."""
+    """In-memory variant over (line, event dict) pairs: each event is read by the schema's rules
+    for a JSON Lines line (sanitizer.trace.events.EventDecoder: unknown kinds skipped, unknown
+    fields dropped, anything else a TraceError naming `path` and the line). Returns the placed
+    events (header not included) and the stats."""
+    from sanitizer.trace.events import EventDecoder
+    from sanitizer.trace.reader import TraceError
+
+    decoder = EventDecoder()
     placer = RankPlacer(config, path, no_split_pools=no_split_pools)
     out: list[dict] = []
     for line_no, ev in events:
-        out.extend(placer.place(line_no, ev))
+        record = decoder.object(dict(ev)) if type(ev) is dict else "an event must be a JSON object"
+        if type(record) is str:
+            raise TraceError(path, line_no, record)
+        if record is not None:
+            out.extend(placer.place(line_no, record))
+    placer.stats.notes.extend(decoder.warnings(str(path)))
     return out, placer.stats

@@ -28,7 +28,8 @@ from pathlib import Path
 import orjson
 
 from .config import AllocatorConfig
-from .replay import place_file
+from .records import RecordDicts, records
+from .replay import PlaceError, place_file
 
 SYNTH_BASE = 1 << 50      # fresh input addresses for scaled blocks (placement rewrites them anyway)
 LATENT_RULES = ("free-in-flight", "transient-in-window")
@@ -70,55 +71,20 @@ class ScaleResult:
 
 
 def _read(path: Path, limits):
-    from sanitizer.trace.reader import TraceError, open_trace
+    """The header and the (line, event dict) pairs of one rank file, read as `hazsan check` and
+    `hazsan place` read it (place.records): a line check refuses is a TraceError naming this
+    file and line, before anything is scaled."""
+    from sanitizer.trace.reader import TypedEvents, open_trace
 
     tf = open_trace(path, limits)
-    events = []
-    for line, ev in tf.events():
-        if isinstance(ev, TraceError):
-            raise ev
-        problem = _check_event(ev)
-        if problem:
-            raise TraceError(path, line, problem)
-        events.append((line, ev))
+    source = TypedEvents(tf)
+    as_dict = RecordDicts()
+    try:
+        events = [(line, as_dict(rec)) for line, rec in records(source, path)]
+    finally:
+        tf.close()
+        source.forget()
     return tf.header, events
-
-
-_IDENT_FIELDS = ("id", "stream", "graph", "comm", "pool", "cid")
-_U64 = 1 << 64
-
-
-def _u64(v) -> bool:
-    return type(v) is int and 0 <= v < _U64
-
-
-def _check_event(ev) -> str | None:
-    """What is wrong with the fields the scaler reads, or None. The placer checks the rest."""
-    if not isinstance(ev, dict):
-        return f"event is not a JSON object: {str(ev)[:60]}"
-    kind = ev.get("ev")
-    for name in _IDENT_FIELDS:
-        v = ev.get(name)
-        if v is not None and type(v) not in (int, str):
-            return f"field {name!r} of {kind!r} must be an integer or a string, got {str(v)[:60]}"
-    if kind == "step" and ev.get("n") is not None and type(ev["n"]) is not int:
-        return f"field 'n' of 'step' must be an integer, got {str(ev['n'])[:60]}"
-    if kind in ("alloc", "window"):
-        for name in ("addr", "size"):
-            if name in ev and not _u64(ev[name]):
-                return f"field {name!r} of {kind!r} must be an integer in [0, 2^64), got {str(ev[name])[:60]}"
-    if kind == "launch":
-        for key in ("reads", "writes"):
-            ranges = ev.get(key)
-            if ranges is not None and not (isinstance(ranges, list) and all(
-                    isinstance(r, list) and len(r) == 2 and _u64(r[0]) and _u64(r[1]) for r in ranges)):
-                return f"{key} must be a list of [addr, size] with both in [0, 2^64)"
-    if kind == "coll" and ev.get("bufs") is not None:
-        bufs = ev["bufs"]
-        if not (isinstance(bufs, list) and all(
-                isinstance(b, dict) and _u64(b.get("addr")) and _u64(b.get("size", 0)) for b in bufs)):
-            return "coll 'bufs' must be a list of {addr, size} with both in [0, 2^64)"
-    return None
 
 
 def split_step(events, step: int | None):
@@ -304,7 +270,7 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
             raise SweepError("every token count of the schedule must be positive")
         scales = [1.0]
     from sanitizer.rules.driver import analyze
-    from sanitizer.trace.reader import expand_paths
+    from sanitizer.trace.reader import TraceError, expand_paths
 
     config = config or AllocatorConfig()
     files = expand_paths(paths)
@@ -350,8 +316,15 @@ def sweep(paths, scales, *, step=None, repeat: int = 2, config: AllocatorConfig 
                                 if e is not head else "header (step, token count)"
                             raise SweepError(f"{f}: scale {scale:g}: the scaled {what} is out of range "
                                              f"({exc})") from None
-                stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools,
-                                   limits=limits)
+                try:
+                    stats = place_file(raw_dir / name, placed_dir / name, config, no_split_pools=no_split_pools,
+                                       limits=limits)
+                except (TraceError, PlaceError) as exc:
+                    # the input was read whole above: what fails here is the scaled trace (a size
+                    # scaled past the format's bounds, a block the model cannot fit), in a
+                    # temporary file the message should not send the user to
+                    where = f"line {exc.line} of the scaled trace" if exc.line else "the scaled trace"
+                    raise SweepError(f"{f}: scale {scale:g}: {where}: {exc.message}") from None
                 segments += stats.segments
                 if res is None:
                     res = ScaleResult(scale, sc.new_tokens, {}, [], recorded_step=marker.get("n") or 0)

@@ -22,7 +22,8 @@ Key = Union[int, str]
 #: from 2**62 up, sanitizer/capture/window.py) and sizes below 2**61 (never negative:
 #: docs/trace-format.md, settled): an end address then fits a signed 64-bit integer in the
 #: compiled engine.
-Addr = Annotated[int, msgspec.Meta(ge=0, lt=3 << 61)]
+ADDR_LIMIT = 3 << 61
+Addr = Annotated[int, msgspec.Meta(ge=0, lt=ADDR_LIMIT)]
 Size = Annotated[int, msgspec.Meta(ge=0, lt=1 << 61)]
 #: Counts capture writes (dropped events, hook failures): never negative, so that a negative count
 #: can never cancel a real loss and make an incomplete trace look complete.

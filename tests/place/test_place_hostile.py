@@ -1,6 +1,7 @@
 """hazsan place and sweep on hostile input (issue 14): list-valued ids, streams and graph ids,
-addresses at or past 2^64 once rewritten, windows of negative size. Each ends in exit 2 with one
-line naming file and line, never a traceback."""
+addresses past the trace format's limit, as read or once rewritten, windows of negative size. Each
+ends in exit 2 with one line naming file and line, never a traceback. place and sweep read a trace
+as `hazsan check` does (sanitizer/trace/events.py): what check refuses, they refuse with its words."""
 from __future__ import annotations
 
 import json
@@ -15,9 +16,10 @@ from hypothesis import strategies as st
 
 from hostile_inputs import trace_lines
 from sanitizer.cli import main
+from sanitizer.trace.events import ADDR_LIMIT
 
 HEADER = {"hazsan": 1, "rank": 0, "world_size": 1}
-ALLOC = {"ev": "alloc", "id": 1, "addr": 4096, "size": 512, "stream": 0}
+ALLOC = {"ev": "alloc", "id": 1, "addr": 4096, "size": 512, "stream": 0, "pool": "default"}
 STEP = {"ev": "step", "n": 1, "tokens": 4}
 
 
@@ -36,17 +38,26 @@ CASES = {
     "object graph id at end": ([{"ev": "graph_end", "graph": {"g": 1}, "stream": 0}], 2, "'graph'"),
     "list comm in scope": ([{"ev": "scope", "name": "s", "enter": True, "pool": "p", "comm": ["tp"]}], 2, "'comm'"),
     "list comm in window_free": ([{"ev": "window_free", "addr": 4096, "comm": [1]}], 2, "'comm'"),
-    "foreign read past 2^64 once moved": ([{"ev": "launch", "stream": 0, "reads": [[2**64 - 1000, 8]]}], 2, "2^64"),
-    "coll buffer past 2^64 once moved": ([{"ev": "coll", "cid": 1, "comm": "tp", "seq": 0, "op": "x", "stream": 0,
-                                           "bufs": [{"addr": 2**64 - 1, "size": 1}]}], 2, "2^64"),
-    "alloc ending past 2^64": ([{**ALLOC, "addr": 2**64 - 512}, {**ALLOC, "id": 2, "addr": 2**63, "size": 2**63 + 1}], 3, "2^64"),
-    "alloc size 2^64 - 1": ([{**ALLOC, "size": 2**64 - 1}], 2, None),
-    "negative range size": ([{"ev": "launch", "stream": 0, "writes": [[4096, -8]]}], 2, "2^64"),
+    # an address the format allows that moves past its limit (FOREIGN_BASE + addr): placement's own refusal
+    "foreign read past the limit once moved": ([{"ev": "launch", "stream": 0, "reads": [[ADDR_LIMIT - 1000, 8]]}], 2,
+                                               "past the trace format's address limit"),
+    "coll buffer past the limit once moved": ([{"ev": "coll", "cid": 1, "comm": "tp", "seq": 0, "op": "x", "stream": 0,
+                                                "bufs": [{"addr": ADDR_LIMIT - 1, "size": 1, "access": "r"}]}], 2,
+                                              "past the trace format's address limit"),
+    # addresses and sizes past the format's limits: the schema's refusal
+    "read past the limit": ([{"ev": "launch", "stream": 0, "reads": [[2**64 - 1000, 8]]}], 2, "reads[0][0]"),
+    "coll buffer past the limit": ([{"ev": "coll", "cid": 1, "comm": "tp", "seq": 0, "op": "x", "stream": 0,
+                                     "bufs": [{"addr": 2**64 - 1, "size": 1, "access": "r"}]}], 2, "'bufs[0].addr'"),
+    "alloc past the limit": ([ALLOC, {**ALLOC, "id": 2, "addr": ADDR_LIMIT}], 3, "'addr'"),
+    "alloc size 2^64 - 1": ([{**ALLOC, "size": 2**64 - 1}], 2, "'size'"),
+    "negative range size": ([{"ev": "launch", "stream": 0, "writes": [[4096, -8]]}], 2, "negative size"),
     "window of negative size": ([{"ev": "window", "addr": 4096, "size": -100, "comm": "tp"}], 2, "'size'"),
-    "window of size 0": ([{"ev": "window", "addr": 4096, "size": 0, "comm": "tp"}], 2, "'size'"),
-    "window ending past 2^64": ([{"ev": "window", "addr": 2**64 - 4096, "size": 8192, "comm": "tp"}], 2, "2^64"),
+    "window past the limit": ([{"ev": "window", "addr": 2**64 - 4096, "size": 8192, "comm": "tp"}], 2, "'addr'"),
     "negative alloc size": ([{**ALLOC, "size": -1}], 2, "'size'"),
+    "alloc without pool": ([{k: v for k, v in ALLOC.items() if k != "pool"}], 2, "missing field 'pool'"),
 }
+#: refused by placement, not by the schema: check reads these traces
+PLACEMENT_CASES = ("foreign read past the limit once moved", "coll buffer past the limit once moved")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -60,6 +71,40 @@ def test_place_blames_the_line_with_the_bad_field(tmp_path, capsys, name):
     if word:
         assert word in err
     assert not (tmp_path / "out" / "rank0.jsonl").exists()  # no half-written output left behind
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in PLACEMENT_CASES])
+def test_place_refuses_what_check_refuses_in_checks_words(tmp_path, capsys, name):
+    events, line, _ = CASES[name]
+    trace = _write(tmp_path / "rank0.jsonl", *events)
+    assert main(["check", str(trace)]) == 2
+    check = [x.removeprefix("hazsan: error: ") for x in capsys.readouterr().out.splitlines()
+             if x.startswith("hazsan: error: ")]
+    assert check and check[0].startswith(f"{trace}:{line}: ")
+    assert main(["place", str(trace), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"hazsan place: {check[0]}\n"
+
+
+@pytest.mark.parametrize("name", PLACEMENT_CASES)
+def test_what_placement_refuses_check_reads(tmp_path, capsys, name):
+    """An address the format allows, moved out of the way of every modelled block, would pass the
+    format's limit: place refuses (its output must be a trace check reads); check reads the input."""
+    events, _, _ = CASES[name]
+    trace = _write(tmp_path / "rank0.jsonl", *events)
+    assert main(["check", str(trace)]) == 0
+
+
+def test_zero_size_window_is_read_as_check_reads_it(tmp_path, capsys):
+    """The schema allows a window of size 0 (check reads it); place passes it on, its address moved
+    as a pointer's, and its output is a trace check reads."""
+    trace = _write(tmp_path / "rank0.jsonl", {"ev": "window", "addr": 4096, "size": 0, "comm": "tp"}, ALLOC,
+                   {"ev": "window_free", "addr": 4096, "comm": "tp"})
+    assert main(["check", str(trace)]) == 0
+    assert main(["place", str(trace), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    placed = [orjson.loads(x) for x in (tmp_path / "out" / "rank0.jsonl").read_bytes().splitlines()[1:]]
+    assert [e["ev"] for e in placed] == ["window", "segment", "alloc", "window_free"]
+    assert placed[0]["size"] == 0 and placed[0]["addr"] == placed[3]["addr"]
+    assert main(["check", str(tmp_path / "out")]) == 0
 
 
 @pytest.mark.parametrize("name", ["list id", "list stream", "list graph id", "window of negative size",

@@ -144,6 +144,7 @@ TRACE_OP = st.one_of(
 def test_placed_traces_never_overlap_live_blocks_and_buffers_follow_their_block(ops, data):
     """Random CPU-like traces (addresses reused at will, as the CPU allocator does)."""
     events, live, held, nid = [], {}, [], 0
+    uses = []                 # (block, offset) of each launch, in order (place keeps no unknown field)
     cpu_addrs = st.sampled_from([0x1000, 0x1000 + 4096, 0x50000, 0x900000])
     for op in ops:
         if op[0] == "alloc":
@@ -154,7 +155,7 @@ def test_placed_traces_never_overlap_live_blocks_and_buffers_follow_their_block(
             nid += 1
             if pool:
                 events.append({"ev": "scope", "name": "symm", "enter": True, "pool": pool, "comm": "tp"})
-            events.append({"ev": "alloc", "id": nid, "addr": addr, "size": size, "stream": stream})
+            events.append({"ev": "alloc", "id": nid, "addr": addr, "size": size, "stream": stream, "pool": "default"})
             if pool:
                 events.append({"ev": "scope", "name": "symm", "enter": False})
             live[nid] = (addr, size)
@@ -171,9 +172,11 @@ def test_placed_traces_never_overlap_live_blocks_and_buffers_follow_their_block(
             bid = sorted(live)[op[1] % len(live)]
             a, s = live[bid]
             off = op[2] % max(s, 1)
-            events.append({"ev": "launch", "stream": 0, "writes": [[a + off, 1]], "_check": (bid, off)})
+            events.append({"ev": "launch", "stream": 0, "writes": [[a + off, 1]]})
+            uses.append((bid, off))
     out, stats = place_events({}, list(enumerate(events, 2)), AllocatorConfig())
     placed, model_live, held_live, streams = {}, {}, {}, {}
+    checks = iter(uses)
     for e in out:
         if e["ev"] == "alloc":
             lo, hi = e["addr"], e["addr"] + max(e["size"], 1)
@@ -191,6 +194,7 @@ def test_placed_traces_never_overlap_live_blocks_and_buffers_follow_their_block(
         elif e["ev"] == "free_done":
             held_live.pop(e["id"], None)
         elif e["ev"] == "launch":
-            bid, off = e["_check"]
+            bid, off = next(checks)
             assert e["writes"][0][0] == placed[bid] + off < FOREIGN_BASE
     assert stats.allocs == sum(1 for e in events if e["ev"] == "alloc")
+    assert next(checks, None) is None                    # every launch came out

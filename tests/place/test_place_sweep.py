@@ -20,18 +20,18 @@ def mhc_step_trace(tokens=4):
         {"hazsan": 1, "rank": 0, "world_size": 1, "device": "cpu"},
         {"ev": "window", "addr": 0x40000000, "size": 256 << 20, "comm": "tp"},
         symm_in,
-        {"ev": "alloc", "id": "warm1", "addr": 0x100000, "size": 98304, "stream": 0},
-        {"ev": "alloc", "id": "pin1", "addr": 0x200000, "size": 512, "stream": 0},
-        {"ev": "alloc", "id": "warm2", "addr": 0x300000, "size": 540672, "stream": 0},
-        {"ev": "alloc", "id": "pin2", "addr": 0x400000, "size": 512, "stream": 0},
+        {"ev": "alloc", "id": "warm1", "addr": 0x100000, "size": 98304, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": "pin1", "addr": 0x200000, "size": 512, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": "warm2", "addr": 0x300000, "size": 540672, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": "pin2", "addr": 0x400000, "size": 512, "stream": 0, "pool": "default"},
         {"ev": "free", "id": "warm1"},
         {"ev": "free", "id": "warm2"},
         symm_out,
         {"ev": "step", "n": 0, "phase": "warmup"},           # no tokens: not the step replayed
-        {"ev": "alloc", "id": "kv", "addr": 0x500000, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": "kv", "addr": 0x500000, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "step", "n": 1, "tokens": T},
         symm_in,
-        {"ev": "alloc", "id": "h", "addr": 0x10000, "size": T * H * 2, "stream": 0, "shape": [T, H],
+        {"ev": "alloc", "id": "h", "addr": 0x10000, "size": T * H * 2, "stream": 0, "pool": "default", "shape": [T, H],
          "dtype": "bfloat16", "site": "model.py:10:forward"},
         symm_out,
         {"ev": "launch", "stream": 0, "writes": [[0x10000, T * H * 2]]},
@@ -41,11 +41,11 @@ def mhc_step_trace(tokens=4):
          "bufs": [{"addr": 0x10000, "size": T * H * 2, "access": "rw"}], "site": "comm.py:5:all_reduce"},
         {"ev": "free", "id": "h", "site": "model.py:12:forward"},
         symm_in,
-        {"ev": "alloc", "id": "t", "addr": 0x900000, "size": T * 4 * H * 4, "stream": 0,
+        {"ev": "alloc", "id": "t", "addr": 0x900000, "size": T * 4 * H * 4, "stream": 0, "pool": "default",
          "shape": [T, 4, H], "dtype": "float32", "site": "mhc.py:2743:mhc_combine"},
         {"ev": "launch", "stream": 0, "writes": [[0x900000, T * 4 * H * 4]]},
-        {"ev": "alloc", "id": "y", "addr": 0x2000000, "size": T * H * 2, "stream": 0, "shape": [T, H],
-         "dtype": "bfloat16", "site": "mhc.py:2745:mhc_combine"},
+        {"ev": "alloc", "id": "y", "addr": 0x2000000, "size": T * H * 2, "stream": 0, "pool": "default",
+         "shape": [T, H], "dtype": "bfloat16", "site": "mhc.py:2745:mhc_combine"},
         {"ev": "launch", "stream": 0, "reads": [[0x900000 + 64, 128]], "writes": [[0x2000000, T * H * 2]]},
         {"ev": "free", "id": "t", "site": "mhc.py:2744:mhc_combine"},
         symm_out,
@@ -57,7 +57,7 @@ def mhc_step_trace(tokens=4):
         {"ev": "wait", "event": "e2", "stream": 0},
         {"ev": "free", "id": "kv"},                          # allocated in a step left out
         {"ev": "step", "n": 2, "tokens": T},
-        {"ev": "alloc", "id": "later", "addr": 0x10000, "size": 64, "stream": 0},
+        {"ev": "alloc", "id": "later", "addr": 0x10000, "size": 64, "stream": 0, "pool": "default"},
     ]
 
 
@@ -190,9 +190,26 @@ def test_files_without_steps_are_skipped(tmp_path):
     d.mkdir()
     write(d / "rank0.jsonl", mhc_step_trace())
     write(d / "pid123.jsonl", [{"hazsan": 1, "rank": -123, "world_size": 1, "device": "cpu"},
-                               {"ev": "alloc", "id": 1, "addr": 4096, "size": 64, "stream": 0}])
+                               {"ev": "alloc", "id": 1, "addr": 4096, "size": 64, "stream": 0, "pool": "default"}])
     (r,) = sweep([d], [3.0])
     assert r.realised
     write(d / "rank0.jsonl", mhc_step_trace()[:10])            # no step marker left anywhere
     with pytest.raises(SweepError, match="no trace file has a step marker"):
         sweep([d], [1.0])
+
+
+def test_a_size_scaled_past_the_formats_limit_names_the_input_not_the_scratch_file(tmp_path):
+    """The input is read as check reads it; a scaled trace the format refuses (a size past 2^61)
+    is a SweepError naming the input and the scale, never the temporary file placed."""
+    trace = write(tmp_path / "rank0.jsonl", [
+        {"hazsan": 1, "rank": 0, "world_size": 1},
+        {"ev": "step", "n": 1, "tokens": 4},
+        {"ev": "alloc", "id": 1, "addr": 4096, "size": 1 << 58, "stream": 0, "pool": "default",
+         "shape": [4, 1 << 56], "dtype": "uint8"},
+        {"ev": "free", "id": 1},
+    ])
+    assert sweep([trace], [1])[0].verdict == "clean"
+    with pytest.raises(SweepError) as err:
+        sweep([trace], [16])
+    assert str(err.value).startswith(f"{trace}: scale 16: line 3 of the scaled trace: alloc: field 'size'")
+    assert "hazsan-sweep-" not in str(err.value)

@@ -83,12 +83,12 @@ def test_cpu_addresses_become_a_collision_that_check_finds(tmp_path, capsys):
 
 def test_record_stream_block_unavailable_until_free_done(tmp_path):
     ev = [
-        {"ev": "alloc", "id": "a", "addr": 100, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": "a", "addr": 100, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "record_stream", "id": "a", "stream": 1},
         {"ev": "free", "id": "a"},
-        {"ev": "alloc", "id": "b", "addr": 100, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": "b", "addr": 100, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "free_done", "id": "a"},
-        {"ev": "alloc", "id": "c", "addr": 100_000, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": "c", "addr": 100_000, "size": 4096, "stream": 0, "pool": "default"},
     ]
     _, out = place(tmp_path, ev)
     a = allocs(out)
@@ -108,7 +108,7 @@ def test_symmetric_scope_places_blocks_in_the_window_and_check_sees_transients(t
         {"ev": "scope", "name": "symm", "enter": False},
         {"ev": "coll", "cid": 1, "comm": "tp", "seq": 0, "op": "all_reduce", "stream": 0,
          "bufs": [{"addr": 9_000_000, "size": 1 * MB, "access": "rw"}]},
-        {"ev": "alloc", "id": "plain", "addr": 9_000_000 + 2 * MB, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": "plain", "addr": 9_000_000 + 2 * MB, "size": 4096, "stream": 0, "pool": "default"},
     ]
     _, out = place(tmp_path, ev)
     win = next(e for e in out if e["ev"] == "window")
@@ -127,12 +127,12 @@ def test_symmetric_scope_places_blocks_in_the_window_and_check_sees_transients(t
 def test_symmetric_pool_segments_are_windows_input_registrations_replaced(tmp_path):
     ev = [
         {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"},
-        {"ev": "alloc", "id": 1, "addr": 7_000_000, "size": 8192, "stream": 0},
-        {"ev": "alloc", "id": 2, "addr": 9_000_000, "size": 3 * MB, "stream": 0},
+        {"ev": "alloc", "id": 1, "addr": 7_000_000, "size": 8192, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": 2, "addr": 9_000_000, "size": 3 * MB, "stream": 0, "pool": "default"},
         {"ev": "scope", "name": "symm", "enter": False},
         {"ev": "window", "addr": 7_000_000, "size": 8192, "comm": "tp"},     # SGLang at scope exit
         {"ev": "window_free", "addr": 7_000_000, "comm": "tp"},
-        {"ev": "alloc", "id": 3, "addr": 7_000_000, "size": 64, "stream": 0},
+        {"ev": "alloc", "id": 3, "addr": 7_000_000, "size": 64, "stream": 0, "pool": "default"},
     ]
     _, out = place(tmp_path, ev)
     kinds = [e["ev"] for e in out]
@@ -149,13 +149,13 @@ def test_symmetric_pool_segments_are_windows_input_registrations_replaced(tmp_pa
 def test_preallocated_symmetric_segment_is_made_and_carved(tmp_path):
     # SGLang's SGLANG_SYMM_MEM_PREALLOC_GB_SIZE: a big segment in the pool, registered, no alloc
     ev = [
-        {"ev": "alloc", "id": "w", "addr": 50, "size": 4096, "stream": 1},
+        {"ev": "alloc", "id": "w", "addr": 50, "size": 4096, "stream": 1, "pool": "default"},
         {"ev": "segment", "addr": 1 << 32, "size": 64 * MB, "pool": "symm"},
         {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"},
         {"ev": "scope", "name": "symm", "enter": False},
         {"ev": "window", "addr": 1 << 32, "size": 64 * MB, "comm": "tp"},
         {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": "tp"},
-        {"ev": "alloc", "id": "big", "addr": (1 << 32) + 4096, "size": 12 * MB, "stream": 1},
+        {"ev": "alloc", "id": "big", "addr": (1 << 32) + 4096, "size": 12 * MB, "stream": 1, "pool": "default"},
         {"ev": "scope", "name": "symm", "enter": False},
     ]
     _, out = place(tmp_path, ev)
@@ -169,13 +169,13 @@ def test_preallocated_symmetric_segment_is_made_and_carved(tmp_path):
 def test_no_split_scope_and_graph_pool(tmp_path):
     ev = [
         {"ev": "scope", "name": "symm", "enter": True, "pool": "tsymm", "no_split": True},
-        {"ev": "alloc", "id": 1, "addr": 10, "size": 4096, "stream": 0},
-        {"ev": "alloc", "id": 2, "addr": 20_000, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": 1, "addr": 10, "size": 4096, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": 2, "addr": 20_000, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "scope", "name": "symm", "enter": False},
         {"ev": "graph_begin", "graph": 3, "stream": 0},
-        {"ev": "alloc", "id": 3, "addr": 10, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": 3, "addr": 10, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "graph_end", "graph": 3, "stream": 0},
-        {"ev": "alloc", "id": 4, "addr": 10, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": 4, "addr": 10, "size": 4096, "stream": 0, "pool": "default"},
     ]
     _, out = place(tmp_path, ev)
     a = allocs(out)
@@ -187,7 +187,7 @@ def test_no_split_scope_and_graph_pool(tmp_path):
 
 def test_foreign_buffers_move_out_of_the_way_and_stale_pointers_stay_stale(tmp_path):
     ev = [
-        {"ev": "alloc", "id": 1, "addr": 1000, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": 1, "addr": 1000, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "free", "id": 1},
         {"ev": "launch", "stream": 0, "reads": [[1000 + 8, 8], [77, 4]]},
     ]
@@ -205,15 +205,90 @@ def test_gzip_in_gzip_out_and_input_segments_replaced(tmp_path):
 
 @pytest.mark.parametrize("events,needle", [
     ([{"ev": "free", "id": 9}], "rank0.jsonl:2: free of unknown id 9"),
-    ([{"ev": "alloc", "id": 1, "addr": 0, "size": 8}, {"ev": "free", "id": 1}, {"ev": "free", "id": 1}],
+    ([{"ev": "alloc", "id": 1, "addr": 0, "size": 8, "stream": 0, "pool": "default"}, {"ev": "free", "id": 1},
+      {"ev": "free", "id": 1}],
      "rank0.jsonl:4: free of id 1, which is already freed"),
-    ([{"ev": "alloc", "id": 1, "size": 8}], "rank0.jsonl:2: 'alloc' event lacks field 'addr'"),
+    ([{"ev": "alloc", "id": 1, "size": 8}], "rank0.jsonl:2: alloc: missing field 'addr'"),   # check's words
 ])
 def test_bad_input_names_file_and_line(tmp_path, capsys, events, needle):
     write(tmp_path / "rank0.jsonl", events)
     assert main(["place", str(tmp_path / "rank0.jsonl"), "--out", str(tmp_path / "o")]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "o" / "rank0.jsonl").exists()
+
+
+# A trace as `hazsan check` reads it: in both formats, a malformed alloc (a negative size) is
+# refused by place with check's own line. An alloc without its required `pool` is malformed JSON
+# Lines; the binary writer stores an absent pool as nil, the null the schema allows.
+MALFORMED = [
+    {"ev": "alloc", "id": 1, "addr": 4096, "size": 512, "stream": 0, "pool": "default", "site": "a.py:1:f"},
+    {"ev": "alloc", "id": 2, "addr": 8192, "size": -8, "stream": 0, "pool": "default", "site": "a.py:2:g"},
+    {"ev": "alloc", "id": 3, "addr": 9192, "size": 8, "stream": 0},
+]
+
+
+@pytest.mark.parametrize("name", ["rank0.jsonl", "rank0.hzs"])
+def test_malformed_alloc_is_refused_by_place_with_checks_file_line_error(tmp_path, capsys, name):
+    from sanitizer.trace import binary as B
+
+    path = tmp_path / name
+    if name.endswith(".hzs"):
+        path.write_bytes(B.jsonl_to_binary(HEADER, MALFORMED))
+    else:
+        write(path, MALFORMED)
+    capsys.readouterr()
+    assert main(["check", str(path)]) == 2
+    check = [line.removeprefix("hazsan: error: ") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("hazsan: error: ")]
+    assert check[0].startswith(f"{path}:3: alloc: field 'size'") and "negative size" in check[0]
+    if name.endswith(".jsonl"):
+        assert len(check) == 2 and check[1] == f"{path}:4: alloc: missing field 'pool'"
+    else:
+        assert len(check) == 1
+    assert main(["place", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == f"hazsan place: {check[0]}\n"      # the first refused line, same words
+    assert not (tmp_path / "o" / "rank0.jsonl").exists()
+    # the line check refuses is the only thing wrong: mended, both accept the trace
+    mended = [MALFORMED[0], {**MALFORMED[1], "size": 8}, {**MALFORMED[2], "pool": None}]
+    path.write_bytes(B.jsonl_to_binary(HEADER, mended)) if name.endswith(".hzs") else write(path, mended)
+    assert main(["check", str(path)]) == 0
+    assert main(["place", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("intern", [False, True], ids=["binary-v1", "binary-v2"])
+def test_binary_trace_places_as_its_json_lines_twin(tmp_path, intern):
+    """A .hzs trace and the same events as JSON Lines place to the same events (described fields,
+    interned in version 2, come out as their values), and check finds the collision in both."""
+    from sanitizer.trace import binary as B
+
+    events = [{**e, "site": f"model.py:{k}:f", "stack": [f"model.py:{k}:f", "run.py:1:main"]}
+              for k, e in enumerate(COLLISION)]
+    (tmp_path / "jl").mkdir()
+    (tmp_path / "bin").mkdir()
+    write(tmp_path / "jl" / "rank0.jsonl", events)
+    (tmp_path / "bin" / "rank0.hzs").write_bytes(B.jsonl_to_binary(HEADER, events, intern=intern))
+    for d in ("jl", "bin"):
+        assert main(["place", str(tmp_path / d), "--out", str(tmp_path / f"{d}-out"), "--quiet"]) == 0
+    _, from_jsonl = read(tmp_path / "jl-out" / "rank0.jsonl")
+    _, from_binary = read(tmp_path / "bin-out" / "rank0.jsonl")   # rank0.hzs -> rank0.jsonl
+    assert from_binary == from_jsonl
+    assert allocs(from_binary)[2]["site"] == "model.py:4:f" and allocs(from_binary)[2]["stack"][1] == "run.py:1:main"
+    assert allocs(from_binary)[1]["addr"] == allocs(from_binary)[2]["addr"]
+    assert analyze([tmp_path / "bin-out"]).summary["by_rule"].get("reuse-in-flight") == 1
+
+
+def test_unknown_kinds_and_fields_are_dropped_with_checks_warnings(tmp_path, capsys):
+    """place reads what check reads: an unknown kind or field is ignored with check's warning, not
+    carried into the placed trace."""
+    events = [{**COLLISION[1], "colour": "red"}, {"ev": "mystery", "x": 1}, *COLLISION[2:]]
+    write(tmp_path / "rank0.jsonl", events)
+    assert main(["place", str(tmp_path / "rank0.jsonl"), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "unknown field 'colour' ignored in 1 event(s)" in err
+    assert "1 event(s) of unknown kind 'mystery' ignored" in err
+    _, out = read(tmp_path / "o" / "rank0.jsonl")
+    assert [e["ev"] for e in out] == ["segment", "alloc", "coll", "free", "alloc", "launch"]
+    assert "colour" not in allocs(out)[1]
 
 
 def test_unmodelled_allocator_setting_is_refused(tmp_path, capsys, monkeypatch):
@@ -228,8 +303,9 @@ def test_unmodelled_allocator_setting_is_refused(tmp_path, capsys, monkeypatch):
 def test_requested_bytes_are_placed_and_size_becomes_the_model_block(tmp_path):
     # a trace from an allocator that made a 20 MiB block for 19 MiB (no split below 1 MiB + 1)
     ev = [
-        {"ev": "alloc", "id": 1, "addr": 0, "size": 20 * MB, "requested": 19 * MB + 600 * 1024, "stream": 0},
-        {"ev": "alloc", "id": 2, "addr": 20 * MB, "size": 4 * MB, "requested": 3 * MB, "stream": 0},
+        {"ev": "alloc", "id": 1, "addr": 0, "size": 20 * MB, "requested": 19 * MB + 600 * 1024, "stream": 0,
+         "pool": "default"},
+        {"ev": "alloc", "id": 2, "addr": 20 * MB, "size": 4 * MB, "requested": 3 * MB, "stream": 0, "pool": "default"},
     ]
     _, out = place(tmp_path, ev)
     a = allocs(out)
@@ -258,16 +334,16 @@ def test_example_traces_keep_their_hazards_after_placement(tmp_path, example):
 
 def test_empty_cache_in_the_input_releases_the_models_free_segments(tmp_path):
     ev = [
-        {"ev": "alloc", "id": 1, "addr": 100, "size": 4096, "stream": 0},
-        {"ev": "alloc", "id": 2, "addr": 9000, "size": 3 * MB, "stream": 0},
-        {"ev": "alloc", "id": 3, "addr": 5 * MB, "size": 4096, "stream": 0},
+        {"ev": "alloc", "id": 1, "addr": 100, "size": 4096, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": 2, "addr": 9000, "size": 3 * MB, "stream": 0, "pool": "default"},
+        {"ev": "alloc", "id": 3, "addr": 5 * MB, "size": 4096, "stream": 0, "pool": "default"},
         {"ev": "record_stream", "id": 3, "stream": 1},
         {"ev": "free", "id": 2},
         {"ev": "free", "id": 3},                    # held: stream 1 may still use it
         {"ev": "segment_free", "addr": 9000},       # torch.cuda.empty_cache(): syncs, then releases
         {"ev": "segment_free", "addr": 77},
         {"ev": "free_done", "id": 3},
-        {"ev": "alloc", "id": 4, "addr": 9000, "size": 3 * MB, "stream": 0},
+        {"ev": "alloc", "id": 4, "addr": 9000, "size": 3 * MB, "stream": 0, "pool": "default"},
     ]
     _, out = place(tmp_path, ev)
     a = allocs(out)
