@@ -541,7 +541,7 @@ MIXES = {
     "alloc-heavy": "alloc=10,free=10,scope=4,launch=4,record=4,wait=4,coll=2,record_stream=1,free_done=1,sites=3",
 }
 MIX_KINDS = ("alloc", "free", "scope", "launch", "record", "wait", "coll", "record_stream", "free_done")
-MIX_PARAMS = {"sites": 3, "streams": 2, "events": 4, "ids": "int"}
+MIX_PARAMS = {"sites": 3, "streams": 2, "events": 4, "ids": "int", "fence": "coll"}
 #: Call sites a mix draws from (the first `sites`), all in the decode model's code.
 MIX_SITES = ("o_proj", "allreduce", "norm", "qkv_a", "attn", "moe_out", "gate", "topk", "shared", "lm_head",
              "embed", "sample", "q", "kv_set", "residual", "moe_inter")
@@ -560,6 +560,12 @@ def parse_mix(spec: str) -> dict:
         if not eq or key not in mix:
             raise ValueError(f"--mix: {part.strip()!r} is not KIND=COUNT (kinds: {', '.join(MIX_KINDS)}; "
                              f"parameters: {', '.join(MIX_PARAMS)}; named mixes: {', '.join(MIXES)}, decode)")
+        if key == "fence":
+            if value not in ("coll", "launch"):
+                raise ValueError("--mix: fence must be coll (records and waits fence the collectives) or launch "
+                                 "(they fence launches on the other streams; collectives on the compute stream)")
+            mix[key] = value
+            continue
         if key == "ids":
             if value not in ("int", "capture"):
                 raise ValueError("--mix: ids must be int (stream 1, 2, ...; events as ints) or capture "
@@ -739,7 +745,7 @@ class MixRank(DecodeRank):
         hazard = self.hazards.get((n, u))
         A, L, C, S, R, W, K = m["alloc"], m["launch"], m["coll"], m["scope"], m["record"], m["wait"], m["record_stream"]
         pairs = S // 2
-        fenced = min(C, R // 2, W // 2)
+        fenced = min(C, R // 2, W // 2) if m["fence"] == "coll" else 0
         coll_allocs = min(A, C)
         n_act = A - coll_allocs
         coll_launches = min(L, C)
@@ -747,6 +753,7 @@ class MixRank(DecodeRank):
         x = self.x
         w = self.weights[u % len(self.weights)]
         act = T * HIDDEN * BF16
+        records, waits = R, W
         # empty scopes first (scope pairs the collectives do not use)
         for _ in range(max(0, pairs - C)):
             self.scope(True)
@@ -762,14 +769,22 @@ class MixRank(DecodeRank):
                 mine = [self.m_alloc(act * (1 + i % 3), [T, HIDDEN * (1 + i % 3)])
                         for i in range(j, n_act, act_launches)]
                 acts += mine
-                self.m_launch("gemm", (prev, w), mine or (x,))
+                if m["fence"] == "launch" and records >= 2 and waits >= 2:
+                    # on another stream, fenced both ways: it sees what compute did, compute its work
+                    records -= 2
+                    waits -= 2
+                    side = self.next_comm()
+                    self.wait(self.m_record(self.compute), side)
+                    self.m_launch("gemm", (prev, w), mine or (x,), stream=side)
+                    self.wait(self.m_record(side), self.compute)
+                else:
+                    self.m_launch("gemm", (prev, w), mine or (x,))
                 if mine:
                     prev = mine[-1]
         last = acts[-1] if acts else x
         # the collectives
         colls = []
         launches_left = coll_launches
-        records, waits = R, W
         for k in range(C):
             buf = None
             transient = None
@@ -877,7 +892,8 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
     if mixed is None:
         hazards = plan_hazards(inject, seed, events)
     else:
-        if inject and not (mixed["coll"] and mixed["scope"] and min(mixed["record"], mixed["wait"]) >= 2):
+        if inject and not (mixed["coll"] and mixed["scope"] and min(mixed["record"], mixed["wait"]) >= 2
+                           and mixed["fence"] == "coll"):
             raise ValueError("--inject with --mix needs a fenced collective in a scope per unit "
                              "(coll >= 1, scope >= 2, record and wait >= 2)")
         unit = mix_unit_size(mixed)
