@@ -37,6 +37,18 @@ The trace is clean by construction under `--peer-completion local`. `--inject N`
 
 Every rank gets the same injections (a code bug runs on every rank), so window offsets stay
 symmetric. Deterministic for a given --seed. Run with --help for the options.
+
+`--mix SPEC` writes another program instead, with the share of each event kind given (issue 30:
+traces from other generators ran slower than this one's). SPEC is a named mix (MIXES below) or
+counts per repeating unit, `alloc=10,free=10,scope=4,launch=4,record=4,wait=4,coll=2,...`, and
+optional `sites=N` (distinct call sites), `streams=N` (the compute stream and N-1 communication
+streams the collectives take in turn), `events=N` (distinct CUDA event ids). Each unit allocates
+activations and the collectives' buffers (inside `scope`s when there are scopes: in the window),
+writes them with launches, fences each collective it can (record/wait on both sides, as the decode
+layer does), and frees as many blocks as it allocated; see MixRank. A step of about 3,400 events
+starts with `step` and ends with a host `sync`. Clean by construction; `--inject` plants the same
+kinds of hazard, in units (the collision's re-allocated block lies in the window and no collective
+touches it: a transient-in-window of its own, expected too).
 """
 from __future__ import annotations
 
@@ -519,12 +531,348 @@ class DecodeRank:
         return x3
 
 
-def plan_hazards(count: int, seed: int, events: int) -> dict:
-    """(step, layer) -> kind for `count` distinct layers spread over the trace's steps."""
+# -- other mixes (--mix) ---------------------------------------------------------------------------
+#: Named mixes for --mix: events of each kind in one repeating unit (and the mix's parameters).
+#: "alloc-heavy" is issue 30's trace from another generator: alloc and free 25% each, scope 10%,
+#: launch 10%, record and wait 10% each, collectives 5%, 3 distinct call sites. The issue leaves
+#: 5% unnamed; here it is record_stream and free_done (2.5% each), the one pair of kinds that
+#: capture writes and that table leaves out. "decode" is the layer model above (the default).
+MIXES = {
+    "alloc-heavy": "alloc=10,free=10,scope=4,launch=4,record=4,wait=4,coll=2,record_stream=1,free_done=1,sites=3",
+}
+MIX_KINDS = ("alloc", "free", "scope", "launch", "record", "wait", "coll", "record_stream", "free_done")
+MIX_PARAMS = {"sites": 3, "streams": 2, "events": 4, "ids": "int", "fence": "coll"}
+#: Call sites a mix draws from (the first `sites`), all in the decode model's code.
+MIX_SITES = ("o_proj", "allreduce", "norm", "qkv_a", "attn", "moe_out", "gate", "topk", "shared", "lm_head",
+             "embed", "sample", "q", "kv_set", "residual", "moe_inter")
+MIX_STEP_EVENTS = 3400            # a step of the mix: about as many events as a decode step
+
+
+def parse_mix(spec: str) -> dict:
+    """A --mix value -> {kind: count per unit, ..., "sites", "streams", "events", "name"}; ValueError
+    saying why not."""
+    name = spec
+    spec = MIXES.get(spec, spec)
+    mix = {k: 0 for k in MIX_KINDS}
+    mix.update(MIX_PARAMS)
+    for part in spec.split(","):
+        key, eq, value = part.strip().partition("=")
+        if not eq or key not in mix:
+            raise ValueError(f"--mix: {part.strip()!r} is not KIND=COUNT (kinds: {', '.join(MIX_KINDS)}; "
+                             f"parameters: {', '.join(MIX_PARAMS)}; named mixes: {', '.join(MIXES)}, decode)")
+        if key == "fence":
+            if value not in ("coll", "launch"):
+                raise ValueError("--mix: fence must be coll (records and waits fence the collectives) or launch "
+                                 "(they fence launches on the other streams; collectives on the compute stream)")
+            mix[key] = value
+            continue
+        if key == "ids":
+            if value not in ("int", "capture"):
+                raise ValueError("--mix: ids must be int (stream 1, 2, ...; events as ints) or capture "
+                                 "(the strings capture writes: cuda:0, cuda:0:s1, ...; e<hex>)")
+            mix[key] = value
+            continue
+        try:
+            mix[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--mix: {key}={value!r} is not an integer") from None
+        if mix[key] < 0:
+            raise ValueError(f"--mix: {key} must be >= 0")
+    if mix["free"] != mix["alloc"]:
+        raise ValueError("--mix: free must equal alloc (each unit frees as many blocks as it allocates)")
+    if mix["free_done"] != mix["record_stream"]:
+        raise ValueError("--mix: free_done must equal record_stream (each such free is completed)")
+    if mix["scope"] % 2:
+        raise ValueError("--mix: scope must be even (an enter and an exit each)")
+    if mix["record_stream"] > mix["alloc"] - min(mix["alloc"], mix["coll"]):
+        raise ValueError("--mix: record_stream must be at most alloc - coll (activations freed with record_stream)")
+    if mix["alloc"] + mix["launch"] + mix["coll"] + mix["record"] + mix["wait"] + mix["scope"] == 0:
+        raise ValueError("--mix: a unit needs at least one event")
+    if not 1 <= mix["sites"] <= len(MIX_SITES):
+        raise ValueError(f"--mix: sites must be 1 to {len(MIX_SITES)}")
+    if mix["streams"] < 1 or mix["events"] < 1:
+        raise ValueError("--mix: streams and events must be >= 1")
+    mix["name"] = name
+    return mix
+
+
+def mix_unit_size(mix: dict) -> int:
+    return sum(mix[k] for k in MIX_KINDS)
+
+
+class MixRank(DecodeRank):
+    """One rank of a program with the event mix `mix` (parse_mix), unit after unit.
+
+    A unit, with A allocs, L launches, C collectives, S scope events, R records, W waits, K
+    record_streams (and as many free_dones), A frees:
+    - the activations (A - C blocks, default pool), each allocated just before the launch that
+      writes it (the launches left after the collectives' share split them in turn, reading the
+      block carried from the last unit and a weight); a launch with no activation left updates the
+      carried block in place;
+    - per collective: its buffer allocated (inside a scope while scope pairs last, so in the symm
+      window; a scope pair left over is an empty one), written by a launch if one is left, then,
+      while records and waits last two each, fenced like the decode layer's all-reduce (compute
+      records, the communication stream waits, the collective on it, it records, compute waits);
+      a collective without a fence runs on the compute stream (pynccl's way);
+    - the records and waits left over: compute records an event the next communication stream
+      waits for (ordering that orders nothing new), records or waits alone after that;
+    - the frees: the collectives' buffers, then every activation but the last (K of them with
+      `record_stream` on a communication stream, their `free_done` at the next alloc, as the
+      allocator polls), and the block carried from the last unit; the last activation is carried.
+    Everything here is ordered (clean); --inject plants hazards in units that have a fenced
+    collective in a scope."""
+
+    def __init__(self, rank: int, writer: TraceWriter, seed: int, hazards: dict, stacks: bool, mix: dict):
+        super().__init__(rank, writer, seed, hazards, stacks)
+        self.mix = mix
+        self.sites = [SITE[r] for r in MIX_SITES[: mix["sites"]]]
+        self.site_turn = 0
+        if mix["ids"] == "capture":   # the ids capture writes (sanitizer/capture/streams.py, cuda_hooks.py)
+            self.compute = "cuda:0"
+            self.comm_streams = [f"cuda:0:s{i}" for i in range(1, mix["streams"])] or [self.compute]
+            self.event_ids = [f"e{0x5600_0000_1000 + 0x40 * i:x}" for i in range(mix["events"])]
+        else:                         # small ints, as the decode model writes
+            self.compute = COMPUTE
+            self.comm_streams = list(range(COMM, COMM + mix["streams"] - 1)) or [COMPUTE]
+            self.event_ids = [0x5600_0000_1000 + 0x40 * i for i in range(mix["events"])]
+        self.comm_turn = 0
+        self.event_turn = 0
+        self.recorded: list = []
+        self.units_per_step = max(1, MIX_STEP_EVENTS // mix_unit_size(mix))
+        self.x = None
+
+    def next_site(self) -> str:
+        site = self.sites[self.site_turn % len(self.sites)]
+        self.site_turn += 1
+        return site
+
+    def next_event(self) -> int:
+        ev = self.event_ids[self.event_turn % len(self.event_ids)]
+        self.event_turn += 1
+        return ev
+
+    def next_comm(self):
+        s = self.comm_streams[self.comm_turn % len(self.comm_streams)]
+        self.comm_turn += 1
+        return s
+
+    # The primitives with the mix's call sites (role names stay for the hazards' own sites).
+    def m_alloc(self, nbytes, shape, pool=DEFAULT, role=None, reuse=None):
+        site = SITE[role] if role else self.next_site()
+        if self.pending_free_done:
+            for bid in self.pending_free_done:
+                self.emit({"ev": "free_done", "id": bid})
+                addr, bsize, placer = self.blocks.pop(bid)
+                placer.release(addr, bsize, COMPUTE)
+            self.pending_free_done.clear()
+        placer = self.symm if pool == SYMM else self.default
+        if reuse is not None:
+            addr, bsize = reuse
+            placer.take_back(addr, bsize, COMPUTE)
+        else:
+            addr, bsize = placer.malloc(nbytes, COMPUTE)
+        bid = self.next_id
+        self.next_id += 1
+        self.blocks[bid] = (addr, bsize, placer)
+        ev = {"ev": "alloc", "id": bid, "addr": addr, "size": bsize, "stream": self.compute, "pool": pool,
+              "requested": nbytes, "site": site, "shape": shape, "dtype": "bfloat16"}
+        if self.stacks:
+            ev["stack"] = [site, "sglang/srt/models/deepseek_v2.py:2090:forward",
+                           "sglang/srt/model_executor/model_runner.py:1850:forward_decode"]
+        self.emit(ev)
+        return bid, addr, nbytes
+
+    def m_launch(self, op, reads, writes, role=None, stream=None):
+        self.emit({"ev": "launch", "stream": self.compute if stream is None else stream, "op": op, "site": SITE[role] if role else self.next_site(),
+                   "reads": [[b[1], b[2]] for b in reads], "writes": [[b[1], b[2]] for b in writes]})
+
+    def m_coll(self, bufs, stream):
+        self.seq += 1
+        self.emit({"ev": "coll", "cid": self.next_cid, "comm": COMM_NAME, "seq": self.seq, "op": "all_reduce",
+                   "stream": stream, "site": self.next_site(),
+                   "bufs": [{"addr": b[1], "size": b[2], "access": a} for b, a in bufs]})
+        self.next_cid += 1
+
+    def scope(self, enter: bool) -> None:
+        self.emit({"ev": "scope", "name": "symm", "enter": enter, "pool": SYMM, "comm": COMM_NAME,
+                   "site": self.next_site()})
+        if not enter and self.unregistered:
+            for addr, size in self.unregistered:
+                self.emit({"ev": "window", "addr": addr, "size": size, "comm": COMM_NAME})
+            self.unregistered.clear()
+
+    def m_record(self, stream) -> int:
+        ev = self.next_event()
+        self.record(ev, stream)
+        self.recorded.append(ev)
+        return ev
+
+    def prologue(self) -> None:
+        w = self.weights
+        for i in range(4):
+            w[i] = self.m_alloc(HIDDEN * HIDDEN * BF16, [HIDDEN, HIDDEN])
+        addr = self.symm_source.take(SYMM_PREALLOC)
+        self._segment(SYMM, addr, SYMM_PREALLOC)
+        self.symm.add_segment(COMPUTE, addr, SYMM_PREALLOC, small=False)
+        self.scope(True)
+        self.scope(False)
+        self.emit({"ev": "sync"})
+
+    def run(self) -> None:
+        self.prologue()
+        rng = self.shape_rng
+        tokens = 64
+        change_at = 0
+        n = 0
+        while not self.w.full:
+            if n == change_at:
+                tokens = rng.choice(TOKEN_BUCKETS)
+                change_at = n + rng.randint(*BUCKET_STEPS)
+            self.step_no = n
+            self.emit({"ev": "step", "n": n, "phase": "decode", "tokens": tokens})
+            if self.x is None:
+                self.x = self.m_alloc(tokens * HIDDEN * BF16, [tokens, HIDDEN])
+                self.m_launch("embedding", (), (self.x,))
+            for u in range(self.units_per_step):
+                if self.w.full:
+                    return
+                self.unit(n, u, tokens)
+            self.emit({"ev": "sync", "stream": self.compute})
+            n += 1
+
+    def unit(self, n: int, u: int, T: int) -> None:
+        m = self.mix
+        hazard = self.hazards.get((n, u))
+        A, L, C, S, R, W, K = m["alloc"], m["launch"], m["coll"], m["scope"], m["record"], m["wait"], m["record_stream"]
+        pairs = S // 2
+        fenced = min(C, R // 2, W // 2) if m["fence"] == "coll" else 0
+        coll_allocs = min(A, C)
+        n_act = A - coll_allocs
+        coll_launches = min(L, C)
+        act_launches = L - coll_launches
+        x = self.x
+        w = self.weights[u % len(self.weights)]
+        act = T * HIDDEN * BF16
+        records, waits = R, W
+        # empty scopes first (scope pairs the collectives do not use)
+        for _ in range(max(0, pairs - C)):
+            self.scope(True)
+            self.scope(False)
+        # activations, each allocated just before the launch that writes it
+        acts = []
+        if act_launches == 0:
+            for i in range(n_act):
+                acts.append(self.m_alloc(act * (1 + i % 3), [T, HIDDEN * (1 + i % 3)]))
+        else:
+            prev = x
+            for j in range(act_launches):
+                mine = [self.m_alloc(act * (1 + i % 3), [T, HIDDEN * (1 + i % 3)])
+                        for i in range(j, n_act, act_launches)]
+                acts += mine
+                if m["fence"] == "launch" and records >= 2 and waits >= 2:
+                    # on another stream, fenced both ways: it sees what compute did, compute its work
+                    records -= 2
+                    waits -= 2
+                    side = self.next_comm()
+                    self.wait(self.m_record(self.compute), side)
+                    self.m_launch("gemm", (prev, w), mine or (x,), stream=side)
+                    self.wait(self.m_record(side), self.compute)
+                else:
+                    self.m_launch("gemm", (prev, w), mine or (x,))
+                if mine:
+                    prev = mine[-1]
+        last = acts[-1] if acts else x
+        # the collectives
+        colls = []
+        launches_left = coll_launches
+        for k in range(C):
+            buf = None
+            transient = None
+            if k < pairs:
+                self.scope(True)
+                if k == 0 and hazard == "transient-in-window" and k < fenced:
+                    transient = self.m_alloc(T * HIDDEN * FP32, [T, HIDDEN], pool=SYMM, role="hazard_transient")
+                    self.m_launch("einsum", (last,), (transient,), role="hazard_transient")
+                if k < coll_allocs:
+                    buf = self.m_alloc(act, [T, HIDDEN], pool=SYMM)
+                self.scope(False)
+            elif k < coll_allocs:
+                buf = self.m_alloc(act, [T, HIDDEN])
+            target = buf if buf is not None else x
+            if launches_left:
+                launches_left -= 1
+                self.m_launch("gemm", (last,) + ((transient,) if transient else ()), (target,))
+            if transient:
+                self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_transient"])
+                self.free(transient)
+            if k < fenced:
+                records -= 2
+                waits -= 2
+                comm = self.next_comm()
+                e1 = self.m_record(self.compute)
+                self.wait(e1, comm)
+                self.m_coll(((target, "rw"),), comm)
+                collided = None
+                if k == 0 and hazard == "read-before-wait":
+                    self.expect("unordered-access", self.w.next_line, hazard)
+                    self.m_launch("aten::abs_max", (target,), (), role="hazard_read")
+                elif k == 0 and hazard in ("missing-record-stream", "collision") and buf is not None:
+                    # the collective's buffer freed before the wait that orders the collective
+                    self.expect("free-in-flight", self.w.next_line, hazard)
+                    addr, bsize, _ = self.blocks[buf[0]]
+                    self.free(buf)
+                    buf = None
+                    if hazard == "collision":
+                        self.expect("reuse-in-flight", self.w.next_line, hazard)
+                        collided = self.m_alloc(act, [T, HIDDEN], pool=SYMM, role="hazard_tmp", reuse=(addr, bsize))
+                        self.expect("unordered-access", self.w.next_line, hazard)
+                        self.m_launch("aten::zero_", (), (collided,), role="hazard_tmp")
+                e2 = self.m_record(comm)
+                self.wait(e2, self.compute)
+                if collided:
+                    # in the window, and no collective touches it: a transient of its own
+                    self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_tmp"])
+                    self.free(collided)
+            else:
+                self.m_coll(((target, "rw"),), self.compute)
+            if buf is not None:
+                colls.append(buf)
+        # records and waits left over: ordering that adds nothing new
+        while records > 0 and waits > 0:
+            records -= 1
+            waits -= 1
+            self.wait(self.m_record(self.compute), self.next_comm())
+        while records > 0:
+            records -= 1
+            self.m_record(self.compute)
+        while waits > 0:
+            waits -= 1
+            if self.recorded:
+                self.wait(self.recorded[-1], self.compute)
+            else:
+                self.wait(self.m_record(self.compute), self.compute)
+        # the frees: as many as the allocs
+        for b in colls:
+            self.free(b)
+        freed = acts[:-1] + ([x] if acts else [])
+        rs = K
+        for b in freed:
+            if rs:
+                rs -= 1
+                self.free(b, record_stream=self.comm_streams[-1])
+            else:
+                self.free(b)
+        if acts:
+            self.x = last
+        self.recorded.clear()
+
+
+def plan_hazards(count: int, seed: int, events: int, per_step: int = 3500, slots_per_step: int = LAYERS) -> dict:
+    """(step, layer) -> kind for `count` distinct layers (mix: units) spread over the trace's steps."""
     if count <= 0:
         return {}
-    steps = max(1, events // 3500 - 1)            # about 3,500 events per step; stay inside
-    slots = [(s, layer) for s in range(steps) for layer in range(LAYERS)]
+    steps = max(1, events // per_step - 1)        # about per_step events per step; stay inside
+    slots = [(s, layer) for s in range(steps) for layer in range(slots_per_step)]
     if count > len(slots):
         raise SystemExit(f"--inject {count}: a trace of {events} events has only {len(slots)} layers to put hazards in")
     rng = random.Random(seed + 7)
@@ -535,11 +883,23 @@ def plan_hazards(count: int, seed: int, events: int) -> dict:
 
 
 def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: int = 0,
-             gzip_level: int | None = None, stacks: bool = False, lean: bool = False, fmt: str = "jsonl") -> dict:
+             gzip_level: int | None = None, stacks: bool = False, lean: bool = False, fmt: str = "jsonl",
+             mix: str = "decode") -> dict:
     """Writes rank{r}.jsonl[.gz] (or, `fmt` "binary", rank{r}.hzs[.gz]: the same events in the
-    binary format, sanitizer/trace/binary/) and expected.json into `out`; returns a summary dict."""
+    binary format, sanitizer/trace/binary/) and expected.json into `out`; returns a summary dict.
+    `mix`: "decode" (the decode layer model) or a --mix value (parse_mix; ValueError if bad)."""
+    mixed = None if mix == "decode" else parse_mix(mix)
+    if mixed is None:
+        hazards = plan_hazards(inject, seed, events)
+    else:
+        if inject and not (mixed["coll"] and mixed["scope"] and min(mixed["record"], mixed["wait"]) >= 2
+                           and mixed["fence"] == "coll"):
+            raise ValueError("--inject with --mix needs a fenced collective in a scope per unit "
+                             "(coll >= 1, scope >= 2, record and wait >= 2)")
+        unit = mix_unit_size(mixed)
+        per_step = max(1, MIX_STEP_EVENTS // unit)
+        hazards = plan_hazards(inject, seed, events, per_step * unit + 2, per_step)
     out.mkdir(parents=True, exist_ok=True)
-    hazards = plan_hazards(inject, seed, events)
     suffix = (".hzs" if fmt == "binary" else ".jsonl") + (".gz" if gzip_level else "")
     for pattern in ("rank*.jsonl", "rank*.jsonl.gz", "rank*.hzs", "rank*.hzs.gz"):
         for stale in out.glob(pattern):
@@ -552,7 +912,8 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
         header = {"hazsan": 1, "rank": rank, "world_size": ranks, "device": f"cuda:{rank}",
                   "generator": f"benchmarks/gen_decode_trace.py v{GENERATOR_VERSION}", "seed": seed}
         writer = TraceWriter(path, header, events, gzip_level, lean, fmt)
-        model = DecodeRank(rank, writer, seed, hazards, stacks)
+        model = (DecodeRank(rank, writer, seed, hazards, stacks) if mixed is None
+                 else MixRank(rank, writer, seed, hazards, stacks, mixed))
         model.run()
         written = writer.close()
         last_line = written + 1
@@ -561,6 +922,7 @@ def generate(out: Path, *, events: int, ranks: int = 1, seed: int = 1, inject: i
     seconds = time.perf_counter() - start
     summary = {"generator_version": GENERATOR_VERSION, "events_per_rank": events, "ranks": ranks,
                "seed": seed, "inject": inject, "gzip": gzip_level, "stacks": stacks, "lean": lean, "format": fmt,
+               "mix": mix, **({"mix_spec": MIXES.get(mix, mix)} if mixed else {}),
                "files": files,
                "seconds": round(seconds, 3)}
     (out / "expected.json").write_bytes(orjson.dumps({"findings": expected}, option=orjson.OPT_INDENT_2))
@@ -585,11 +947,18 @@ def main(argv=None) -> int:
     ap.add_argument("--format", choices=("jsonl", "binary"), default="jsonl",
                     help="jsonl: rank{r}.jsonl (default); binary: rank{r}.hzs, the same events in frames of "
                          "msgpack arrays (what capture writes; docs/trace-format.md)")
+    ap.add_argument("--mix", default="decode", metavar="SPEC",
+                    help="the program: decode (default, the layer model), a named mix (" + ", ".join(MIXES)
+                         + ") or counts per unit, e.g. alloc=10,free=10,scope=4,launch=4,record=4,wait=4,coll=2,"
+                           "record_stream=1,free_done=1,sites=3,streams=2,events=4 (see MixRank)")
     args = ap.parse_args(argv)
     if args.events < 1 or args.ranks < 1:
         ap.error("--events and --ranks must be positive")
-    s = generate(args.out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject,
-                 gzip_level=args.gzip, stacks=args.stacks, lean=args.lean, fmt=args.format)
+    try:
+        s = generate(args.out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject,
+                     gzip_level=args.gzip, stacks=args.stacks, lean=args.lean, fmt=args.format, mix=args.mix)
+    except ValueError as exc:
+        ap.error(str(exc))
     total = sum(f["events"] for f in s["files"])
     size = sum(f["bytes"] for f in s["files"])
     print(f"wrote {total:,} events in {len(s['files'])} file(s), {size / MiB:,.1f} MiB, to {args.out} "
