@@ -163,8 +163,15 @@ class BlockTable:
             plain = _PLAIN
             key_of = _STORAGE_KEY
             for a in args:
-                if type(a) in plain and a.layout == _STRIDED and key_of(a) not in live:
-                    self._new(a, a.untyped_storage(), "adopted", live, False)
+                if type(a) in plain:
+                    # the storage's key first, the layout only for a storage not known: a tensor
+                    # of another layout has no storage to ask for (sparse, mkldnn: it raises)
+                    try:
+                        k = key_of(a)
+                    except Exception:
+                        continue
+                    if k not in live and a.layout == _STRIDED:
+                        self._new(a, a.untyped_storage(), "adopted", live, False, None, k)
             t = type(out)
             if t in plain:
                 self._output(out, func, live, where)
@@ -273,26 +280,30 @@ class BlockTable:
         return self.capture.streams.of_handle(torch.cuda.current_stream(index).cuda_stream, index)
 
     def _output(self, t, func, live, where=None) -> None:
-        if t.layout != _STRIDED:
+        try:
+            key = _STORAGE_KEY(t)
+        except Exception:          # a layout without a storage (sparse, mkldnn)
             return
-        b = live.get(_STORAGE_KEY(t))
+        b = live.get(key)
         if b is None:
+            if t.layout != _STRIDED:
+                return
             name = self._names.get(func)
             if name is None:
                 name = self._names[func] = str(func)
-            self._new(t, t.untyped_storage(), name, live, True, where)
+            self._new(t, t.untyped_storage(), name, live, True, where, key)
             return
         s = b()                    # the block's storage object (the same StorageImpl), while it lives
         if s is None:
             s = t.untyped_storage()
-        if s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real):
+        if (s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real)) and t.layout == _STRIDED:
             # resize_/set_/out= resizing: same StorageImpl, new memory
             self._release(b)
             live.pop(b.key, None)
             self._new(t, s, str(func), live, True, where)
 
     # ------------------------------------------------------------------ allocation
-    def _new(self, t, s, opname, live, placed_by_scope=True, where=None):
+    def _new(self, t, s, opname, live, placed_by_scope=True, where=None, key=None):
         """Record a storage not seen before. Everything that can fail runs before the block is
         registered, so a failing hook never leaves a block whose free would have no alloc."""
         nbytes = s.nbytes()
@@ -330,7 +341,8 @@ class BlockTable:
                     self.scope_allocs[pool](comm, real, nbytes)
             elif self.graph_pool is not None and placed_by_scope:
                 pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
-        key = s._cdata
+        if key is None:
+            key = s._cdata
         bid = next(self._ids)
         # the event as the binary layout's array (ALLOC_FIELDS; None: absent): no dict to make
         # here nor to take apart at flush time (binary.source_item)
@@ -339,7 +351,16 @@ class BlockTable:
         ev = (_ALLOC, bid, addr, size, stream, pool, None if model is None else nbytes, None, None,
               time_ns(), None, site, (tuple(frames) if frames is not None else None) if site is not None else None,
               opname, tuple(t.shape), dtype)
-        b = new_block(s, self._died, bid, key, real, nbytes, addr, size, model, stream)
+        b = StorageBlock(s, self._died)    # new_block, inline
+        b.id = bid
+        b.key = key
+        b.real = real
+        b.nbytes = nbytes
+        b.addr = addr
+        b.size = size
+        b.model = model
+        b.stream = stream
+        b.recorded = None
         # registered once written: a block whose alloc a failing emit lost must get no free
         # (it may die steps later, when emitting works again)
         try:
