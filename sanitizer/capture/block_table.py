@@ -39,6 +39,7 @@ from time import time_ns
 import torch
 
 from sanitizer.capture import cuda_state
+from sanitizer.capture import runtime as _runtime
 from sanitizer.capture.live_ranges import LiveRanges
 from sanitizer.trace.binary import ORDER
 
@@ -85,6 +86,16 @@ def new_block(storage, callback, bid, key, real, nbytes, addr, size, model, stre
     b.stream = stream      # the stream it was allocated on
     b.recorded = None      # streams given to record_stream (set), when any
     return b
+
+
+#: Whether any thread ever went quiet (DispatchSlot.quiet: inside a collective's wait): until one
+#: does, a storage's death need not read its thread's slot. Set before the first `quiet += 1`.
+QUIET_ENTERED = False
+
+
+def entering_quiet() -> None:
+    global QUIET_ENTERED
+    QUIET_ENTERED = True
 
 
 class DispatchSlot(threading.local):
@@ -315,7 +326,7 @@ class BlockTable:
             dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
         site, frames = where if where is not None else self.sites.where()
         # an adopted storage existed before this moment: a scope entered now did not place it
-        stack = self.scopes.stack if placed_by_scope else None
+        stack = self.scopes.stack if placed_by_scope and _runtime.SCOPES_ENTERED else None
         pool = "default"
         model = None
         addr, size = real, nbytes
@@ -400,9 +411,8 @@ class BlockTable:
             del live[b.key]
             if self.held_by_work:
                 self.on_held_death(b.addr, b.size)     # a Work let go of it: its coll_done first
-            slot = self.slot
-            if slot.quiet:
-                slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)
+            if QUIET_ENTERED and self.slot.quiet:
+                self.slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)
             else:
                 self._release(b)
         except Exception as exc:
