@@ -44,7 +44,7 @@ from sanitizer.capture.live_ranges import LiveRanges
 from sanitizer.trace.binary import ORDER
 
 _STRIDED = torch.strided
-# The hot events are built as the binary layout's arrays, in these fields' order (a test holds
+# The hot events are built as the binary layout's arrays (tuples), in these fields' order (a test holds
 # them to binary.ORDER): [kind number, field, ...], None for an absent field.
 _ALLOC, _FREE, _LAUNCH = ORDER["alloc"][0], ORDER["free"][0], ORDER["launch"][0]
 ALLOC_FIELDS = ("id", "addr", "size", "stream", "pool", "requested", "segment", "token_dims", "t", "step",
