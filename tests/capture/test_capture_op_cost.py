@@ -123,3 +123,29 @@ def test_ops_on_tensors_without_a_storage_run_and_their_dense_results_are_record
             assert ev["id"] in allocated and ev["id"] not in freed
             freed.add(ev["id"])
     assert len(freed) >= 1999
+
+
+def test_tuple_events_are_written_as_the_list_events_were():
+    """The block table's events are tuples now (their shape and stack too): the same bytes in the
+    binary trace, the same JSON Lines, the same interned values, as the lists they replace."""
+    import orjson
+
+    from sanitizer.trace import binary as B
+
+    alloc = [B.ORDER["alloc"][0], 1, 4096, 64, "cpu", "default", None, None, None, 5, None, "a.py:1:f",
+             ["a.py:1:f", "b.py:2:g"], "aten.empty", [16, 2], "float32"]
+    free = [B.ORDER["free"][0], 1, 7]
+    launch = [B.ORDER["launch"][0], "cpu", [[4096, 64]], [[8192, 128]], 6, None, "a.py:1:f", None, "aten.add.Tensor"]
+    as_tuples = [tuple(tuple(v) if type(v) is list else v for v in ev) for ev in (alloc, free, launch)]
+    as_tuples[2] = as_tuples[2][:2] + (((4096, 64),), ((8192, 128),)) + as_tuples[2][4:]
+    assert B.encode_frames([alloc, free, launch], B.ValueTable()) == B.encode_frames(as_tuples, B.ValueTable())
+    for lst, tup in zip((alloc, free, launch), as_tuples):
+        assert orjson.dumps(B.to_dict(tup)) == orjson.dumps(B.to_dict(lst))
+    # a value of the wrong type in a tuple still goes as the map it stands for
+    bad = list(as_tuples[0])
+    bad[B.position("alloc", "site")] = 12345
+    assert B.to_item(tuple(bad), B.ValueTable()) == B.to_dict(bad)
+    # a shape that is not all ints is not interned
+    odd = list(as_tuples[0])
+    odd[B.position("alloc", "shape")] = (16, "x")
+    assert type(B.to_item(tuple(odd), B.ValueTable())) is dict
