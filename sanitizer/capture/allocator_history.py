@@ -151,8 +151,8 @@ class AllocatorHistory:
         hist = self
 
         def tap(ev):
-            # the block table writes its allocations as arrays (binary.source_item)
-            if type(ev) is list:
+            # the block table writes its allocations as arrays (tuples; binary.source_item)
+            if type(ev) is tuple or type(ev) is list:
                 if ev[0] == _ALLOC and ev[_STREAM] != "cpu":
                     hist.seen.setdefault(ev[_ADDR], []).append(ev[_STREAM])
             elif ev["ev"] == "alloc" and ev["stream"] != "cpu":

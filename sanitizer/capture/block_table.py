@@ -34,17 +34,17 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from functools import partial
 from time import time_ns
 
 import torch
 
 from sanitizer.capture import cuda_state
+from sanitizer.capture import runtime as _runtime
 from sanitizer.capture.live_ranges import LiveRanges
 from sanitizer.trace.binary import ORDER
 
 _STRIDED = torch.strided
-# The hot events are built as the binary layout's arrays, in these fields' order (a test holds
+# The hot events are built as the binary layout's arrays (tuples), in these fields' order (a test holds
 # them to binary.ORDER): [kind number, field, ...], None for an absent field.
 _ALLOC, _FREE, _LAUNCH = ORDER["alloc"][0], ORDER["free"][0], ORDER["launch"][0]
 ALLOC_FIELDS = ("id", "addr", "size", "stream", "pool", "requested", "segment", "token_dims", "t", "step",
@@ -54,27 +54,48 @@ LAUNCH_FIELDS = ("stream", "reads", "writes", "t", "step", "site", "stack", "op"
 # Plain tensors only: wrapper subclasses (DTensor, FakeTensor, ...) have no storage of their own;
 # the plain tensors inside them are recorded when they are made or first used.
 _CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)   # absent on CPU builds
+# The StorageImpl address of a (strided) tensor's storage, the key of BlockTable.live: one C call
+# where t.untyped_storage()._cdata makes a storage object and reads an attribute of it.
+_STORAGE_KEY = getattr(torch._C, "_storage_address", None) or (lambda t: t.untyped_storage()._cdata)
 _PLAIN = frozenset(c for c in (torch.Tensor, torch.nn.Parameter,
                                getattr(torch.nn.parameter, "Buffer", None)) if c is not None)
 
 
 
 
-class StorageBlock:
-    """A live storage as the trace knows it (not the engine's nor the placement model's block record)."""
+class StorageBlock(weakref.ref):
+    """A live storage as the trace knows it (not the engine's nor the placement model's block record).
 
-    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "ref", "stream", "recorded")
+    The block is itself the weak reference to its storage (`b()` is the storage while it lives):
+    the one object per allocation capture keeps, and one shared callback (BlockTable.died, called
+    with the block) instead of a partial and a bound method per storage."""
 
-    def __init__(self, bid, key, real, nbytes, addr, size, model, stream="cpu"):
-        self.id = bid
-        self.key = key
-        self.real = real          # storage.data_ptr() at allocation
-        self.nbytes = nbytes
-        self.addr = addr          # address in the trace (== real, or modelled inside a window)
-        self.size = size
-        self.model = model        # sanitizer.place AllocatorBlock when modelled, else None
-        self.stream = stream      # the stream it was allocated on
-        self.recorded = None      # streams given to record_stream (set), when any
+    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "stream", "recorded")
+
+
+def new_block(storage, callback, bid, key, real, nbytes, addr, size, model, stream="cpu") -> StorageBlock:
+    """A StorageBlock for `storage` (callback: called with the block when the storage dies, or None)."""
+    b = StorageBlock(storage, callback)
+    b.id = bid
+    b.key = key
+    b.real = real          # storage.data_ptr() at allocation
+    b.nbytes = nbytes
+    b.addr = addr          # address in the trace (== real, or modelled inside a window)
+    b.size = size
+    b.model = model        # sanitizer.place AllocatorBlock when modelled, else None
+    b.stream = stream      # the stream it was allocated on
+    b.recorded = None      # streams given to record_stream (set), when any
+    return b
+
+
+#: Whether any thread ever went quiet (DispatchSlot.quiet: inside a collective's wait): until one
+#: does, a storage's death need not read its thread's slot. Set before the first `quiet += 1`.
+QUIET_ENTERED = False
+
+
+def entering_quiet() -> None:
+    global QUIET_ENTERED
+    QUIET_ENTERED = True
 
 
 class DispatchSlot(threading.local):
@@ -135,6 +156,7 @@ class BlockTable:
         self.collectives = None              # collectives.DispatchedCollectives, once installed
         self.unowned: dict = {}              # collectives only C++ waits for: polled before each op
         self.slot = DispatchSlot()           # per thread: inside a collective's own call?
+        self._died = self.died               # every block's weakref callback (one bound method)
 
     def classify(self, func):
         """The handler for op func (False: an ordinary op), cached in self.special."""
@@ -150,11 +172,17 @@ class BlockTable:
         try:
             live = self.live
             plain = _PLAIN
+            key_of = _STORAGE_KEY
             for a in args:
-                if type(a) in plain and a.layout == _STRIDED:
-                    s = a.untyped_storage()
-                    if s._cdata not in live:
-                        self._new(a, s, "adopted", live, False)
+                if type(a) in plain:
+                    # the storage's key first, the layout only for a storage not known: a tensor
+                    # of another layout has no storage to ask for (sparse, mkldnn: it raises)
+                    try:
+                        k = key_of(a)
+                    except Exception:
+                        continue
+                    if k not in live and a.layout == _STRIDED:
+                        self._new(a, a.untyped_storage(), "adopted", live, False, None, k)
             t = type(out)
             if t in plain:
                 self._output(out, func, live, where)
@@ -205,8 +233,8 @@ class BlockTable:
             if cap.host_work_unsynced and stream != "cpu":
                 cap.host_ran_cpu_work()
             site, frames = where
-            self.emit([_LAUNCH, stream, reads or None, writes or None, time_ns(), None, site,     # LAUNCH_FIELDS
-                       frames if site is not None else None, name])
+            self.emit((_LAUNCH, stream, tuple(reads) or None, tuple(writes) or None, time_ns(), None, site,  # LAUNCH_FIELDS
+                       (tuple(frames) if frames is not None else None) if site is not None else None, name))
             if stream == "cpu":
                 cap.host_work_unsynced = True
         except Exception as exc:
@@ -219,10 +247,9 @@ class BlockTable:
         if t in _PLAIN:
             if v.layout != _STRIDED:
                 return device
-            s = v.untyped_storage()
-            b = self.live.get(s._cdata)
+            b = self.live.get(_STORAGE_KEY(v))
             if b is None:
-                b = self._new(v, s, "adopted", self.live, False)
+                b = self._new(v, v.untyped_storage(), "adopted", self.live, False)
                 if b is None:
                     return device
             if v.is_contiguous():
@@ -230,7 +257,7 @@ class BlockTable:
             else:
                 size = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()) if n > 1)) * v.element_size()
             if size:
-                acc.append([b.addr + (v.data_ptr() - b.real), size])
+                acc.append((b.addr + (v.data_ptr() - b.real), size))
                 if device is None or device.type == "cpu":
                     device = v.device
         elif t is list or t is tuple:
@@ -264,23 +291,30 @@ class BlockTable:
         return self.capture.streams.of_handle(torch.cuda.current_stream(index).cuda_stream, index)
 
     def _output(self, t, func, live, where=None) -> None:
-        if t.layout != _STRIDED:
+        try:
+            key = _STORAGE_KEY(t)
+        except Exception:          # a layout without a storage (sparse, mkldnn)
             return
-        s = t.untyped_storage()
-        b = live.get(s._cdata)
+        b = live.get(key)
         if b is None:
+            if t.layout != _STRIDED:
+                return
             name = self._names.get(func)
             if name is None:
                 name = self._names[func] = str(func)
-            self._new(t, s, name, live, True, where)
-        elif s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real):
+            self._new(t, t.untyped_storage(), name, live, True, where, key)
+            return
+        s = b()                    # the block's storage object (the same StorageImpl), while it lives
+        if s is None:
+            s = t.untyped_storage()
+        if (s.nbytes() != b.nbytes or (b.nbytes and s.data_ptr() != b.real)) and t.layout == _STRIDED:
             # resize_/set_/out= resizing: same StorageImpl, new memory
             self._release(b)
             live.pop(b.key, None)
             self._new(t, s, str(func), live, True, where)
 
     # ------------------------------------------------------------------ allocation
-    def _new(self, t, s, opname, live, placed_by_scope=True, where=None):
+    def _new(self, t, s, opname, live, placed_by_scope=True, where=None, key=None):
         """Record a storage not seen before. Everything that can fail runs before the block is
         registered, so a failing hook never leaves a block whose free would have no alloc."""
         nbytes = s.nbytes()
@@ -292,7 +326,7 @@ class BlockTable:
             dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
         site, frames = where if where is not None else self.sites.where()
         # an adopted storage existed before this moment: a scope entered now did not place it
-        stack = self.scopes.stack if placed_by_scope else None
+        stack = self.scopes.stack if placed_by_scope and _runtime.SCOPES_ENTERED else None
         pool = "default"
         model = None
         addr, size = real, nbytes
@@ -318,14 +352,26 @@ class BlockTable:
                     self.scope_allocs[pool](comm, real, nbytes)
             elif self.graph_pool is not None and placed_by_scope:
                 pool = self.graph_pool      # inside CUDA graph capture: the graph's private pool
-        key = s._cdata
+        if key is None:
+            key = s._cdata
         bid = next(self._ids)
         # the event as the binary layout's array (ALLOC_FIELDS; None: absent): no dict to make
         # here nor to take apart at flush time (binary.source_item)
-        ev = [_ALLOC, bid, addr, size, stream, pool, None if model is None else nbytes, None, None,
-              time_ns(), None, site, frames if site is not None else None, opname, list(t.shape), dtype]
-        b = StorageBlock(bid, key, real, nbytes, addr, size, model, stream)
-        b.ref = weakref.ref(s, partial(self.died, key, bid))
+        # (a tuple of strs, ints and None: the collector untracks it at its first pass, so a
+        # buffered event is never promoted to an older generation, nor makes a full collection due)
+        ev = (_ALLOC, bid, addr, size, stream, pool, None if model is None else nbytes, None, None,
+              time_ns(), None, site, (tuple(frames) if frames is not None else None) if site is not None else None,
+              opname, tuple(t.shape), dtype)
+        b = StorageBlock(s, self._died)    # new_block, inline
+        b.id = bid
+        b.key = key
+        b.real = real
+        b.nbytes = nbytes
+        b.addr = addr
+        b.size = size
+        b.model = model
+        b.stream = stream
+        b.recorded = None
         # registered once written: a block whose alloc a failing emit lost must get no free
         # (it may die steps later, when emitting works again)
         try:
@@ -342,7 +388,7 @@ class BlockTable:
             self.on_stash_release(b.addr, b.size)
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
-        self.emit([_FREE, b.id, time_ns()])           # FREE_FIELDS
+        self.emit((_FREE, b.id, time_ns()))           # FREE_FIELDS
         if b.recorded and self.on_free is not None:
             self.on_free(b)             # its free_done comes when those streams are seen finished
 
@@ -356,18 +402,17 @@ class BlockTable:
             b = self._new(t, s, "adopted", self.live, False)
         return b
 
-    def died(self, key, bid, _ref=None) -> None:
-        """Weakref callback: the storage died (any thread, possibly during interpreter exit)."""
+    def died(self, b: StorageBlock) -> None:
+        """Weakref callback of block b: its storage died (any thread, possibly during interpreter exit)."""
         try:
-            b = self.live.get(key)
-            if b is None or b.id != bid:
+            live = self.live
+            if live.get(b.key) is not b:
                 return                     # already released by a resize
-            del self.live[key]
+            del live[b.key]
             if self.held_by_work:
                 self.on_held_death(b.addr, b.size)     # a Work let go of it: its coll_done first
-            slot = self.slot
-            if slot.quiet:
-                slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)
+            if QUIET_ENTERED and self.slot.quiet:
+                self.slot.deferred.append(b)    # dies inside a wait: after its coll_done (see DispatchSlot)
             else:
                 self._release(b)
         except Exception as exc:
@@ -413,7 +458,7 @@ class BlockTable:
         b = self.ranges.find(ptr)
         if b is None:
             return ptr, nbytes, False
-        s = b.ref()
+        s = b()
         host = s is not None and s.device.type == "cpu"
         return b.addr + (ptr - b.real), nbytes, host
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from sanitizer.capture.block_table import entering_quiet
 from sanitizer.capture.collective_ops import BACKEND_METHODS
 from sanitizer.capture.collective_state import CoverageGaps
 
@@ -230,6 +231,7 @@ def _patch_work(capture, colls) -> None:
     def wait(self, *a, **k):
         # ops dispatched in here are the collective's own (gloo copies); storages that die in
         # here are freed after the completion is written (block_table.py: DispatchSlot.deferred)
+        entering_quiet()
         slot.quiet += 1
         try:
             try:
@@ -266,6 +268,7 @@ def _patch_work(capture, colls) -> None:
         return fut
 
     def fwait(self, *a, **k):
+        entering_quiet()
         slot.quiet += 1
         try:
             try:

@@ -85,6 +85,7 @@ from sanitizer.capture.collective_ops import (
     ROOTED, TRANSPARENT, PLAIN_TYPES, backend_arg, backend_key, bind, copied_args, current_stream,
     hook_name, p2p_comm, rank_in_options, register_collective_op, register_wrapping_op,
     tensors_in, work_in)
+from sanitizer.capture.block_table import entering_quiet
 from sanitizer.capture.collective_patches import ORIGINAL, install_patches
 from sanitizer.capture.collective_state import (CompletionStreams, CoverageGaps, NcclWorkLifetimes,
                                                 WorkHeldTensors)
@@ -350,6 +351,7 @@ class DispatchedCollectives:
     def _wait_tensor(self, func, args, kwargs, mode=None):
         # quiet until the completion is written: a storage the Work lets go of inside the wait
         # (its last reference to a padded input) is freed after the coll_done (block_table.py)
+        entering_quiet()
         self.slot.quiet += 1
         try:
             out = func(*args, **kwargs)

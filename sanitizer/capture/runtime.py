@@ -20,6 +20,9 @@ from sanitizer.capture.streams import StreamIds
 from sanitizer.trace.writer import TraceWriter
 
 _active: "Capture | None" = None
+#: Whether any thread of this process ever entered a symmetric scope: until one does, an
+#: allocation need not read its thread's scope stack (a thread-local read on every allocation).
+SCOPES_ENTERED = False
 # events that enqueue device work on their `stream`
 _ENQUEUES = frozenset({"coll", "launch", "record", "graph_replay"})
 
@@ -177,6 +180,8 @@ class Capture:
 
     # ---------------------------------------------------------------- scopes
     def enter_scope(self, pool: str, comm: str, name: str = "symm") -> None:
+        global SCOPES_ENTERED
+        SCOPES_ENTERED = True
         self.scopes.stack.append((pool, comm))
         self.event({"ev": "scope", "name": name, "enter": True, "pool": pool, "comm": comm})
 

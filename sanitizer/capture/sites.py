@@ -56,11 +56,16 @@ class SiteFinder:
         self._names.clear()
 
     def _name(self, code):
+        return self._entry(code)[1]
+
+    def _entry(self, code):
+        """(code, display file name or None when internal, {f_lasti: site text}) for a code
+        object, made on its first visit."""
         # Keyed by id(code): hashing a code object hashes its bytecode and constants on every
         # lookup. The entry keeps the code object, so an id reused after the code died is noticed.
         entry = self._names.get(id(code))
         if entry is not None and entry[0] is code:
-            return entry[1]
+            return entry
         fn = code.co_filename
         if fn.startswith(self.external):
             name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn
@@ -69,33 +74,47 @@ class SiteFinder:
             name = None
         else:
             name = fn[len(self.cwd):] if fn.startswith(self.cwd) else fn
-        self._names[id(code)] = (code, name)
-        return name
+        entry = self._names[id(code)] = (code, name, {} if name is not None else None)
+        return entry
 
     def where(self) -> tuple[str | None, list | None]:
         """(site, stack) of the innermost external frame; stack only in "full" mode."""
         if self.mode == "none":
             return None, None
         f = sys._getframe(1)
-        # This runs on every recorded allocation: the cache hit of _name is inlined (a method call
-        # per frame is a third of the walk's cost), and _name is called only on a code object's
-        # first visit.
+        # This runs on every recorded allocation: the cache hit of _entry is inlined (a method
+        # call per frame is a third of the walk's cost), and _entry is called only on a code
+        # object's first visit. A frame's site text is cached per (code object, last instruction):
+        # the instruction decides the line, so the line table is decoded and the text formatted
+        # once per code location, not once per allocation.
         names = self._names
         if self.mode == "site":
             while f is not None:
                 code = f.f_code
                 entry = names.get(id(code))
-                name = entry[1] if entry is not None and entry[0] is code else self._name(code)
-                if name is not None:
-                    return f"{name}:{f.f_lineno}:{code.co_name}", None
+                if entry is None or entry[0] is not code:
+                    entry = self._entry(code)
+                texts = entry[2]
+                if texts is not None:
+                    lasti = f.f_lasti
+                    site = texts.get(lasti)
+                    if site is None:
+                        site = texts[lasti] = f"{entry[1]}:{f.f_lineno}:{code.co_name}"
+                    return site, None
                 f = f.f_back
             return None, None
         stack = []
         while f is not None and len(stack) < self.max_stack:
             code = f.f_code
             entry = names.get(id(code))
-            name = entry[1] if entry is not None and entry[0] is code else self._name(code)
-            if name is not None:
-                stack.append(f"{name}:{f.f_lineno}:{code.co_name}")
+            if entry is None or entry[0] is not code:
+                entry = self._entry(code)
+            texts = entry[2]
+            if texts is not None:
+                lasti = f.f_lasti
+                site = texts.get(lasti)
+                if site is None:
+                    site = texts[lasti] = f"{entry[1]}:{f.f_lineno}:{code.co_name}"
+                stack.append(site)
             f = f.f_back
         return (stack[0] if stack else None), (stack or None)

@@ -138,10 +138,10 @@ class CaptureRecorder(Recorder):
             if declare is not None:      # the public hook, when capture offers one
                 declare(storage, block_id=block_id, addr=addr, size=size)
                 return
-            from sanitizer.capture.block_table import StorageBlock
+            from sanitizer.capture.block_table import new_block
             key = storage._cdata
-            b = StorageBlock(block_id, key, storage.data_ptr(), storage.nbytes(), addr, size, None)
-            b.ref = None
+            # no callback: the testbed writes this block's free itself
+            b = new_block(storage, None, block_id, key, storage.data_ptr(), storage.nbytes(), addr, size, None)
             blocks.live[key] = b
             self._claimed[key] = b
         except Exception as exc:

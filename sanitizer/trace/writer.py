@@ -10,7 +10,7 @@ names the file and writes its header (and rewrites it); flush_timer.py runs the 
 handles forks. TraceWriter is the one class, made of those three.
 
 Events are buffered as dicts, or, for capture's hot kinds, as the binary layout's arrays
-(binary.source_item), and serialised at flush time (orjson, or msgspec's msgpack encoder), so the
+(binary.source_item; tuples, which the garbage collector stops tracking), and serialised at flush time (orjson, or msgspec's msgpack encoder), so the
 hot path is one list append. A flush writes whole lines (frames) with os.write on an
 O_APPEND descriptor: a process killed with SIGKILL leaves every line of every completed flush, and
 at worst one cut-short last line (which the reader treats as "trace truncated", a warning).

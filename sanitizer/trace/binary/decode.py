@@ -276,6 +276,8 @@ def to_dict(item, values: dict | None = None):
     is wanted there)."""
     if type(item) is dict:
         return item
+    if type(item) is tuple:       # capture's hot events are built as tuples (block_table.py)
+        item = list(item)
     if type(item) is not list or not item or type(item[0]) is not int:
         return {"ev": None, "value": item}
     kind = KIND_OF_TAG.get(item[0])

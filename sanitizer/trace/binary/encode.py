@@ -95,10 +95,15 @@ class ValueTable:
                     found = self._add(field, table, value, value)
                 return found
             return None
-        if type(value) is not list:
+        if type(value) is tuple:
+            key = value
+        elif type(value) is list:
+            key = None
+        else:
             return None
         try:
-            key = tuple(value)
+            if key is None:
+                key = tuple(value)
             found = table.get(key)
         except TypeError:                  # an element that is not hashable: not a list of ints or strs
             return None
@@ -144,7 +149,7 @@ def to_item(ev: dict, table: ValueTable | None = None):
     hold exactly (an unknown kind or field, a field set to None), the dict itself: a map item,
     which the reader treats as it treats a JSON Lines event. With `table` (version 2), its INDEXED
     fields hold the index of their value in the table. Trailing absent fields are left out."""
-    if type(ev) is list:
+    if type(ev) is tuple or type(ev) is list:
         return _source_item(ev, table)
     plans = _PLANS_GET(ev.get("ev"))
     if plans is None:
@@ -211,8 +216,11 @@ def _source_item(ev: list, table: ValueTable | None):
             continue
         value = ev[pos]
         kind_of = type(value)
-        if kind_of is str:
-            found = seen.get(value)
+        if kind_of is str or kind_of is tuple:
+            try:
+                found = seen.get(value)
+            except TypeError:              # a tuple with an unhashable element
+                return to_dict(ev)
         elif kind_of is list:
             try:
                 found = seen.get(tuple(value))
@@ -227,7 +235,7 @@ def _source_item(ev: list, table: ValueTable | None):
             if found is None:
                 return to_dict(ev)
         if item is None:
-            item = ev.copy()     # the caller's array keeps its values (to_dict above needs them)
+            item = list(ev)      # the caller's array keeps its values (to_dict above needs them)
         item[pos] = found
     return ev if item is None else item
 
