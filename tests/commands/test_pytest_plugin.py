@@ -195,6 +195,8 @@ def test_plugin_fails_a_read_before_wait_at_its_default_level(pytester, monkeypa
     assert _outcomes(alloc) == {"test_read_before_wait": "PASSED"}
 
 
+# the project's whole run, one child killed (about 8 s): `make test-long`
+@pytest.mark.long
 def test_plugin_reports_incomplete_only_where_a_process_was_killed(pytester, monkeypatch):
     monkeypatch.delenv("HAZSAN_LEVEL", raising=False)
     pytester.makepyfile(test_project=PROJECT)
@@ -223,6 +225,8 @@ def test_plugin_reports_incomplete_only_where_a_process_was_killed(pytester, mon
         assert len(own) == 1 and _events(own[0])[-1]["ev"] == "end", (name, own)
 
 
+# a pytest run whose xdist workers spawn gloo ranks (about 16 s): `make test-long`
+@pytest.mark.long
 def test_plugin_under_xdist_with_the_ini_option(pytester):
     pytester.makepyfile(test_project=PROJECT)
     pytester.path.joinpath("allow.toml").write_text(ALLOW)

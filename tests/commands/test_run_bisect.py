@@ -121,6 +121,8 @@ def step_command(traces, *extra) -> list[str]:
             "--", sys.executable, "decode.py"]
 
 
+# git bisect run over the history: one 2-rank program per step (about 10 s): `make test-long`
+@pytest.mark.long
 def test_git_bisect_run_names_the_commit_that_put_a_transient_in_the_window(repo, tmp_path):
     repo, commits = repo
     git(repo, "bisect", "start", commits[-1], commits[0])

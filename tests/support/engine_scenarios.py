@@ -297,10 +297,14 @@ def analyze_scenario(scenario: Scenario, backend=None):
     return result
 
 
-def check_against_reference(scenario: Scenario, semantics: Semantics = SEMANTICS, backend=None) -> None:
+def check_against_reference(scenario: Scenario, semantics: Semantics = SEMANTICS, backend=None,
+                            expected=None) -> None:
+    """The engine (build `backend`) against the reference model; `expected`, the reference's
+    findings computed once, where one scenario is checked against several builds."""
     result = analyze_scenario(scenario, backend)
-    expected = reference_findings(scenario.ranks, peer_completion=scenario.peer_completion,
-                                  semantics=semantics)
+    if expected is None:
+        expected = reference_findings(scenario.ranks, peer_completion=scenario.peer_completion,
+                                      semantics=semantics)
 
     got_ids, want_ids = {identity(f) for f in result.findings}, {identity(f) for f in expected}
     assert got_ids == want_ids, (

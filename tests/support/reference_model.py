@@ -120,7 +120,8 @@ def _join(a: dict, b: dict) -> dict:
 
 
 def _intersection(alo, ahi, blo, bhi):
-    lo, hi = max(alo, blo), min(ahi, bhi)
+    lo = alo if alo > blo else blo
+    hi = ahi if ahi < bhi else bhi
     return (lo, hi) if lo < hi else None
 
 
@@ -175,8 +176,9 @@ class RankReference:
 
     # ---- ordering (DESIGN 3) ----
     def _locally_complete(self, op: Op, x) -> bool:
-        seen = max(self.stream_clock[x].get(op.stream, 0), self.host.get(op.stream, 0))
-        return seen >= op.epoch
+        # the later of what stream x and the host have seen of op's stream (spelled out: the
+        # quadratic checks call this millions of times on long scenarios)
+        return self.stream_clock[x].get(op.stream, 0) >= op.epoch or self.host.get(op.stream, 0) >= op.epoch
 
     def _buf_done(self, op: Op, buf: Buf, x, *, reading: bool = False) -> bool:
         local = self._locally_complete(op, x)
