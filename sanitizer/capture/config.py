@@ -32,6 +32,7 @@ class Settings:
     max_events: int = 20_000_000           # HAZSAN_MAX_EVENTS: per trace file, then counted drops
     buffer_events: int = 65_536            # HAZSAN_BUFFER_EVENTS: flush when this many are queued
     flush_seconds: float = 2.0             # HAZSAN_FLUSH_SECONDS: flush at least this often while busy
+    idle_seconds: float = 0.05             # HAZSAN_IDLE_SECONDS: after a step, idle from then on (quiet)
     window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
     max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
     level: str = "alloc"                   # HAZSAN_LEVEL: alloc | full
@@ -85,5 +86,6 @@ class Settings:
             max_events=num("HAZSAN_MAX_EVENTS", d.max_events),
             buffer_events=num("HAZSAN_BUFFER_EVENTS", d.buffer_events),
             flush_seconds=num("HAZSAN_FLUSH_SECONDS", d.flush_seconds, float, 0),
+            idle_seconds=num("HAZSAN_IDLE_SECONDS", d.idle_seconds, float, 0),
             window_bytes=num("HAZSAN_WINDOW_BYTES", d.window_bytes, int, 1 << 21),
         ), problems

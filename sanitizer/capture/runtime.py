@@ -64,6 +64,7 @@ class Capture:
         self.writer = TraceWriter(os.path.abspath(settings.directory), max_events=settings.max_events,
                                   buffer_events=settings.buffer_events,
                                   flush_seconds=settings.flush_seconds,
+                                  idle_seconds=getattr(settings, "idle_seconds", 0.05),
                                   trace_format=getattr(settings, "trace_format", None))
         self.emit = self.writer.emit
         self.sites = SiteFinder(settings.stacks, settings.max_stack)

@@ -47,37 +47,56 @@ class TimeFlush:
     def _start_timer(self) -> None:
         if self.closed or (self._timer is not None and self._timer.is_alive()):
             return
-        stop = threading.Event()
-        timer = threading.Thread(target=self._run_timer, args=(stop,), name="hazsan-flush", daemon=True)
-        self._timer, self._timer_stop = timer, stop
+        stop, kick = threading.Event(), threading.Event()
+        timer = threading.Thread(target=self._run_timer, args=(stop, kick), name="hazsan-flush", daemon=True)
+        self._timer, self._timer_stop, self._timer_kick = timer, stop, kick
         timer.start()
 
     def _stop_timer(self, join: float = 0.0) -> None:
-        timer, stop = self._timer, self._timer_stop
-        self._timer = self._timer_stop = None
+        timer, stop, kick = self._timer, self._timer_stop, self._timer_kick
+        self._timer = self._timer_stop = self._timer_kick = None
         if stop is not None:
             stop.set()
+        if kick is not None:
+            kick.set()
         if join and timer is not None and timer.is_alive() and timer is not threading.current_thread():
             timer.join(join)
 
-    def _run_timer(self, stop: threading.Event) -> None:
-        """The time flush: wake every flush_seconds after the last flush, write what is buffered."""
+    def _run_timer(self, stop: threading.Event, kick: threading.Event) -> None:
+        """The time flush: wake every flush_seconds after the last flush, write what is buffered.
+
+        In a program that marks step ends and is not quiet, it also looks every idle_seconds / 2
+        whether the last step ended idle_seconds ago with none started since, and then settles
+        (_settle: everything written, quiet, each later event written as it comes). A fixed
+        cadence while steps run, so a busy server pays a few dozen wake-ups a second whatever its
+        step rate, and the step hook adds nothing; only a step that ends while this thread sleeps
+        long (before the first step end, or quiet since the last) wakes it (`kick`, mark_step)."""
         period = max(self.flush_seconds, MIN_FLUSH_SECONDS)
+        look = max(self.idle_seconds / 2, 0.005)
         wait = period
-        while not stop.wait(wait):
+        while True:
+            self._timer_long = wait > look
+            kick.wait(wait)
+            kick.clear()
+            if stop.is_set():
+                return
             try:
                 if self.closed:
                     return
-                left = self._last_flush + period - time.monotonic()
-                if left > 0.001:          # flushed meanwhile (a step, a full buffer): the rest
-                    wait = left
-                    continue
-                wait = period
-                if self._buf or self._dropped or self._hook_errors:
-                    self.flush()
-                self._settle()
+                now = time.monotonic()
+                if not self._quiet and self._idle_between_steps(now):
+                    self._settle()
+                left = self._last_flush + period - now
+                if left <= 0.001:
+                    if self._buf or self._dropped or self._hook_errors:
+                        self.flush()
+                    self._settle()
+                    left = period
+                wait = left               # flushed meanwhile (a step, a full buffer): the rest
+                if self.step_ends and not self._quiet:
+                    wait = min(wait, look)
             except Exception:             # never raise, not even at interpreter exit
-                pass
+                wait = period
 
     def _before_fork(self) -> None:
         """No thread of ours may run while the process forks (the child would inherit the
@@ -121,7 +140,8 @@ class TimeFlush:
         self._header_len = 0
         self._header_state = _NO_FACTS
         self._values = B.ValueTable()
-        self._timer = self._timer_stop = None
+        self._timer = self._timer_stop = self._timer_kick = None
+        self._timer_long = False
         env_rank = _env_int("RANK", _env_int("LOCAL_RANK"))
         self.rank = env_rank
         self.world_size = None

@@ -15,6 +15,8 @@ from sanitizer.trace.schema import SCHEMA_VERSION
 HEADER_ROOM = 4096
 #: The time-flush thread wakes at most this often (HAZSAN_FLUSH_SECONDS=0 means "as often as this").
 MIN_FLUSH_SECONDS = 0.05
+#: A program that marks step ends counts as idle at the soonest this long after one (HAZSAN_IDLE_SECONDS).
+MIN_IDLE_SECONDS = 0.01
 _COPY_CHUNK = 1 << 20
 
 

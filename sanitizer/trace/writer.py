@@ -47,8 +47,8 @@ imported: a process that never records anything leaves none, even killed.
 What a killed process proves (sanitizer/trace/progress.py reads it): the header's ``progress`` is
 rewritten in place whenever it changes. ``quiet``: every event recorded is in the file (set by the
 time flush when nothing is left to write; taken back, header first, before the next event is
-buffered; between steps of a program that marks their ends, after a whole flush period without a
-step, each event is written as it comes instead). ``step``/``step_ended``: the last step and
+buffered; between steps of a program that marks their ends, ``idle_seconds`` after the last one
+ended with no step started, each event is written as it comes instead). ``step``/``step_ended``: the last step and
 whether it ended (only where ends are marked: the start must reach the header before its events).
 ``signal``: a terminating signal the program's handler took. Signal handlers that interrupt the
 writer (Python runs them between any two bytecodes) are deferred until it is left
@@ -74,7 +74,7 @@ import orjson
 
 from sanitizer.trace import binary as B
 from sanitizer.trace.flush_timer import TimeFlush, _env_int
-from sanitizer.trace.trace_file import _NO_FACTS, HEADER_ROOM, MIN_FLUSH_SECONDS, TraceFile, _write_all
+from sanitizer.trace.trace_file import _NO_FACTS, HEADER_ROOM, MIN_FLUSH_SECONDS, MIN_IDLE_SECONDS, TraceFile, _write_all
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "FORMAT_ENV", "HEADER_ROOM", "MIN_FLUSH_SECONDS", "SUFFIX",
            "TraceWriter", "default_format"]
@@ -101,7 +101,7 @@ class TraceWriter(TraceFile, TimeFlush):
 
     def __init__(self, directory: str, *, max_events: int = 20_000_000, buffer_events: int = 65_536,
                  flush_seconds: float = 2.0, header_extra: dict | None = None,
-                 trace_format: str | None = None):
+                 trace_format: str | None = None, idle_seconds: float = 0.05):
         self.directory = directory
         self.format = trace_format or default_format()
         if self.format not in FORMATS:
@@ -110,6 +110,8 @@ class TraceWriter(TraceFile, TimeFlush):
         self.max_events = max_events
         self.buffer_events = max(1, buffer_events)
         self.flush_seconds = flush_seconds
+        # a program that marks step ends is idle this long after one with no step started: quiet
+        self.idle_seconds = max(idle_seconds, MIN_IDLE_SECONDS)
         self.header_extra = dict(header_extra or {})
         self.header_source = None   # callable -> dict of more header keys, asked when the header is written
         self.header_key = None      # callable -> hashable; the header is written again when it changes
@@ -152,6 +154,8 @@ class TraceWriter(TraceFile, TimeFlush):
         self._next_suffix: dict = {} # (folder, stem) -> the next n of `stem.<n>.jsonl` to try there
         self._timer = None           # the time-flush thread, once start() ran
         self._timer_stop = None      # its Event
+        self._timer_kick = None      # the Event it sleeps on: set to wake it (stop, a step ended)
+        self._timer_long = False     # it sleeps for a flush period, not the idle look (flush_timer)
         self._started = False
         self._fork_hooks = False
         self.closed = False
@@ -241,16 +245,17 @@ class TraceWriter(TraceFile, TimeFlush):
         process killed now (SGLang's Engine.shutdown SIGKILLs its schedulers) is known to have
         lost nothing. Any later event, drop or hook error first takes it back (_wake).
 
-        A program between steps for a whole flush period (its last step ended, no step started
-        since) may still record events, an idle server's polling (SGLang's TP ranks broadcast the
-        requests they receive, none, every loop): it is made quiet anyway, everything buffered
-        written first, and each event after that is written as it is recorded, until the next
-        step starts (mark_step) or a write fails."""
+        A program between steps for `idle_seconds` (its last step ended, no step started since;
+        the time flush looks that soon, _run_timer) may still record events, an idle server's
+        polling (SGLang's TP ranks broadcast the requests they receive, none, every loop): it is
+        made quiet anyway, everything buffered written first, and each event after that is written
+        as it is recorded, until the next step starts (mark_step) or a write fails. So a server
+        killed as soon as its last request is answered (SGLang's Engine.shutdown SIGKILLs its
+        schedulers) has lost nothing, not only one idle for a flush period."""
         with self._lock:
             if self._quiet or self.closed or self._fd is None:
                 return False
-            idle = (self.step_ends and self.progress.get("step_ended") is True
-                    and time.monotonic() - self._step_end_at >= max(self.flush_seconds, MIN_FLUSH_SECONDS))
+            idle = self._idle_between_steps(time.monotonic())
             with self._buf_lock:
                 if idle:    # appends wait meanwhile: an idle loop's events cannot slip in between
                     self.flush()
@@ -265,6 +270,12 @@ class TraceWriter(TraceFile, TimeFlush):
                 self._write_progress()
             return True
 
+    def _idle_between_steps(self, now: float) -> bool:
+        """A program that marks step ends, its last step ended `idle_seconds` ago or more and no
+        step started since."""
+        return (self.step_ends and self.progress.get("step_ended") is True
+                and now - self._step_end_at >= self.idle_seconds)
+
     def _write_progress(self) -> None:
         if self._fd is not None:
             self._refresh_header()
@@ -278,6 +289,9 @@ class TraceWriter(TraceFile, TimeFlush):
             if ended:
                 self.step_ends = True
                 self._step_end_at = time.monotonic()
+                kick = self._timer_kick
+                if self._timer_long and kick is not None:   # asleep for a flush period: look sooner
+                    kick.set()
             if not self.step_ends:
                 return
             self.progress.update(step=int(n), step_ended=bool(ended))

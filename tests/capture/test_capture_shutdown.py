@@ -31,7 +31,8 @@ pytest.importorskip("torch")
 
 def _env(traces, **extra):
     env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(traces), PYTHONWARNINGS="ignore")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "HAZSAN_LEVEL", "HAZSAN_FLUSH_SECONDS", "HAZSAN_TRACE_FORMAT"):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "HAZSAN_LEVEL", "HAZSAN_FLUSH_SECONDS", "HAZSAN_IDLE_SECONDS",
+              "HAZSAN_TRACE_FORMAT"):
         env.pop(k, None)
     env.update(extra)
     return env
@@ -161,12 +162,18 @@ time.sleep(60)
 """
 
 
-def _killed(tmp_path, what, flush_seconds):
+def _killed(tmp_path, what, flush_seconds, idle_seconds=None, wait=None):
+    """STEPS with `what` after its last step, SIGKILLed once it printed ready (after `wait` s; by
+    default three flush periods, or at once when the period is long)."""
     traces = tmp_path / "t"
-    proc = _start(STEPS.replace("WHAT", textwrap.dedent(what)), _env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds))
+    extra = {"HAZSAN_IDLE_SECONDS": idle_seconds} if idle_seconds is not None else {}
+    proc = _start(STEPS.replace("WHAT", textwrap.dedent(what)),
+                  _env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds, **extra))
+    if wait is None:
+        wait = float(flush_seconds) * 3 if float(flush_seconds) < 100 else 0
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        time.sleep(float(flush_seconds) * 3 if float(flush_seconds) < 100 else 0)
+        time.sleep(wait)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -175,8 +182,8 @@ def _killed(tmp_path, what, flush_seconds):
 
 
 def test_sigkill_after_the_last_step_says_nothing_recorded_during_a_step_is_missing(tmp_path):
-    # work between steps that no flush wrote (the time flush is 1000 s away)
-    path, doc, text = _killed(tmp_path, "zs = [torch.ones(5) for _ in range(4)]", "1000")
+    # work between steps that no flush wrote (the time flush is 1000 s away, and so is idleness)
+    path, doc, text = _killed(tmp_path, "zs = [torch.ones(5) for _ in range(4)]", "1000", idle_seconds="1000")
     assert doc["complete"] is False
     (why,) = [f["why"] for f in doc["incomplete_files"]]
     assert why.startswith("no end record: the process was killed, or its last writes failed, after its last step (2)")
@@ -194,6 +201,18 @@ def test_sigkill_during_a_step_says_so(tmp_path):
     (why,) = [f["why"] for f in doc["incomplete_files"]]
     assert "during step 3" in why and "events of step 3 among them" in why
     assert "nothing recorded during a step is missing" not in why
+
+
+def test_sigkill_soon_after_the_last_step_loses_nothing(tmp_path):
+    """A program that marks step ends is idle HAZSAN_IDLE_SECONDS (0.05 s) after its last one:
+    the events it recorded after it are written and the header says quiet, with the time flush
+    1000 s away. Killed 0.3 s after its last step: complete, those events in the file."""
+    path, doc, text = _killed(tmp_path, "zs = [torch.ones(5) for _ in range(4)]", "1000", wait=0.3)
+    assert doc["complete"] is True and not doc["incomplete_files"], doc
+    assert "INCOMPLETE" not in text.stdout
+    head, *evs = records(path)
+    assert head["progress"]["quiet"] is True and head["progress"]["step_ended"] is True
+    assert [e.get("shape") for e in evs if e["ev"] == "alloc"].count([5]) == 4
 
 
 def test_sigkill_of_an_idle_process_loses_nothing(tmp_path):
@@ -250,13 +269,14 @@ if __name__ == "__main__":
 """
 
 
-def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False):
+def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False, idle_seconds=None):
     pytest.importorskip("psutil")
     traces = tmp_path / "t"
     script = tmp_path / "engine.py"
     script.write_text(RANKS.replace("WORK_AFTER", str(work_after)).replace("IDLE", str(idle))
                       .replace("POLL", str(poll)))
-    out = subprocess.run([sys.executable, str(script)], env=_env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds),
+    extra = {"HAZSAN_IDLE_SECONDS": idle_seconds} if idle_seconds is not None else {}
+    out = subprocess.run([sys.executable, str(script)], env=_env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds, **extra),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     # two ranks and the resource tracker that spawn started
@@ -284,8 +304,26 @@ def test_sglang_engine_shutdown_of_idle_schedulers_leaves_complete_traces(tmp_pa
         assert polls > 50 if poll else polls == 0
 
 
+@pytest.mark.parametrize("poll", [False, True])
+def test_sglang_engine_shutdown_soon_after_work_leaves_complete_traces(tmp_path, poll):
+    """Engine.shutdown() 0.3 s after the schedulers' last step, work recorded after it and the time
+    flush 1000 s away: idle 0.05 s after the step (HAZSAN_IDLE_SECONDS), so quiet, every event
+    written, the polling too, each as it came."""
+    traces = _sglang_shutdown(tmp_path, work_after=True, idle=0.3, flush_seconds="1000", poll=poll)
+    doc = _check_json(traces)
+    assert doc["complete"] is True and not doc["incomplete_files"], doc
+    for r in (0, 1):
+        head, *evs = records(traces / f"rank{r}.hzs")
+        assert head["progress"]["quiet"] is True and head["progress"]["step_ended"] is True
+        assert [e["n"] for e in evs if e["ev"] == "step"] == [0, 1, 2, 3]
+        assert [e.get("shape") for e in evs if e["ev"] == "alloc"].count([7]) == 5
+        polls = sum(e["ev"] == "coll" and e["op"] == "c10d.broadcast_" for e in evs)
+        assert polls > 10 if poll else polls == 0
+
+
 def test_sglang_engine_shutdown_right_after_work_names_what_may_be_missing(tmp_path):
-    traces = _sglang_shutdown(tmp_path, work_after=True, idle=0, flush_seconds="1000")
+    # killed at once after the ranks' last step, idleness and the time flush 1000 s away
+    traces = _sglang_shutdown(tmp_path, work_after=True, idle=0, flush_seconds="1000", idle_seconds="1000")
     doc = _check_json(traces)
     assert doc["complete"] is False
     files = {Path(f["file"]).name: f["why"] for f in doc["incomplete_files"]}
