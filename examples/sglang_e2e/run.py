@@ -377,17 +377,12 @@ def check_capture(name: str, work: Path, result: dict, problems: list) -> dict:
     elif rc != 0 or summary.get("findings"):
         fail(f"hazsan check: exit {rc}, findings {by_rule}")
     if summary and not summary.get("complete"):
-        # Engine.shutdown() SIGKILLs its children (srt/utils/common.py, kill_process_tree): a
-        # scheduler killed before a whole flush period of idleness has no end record. What the
-        # check must then say is exactly what may be missing, and that nothing of a step is.
+        # Engine.shutdown() SIGKILLs its children (srt/utils/common.py, kill_process_tree); capture
+        # waits first until their traces say quiet (sanitizer/capture/child_traces.py), so every
+        # run that ends normally must be complete.
         reasons = summary.get("incomplete") or []
         files = summary.get("incomplete_files") or []
-        only_truncated = files and all("trace(s) truncated" in r for r in reasons)
-        after_steps = [f for f in files if "nothing recorded during a step is missing" in f["why"]]
-        if entry == "engine" and only_truncated and len(after_steps) == len(files):
-            facts["killed_after_last_step"] = [f"{Path(f['file']).name}: {f['why']}" for f in files]
-        else:
-            fail(f"hazsan check: capture INCOMPLETE: {reasons}: {[f['why'] for f in files]}")
+        fail(f"hazsan check: capture INCOMPLETE: {reasons}: {[f['why'] for f in files]}")
     facts.update(steps=len(marks[0]), phases=dict(phases),
                  files=len([p for p in folder.iterdir() if p.name.endswith((".jsonl", ".hzs"))]),
                  events=summary.get("events"), findings=by_rule,

@@ -12,6 +12,7 @@ import sys
 
 SGLANG_ALLOCATOR = "sglang.srt.distributed.device_communicators.pynccl_allocator"
 SGLANG_SCHEDULER = "sglang.srt.managers.scheduler"
+SGLANG_ENGINE = "sglang.srt.entrypoints.engine"
 # NCCL's ctypes wrapper and the communicator built on it: SGLang's, and vLLM's (same class shape)
 PYNCCL_WRAPPERS = ("sglang.srt.distributed.device_communicators.pynccl_wrapper",
                    "vllm.distributed.device_communicators.pynccl_wrapper")
@@ -91,6 +92,10 @@ def _register_import_hooks(cap) -> None:
         from sanitizer.capture import sglang_hooks
         sglang_hooks.on_pynccl_wrapper(cap, module)
 
+    def on_engine(module):
+        from sanitizer.capture import sglang_hooks
+        sglang_hooks.on_engine(cap, module)
+
     def on_communicator(module):
         from sanitizer.capture import sglang_hooks
         sglang_hooks.on_pynccl(cap, module)
@@ -110,6 +115,7 @@ def _register_import_hooks(cap) -> None:
     hook("torch.distributed._functional_collectives", on_functional_collectives)
     hook(SGLANG_ALLOCATOR, on_allocator)
     hook(SGLANG_SCHEDULER, on_scheduler)
+    hook(SGLANG_ENGINE, on_engine)
     for name in PYNCCL_WRAPPERS:
         hook(name, on_wrapper)
     for name in PYNCCL_COMMUNICATORS:

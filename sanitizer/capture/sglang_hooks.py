@@ -23,6 +23,9 @@ and a missing one is a counted hook failure, never an error in the server.
     tokens = the token count of the step's model forward: `step_tokens`) and a flush: SGLang's
     decode-step boundary; when it returns, a flush and the step's end in the header (what a
     scheduler SIGKILLed by Engine.shutdown proves).
+  * Engine.shutdown() -> first, at most 1 s, wait until every child process's trace says quiet
+    (child_traces.py): it SIGKILLs the schedulers, usually before they are idle long enough to
+    have said so themselves.
 """
 from __future__ import annotations
 
@@ -218,6 +221,29 @@ def on_scheduler(capture, module) -> None:
     wrapped._hazsan = True
     sched.run_batch = wrapped
     capture.installed.append("sglang.Scheduler.run_batch")
+
+
+def on_engine(capture, module) -> None:
+    engine = getattr(module, "Engine", None)
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is None:
+        raise RuntimeError("sglang: Engine.shutdown not found; its SIGKILLed schedulers may leave "
+                           "traces without what they recorded after their last step")
+    if getattr(shutdown, "_hazsan", False):
+        return
+
+    def wrapped(self, *args, **kwargs):
+        try:
+            from sanitizer.capture.child_traces import wait_until_quiet
+            capture.writer.flush()
+            wait_until_quiet(capture.writer.directory)
+        except Exception as exc:
+            capture.failed("sglang.shutdown", exc)
+        return shutdown(self, *args, **kwargs)
+
+    wrapped._hazsan = True
+    engine.shutdown = wrapped
+    capture.installed.append("sglang.Engine.shutdown")
 
 
 def step_tokens(scheduler, batch) -> int | None:

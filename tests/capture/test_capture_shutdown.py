@@ -260,6 +260,10 @@ if __name__ == "__main__":
         p.start()
     assert sorted(ready.get(timeout=300) for _ in procs) == [0, 1]
     time.sleep(IDLE)
+    if WAIT_QUIET:                           # capture's hook on Engine.shutdown, before the kill
+        from sanitizer.capture.child_traces import wait_until_quiet
+        pending, waited = wait_until_quiet(os.environ["HAZSAN_DIR"])
+        print("waited", sorted(pending), round(waited, 3), flush=True)
     # SGLang 0.5.23 Engine.shutdown -> kill_process_tree(os.getpid(), include_parent=False)
     children = psutil.Process(os.getpid()).children(recursive=True)
     for child in children:
@@ -269,18 +273,20 @@ if __name__ == "__main__":
 """
 
 
-def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False, idle_seconds=None):
+def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False, idle_seconds=None, wait_quiet=False):
     pytest.importorskip("psutil")
     traces = tmp_path / "t"
     script = tmp_path / "engine.py"
     script.write_text(RANKS.replace("WORK_AFTER", str(work_after)).replace("IDLE", str(idle))
-                      .replace("POLL", str(poll)))
+                      .replace("POLL", str(poll)).replace("WAIT_QUIET", str(wait_quiet)))
     extra = {"HAZSAN_IDLE_SECONDS": idle_seconds} if idle_seconds is not None else {}
     out = subprocess.run([sys.executable, str(script)], env=_env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds, **extra),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     # two ranks and the resource tracker that spawn started
     assert "killed 3" in out.stdout, out.stdout
+    if wait_quiet:
+        return traces, out.stdout
     return traces
 
 
@@ -319,6 +325,36 @@ def test_sglang_engine_shutdown_soon_after_work_leaves_complete_traces(tmp_path,
         assert [e.get("shape") for e in evs if e["ev"] == "alloc"].count([7]) == 5
         polls = sum(e["ev"] == "coll" and e["op"] == "c10d.broadcast_" for e in evs)
         assert polls > 10 if poll else polls == 0
+
+
+@pytest.mark.parametrize("poll", [False, True])
+def test_engine_shutdown_hook_waits_for_quiet_children_then_the_kill_loses_nothing(tmp_path, poll):
+    """What capture's hook on SGLang's Engine.shutdown does (child_traces.wait_until_quiet) before
+    the SIGKILLs: killed at once after the ranks' last step, work recorded after it and the time
+    flush 1000 s away, every trace is complete, the wait well under its 1 s bound."""
+    traces, stdout = _sglang_shutdown(tmp_path, work_after=True, idle=0, flush_seconds="1000", poll=poll,
+                                      wait_quiet=True)
+    (line,) = [l for l in stdout.splitlines() if l.startswith("waited")]
+    assert line.startswith("waited [] "), line
+    assert 0 < float(line.split()[-1]) < 0.9, line
+    doc = _check_json(traces)
+    assert doc["complete"] is True and not doc["incomplete_files"], doc
+    for r in (0, 1):
+        evs = records(traces / f"rank{r}.hzs")[1:]
+        assert [e.get("shape") for e in evs if e["ev"] == "alloc"].count([7]) == 5
+
+
+def test_engine_shutdown_hook_waits_at_most_its_bound_for_a_child_inside_a_step(tmp_path):
+    """A child that never becomes quiet (the time flush and idleness 1000 s away): the wait gives
+    up after its bound and names the file; the kill then leaves it reported as before."""
+    from sanitizer.capture import child_traces
+
+    traces, stdout = _sglang_shutdown(tmp_path, work_after=True, idle=0, flush_seconds="1000",
+                                      idle_seconds="1000", wait_quiet=True)
+    (line,) = [l for l in stdout.splitlines() if l.startswith("waited")]
+    assert "'rank0.hzs'" in line and "'rank1.hzs'" in line, line
+    assert child_traces.WAIT_SECONDS <= float(line.split()[-1]) < child_traces.WAIT_SECONDS + 1, line
+    assert _check_json(traces)["complete"] is False
 
 
 def test_sglang_engine_shutdown_right_after_work_names_what_may_be_missing(tmp_path):
