@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Issue 30's question, measured: what would alloc-level capture cost per tiny op with no Python
+dispatch mode at all, its allocations taken from a native hook on torch's CPU allocator?
+
+A probe, not capture: a small C++ extension (built here with torch.utils.cpp_extension, cached
+under --build-dir) wraps the CPU allocator that `c10::GetCPUAllocator()` returns
+(`c10::SetCPUAllocator`), and records per allocation what capture's `alloc` needs that the
+allocator can know (address, size) plus the call site as capture finds it (the innermost Python
+frame whose file is not torch's or hazsan's, a flag cached per code object, the code object and
+its last instruction kept, `file:line:function` made only when the records are read), and per free
+the address, into a preallocated buffer under a mutex. The DataPtrs it hands out have the inner
+allocator's shape (context == data, one deleter: its own, which records the free and calls the
+inner one), so torch's raw_allocate / raw_deallocate keep working and nothing is made per
+allocation. The records are read back at the end of
+the loop (that read is counted too). What it leaves out of capture's `alloc`: the dtype and shape
+(the allocator sees bytes), symmetric scopes and pools, the trace writer; so its figure is a
+floor for that design, not a measurement of a built recorder.
+
+Each variant runs the tiny-op loop of op_instructions.py (a 16-element add, a new storage each)
+under callgrind with 0 and --ops ops; the difference per op. Variants: bare, the no-op
+TorchDispatchMode, HAZSAN=1 at alloc (capture as it is), the probe with its records read back into
+Python objects at the end (`native`), read back as one bytes object of packed records with a list
+of the distinct sites (`native-packed`: what a native trace writer would hand over; the check
+decodes them again, inside the count) and the probe's hook alone (`native-hook`: the records left in
+the buffer, only counted). `native` checks that it recorded each op's output (64 bytes) with the
+loop's own line as its site, and a free per op. The hook sees every allocation of the CPU
+allocator, three per op here (the output, the 1.0 made a tensor, a 4-byte scratch), where the
+dispatch mode sees one storage per op.
+
+    .venv/bin/python benchmarks/native_alloc_probe.py                 # builds, then 12 callgrind runs
+    .venv/bin/python benchmarks/native_alloc_probe.py --variants bare native --ops 2000
+
+Needs valgrind, a C++ compiler and ninja (the extension build).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from op_instructions import LOOP, VARIANTS, instructions  # noqa: E402
+
+#: op_instructions.py's loop with what import left frozen out of the collector's reach: a full
+#: collection walks every object of the process (about 170k after `import torch`, 50-60M
+#: instructions), and whether one falls inside the 4,000 ops or not moved the per-op figures by
+#: 10k either way between batches; frozen, a collection walks what the loop itself keeps.
+FROZEN_LOOP = LOOP.replace("a = torch.ones(16)", "import gc; gc.collect(); gc.freeze()\na = torch.ones(16)")
+assert FROZEN_LOOP != LOOP
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <c10/core/CPUAllocator.h>
+#include <Python.h>
+#include <frameobject.h>
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+// CPython 3.11's frame stack, read from the allocating thread itself (see site()).
+#define Py_BUILD_CORE
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+#define HAZSAN_FRAMES_311 1
+#endif
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+struct Record {
+  uint64_t addr;
+  uint64_t size;
+  uint64_t freed;     // 1: a free (an allocation may be of 0 bytes)
+  PyCodeObject* code; // a strong reference held in `internal` (nullptr: no Python frame)
+  int lasti;
+};
+
+std::mutex mu;
+std::vector<Record> records;
+// code object -> is it torch's or hazsan's (skipped when finding the site); a strong reference each
+std::unordered_map<PyCodeObject*, bool> internal;
+c10::Allocator* inner = nullptr;
+uint64_t dropped = 0;
+size_t capacity = 0;
+
+// Whether a code object is torch's or hazsan's, cached per code object. Called without the GIL
+// (torch's bindings release it around every op), so nothing here may touch a reference count or
+// allocate a Python object: the file name is read from the str's own ASCII data.
+bool is_internal(PyCodeObject* code) {
+  auto it = internal.find(code);
+  if (it != internal.end()) return it->second;
+  bool skip = false;
+  PyObject* file = code->co_filename;
+  if (file && PyUnicode_Check(file) && PyUnicode_IS_COMPACT_ASCII(file)) {
+    const char* f = static_cast<const char*>(PyUnicode_DATA(file));
+    skip = strstr(f, "/torch/") || strstr(f, "/sanitizer/");
+  }
+  // NOTE (probe only): the pointer is kept without a reference (no GIL here); a recorder must
+  // take one later under the GIL, or learn of the code object's death (3.12: PyCode_AddWatcher).
+  internal.emplace(code, skip);
+  return skip;
+}
+
+// The call site: the innermost frame that is not torch's or hazsan's. The allocating thread's own
+// frame stack cannot change while it is inside this call, so it is read as CPython 3.11 lays it
+// out (PyGILState_GetThisThreadState: the thread's state even while it has released the GIL).
+void site(Record& r) {
+  r.code = nullptr;
+  r.lasti = -1;
+#ifdef HAZSAN_FRAMES_311
+  PyThreadState* ts = PyGILState_GetThisThreadState();
+  if (ts == nullptr || ts->cframe == nullptr) return;   // a thread that never ran Python
+  for (_PyInterpreterFrame* f = ts->cframe->current_frame; f != nullptr; f = f->previous) {
+    if (_PyFrame_IsIncomplete(f)) continue;
+    if (!is_internal(f->f_code)) {
+      r.code = f->f_code;
+      r.lasti = _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT);
+      return;
+    }
+  }
+#endif
+}
+
+void push(const Record& r) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (records.size() >= capacity) { ++dropped; return; }
+  records.push_back(r);
+}
+
+// The CPU allocator's own deleter (DefaultCPUAllocator: its raw_deleter). The recording allocator
+// hands out DataPtrs shaped as the inner one does (context == data, one deleter for all), so that
+// raw_allocate / raw_deallocate and is_simple_data_ptr keep working, and no object is made per
+// allocation; its deleter records the free and calls the inner one.
+c10::DeleterFnPtr inner_deleter = nullptr;
+uint64_t passed_through = 0;   // allocations of another shape, handed out unrecorded (counted)
+
+void free_and_record(void* data) {
+  push(Record{reinterpret_cast<uint64_t>(data), 0, 1, nullptr, -1});
+  inner_deleter(data);
+}
+
+struct RecordingAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr real = inner->allocate(n);
+    void* data = real.get();
+    if (real.get_context() != data || real.get_deleter() != inner_deleter) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++passed_through;
+      return real;
+    }
+    c10::Device device = real.device();
+    real.release_context();                      // ownership moves to the DataPtr returned
+    Record r{reinterpret_cast<uint64_t>(data), static_cast<uint64_t>(n), 0, nullptr, -1};
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      site(r);
+      if (records.size() >= capacity) ++dropped; else records.push_back(r);
+    }
+    return c10::DataPtr(data, data, &free_and_record, device);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_and_record; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+RecordingAllocator recording;
+
+}  // namespace
+
+void install(int64_t n) {
+  capacity = static_cast<size_t>(n);
+  records.reserve(capacity);
+  inner = c10::GetCPUAllocator();
+  inner_deleter = inner->raw_deleter();
+  TORCH_CHECK(inner_deleter != nullptr, "the CPU allocator has no raw deleter: not wrapped");
+  c10::SetCPUAllocator(&recording, /*priority=*/100);
+}
+
+py::tuple drain() {
+  std::vector<Record> out;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    out.swap(records);
+    records.reserve(capacity);
+  }
+  py::list allocs, frees;
+  std::unordered_map<uint64_t, py::object> sites;  // (code, lasti) -> "file:line:function"
+  for (const Record& r : out) {
+    if (r.freed) { frees.append(py::int_(r.addr)); continue; }
+    py::object text = py::none();
+    if (r.code != nullptr) {
+      uint64_t key = reinterpret_cast<uint64_t>(r.code) ^ (static_cast<uint64_t>(r.lasti) << 48);
+      auto it = sites.find(key);
+      if (it == sites.end()) {
+        int line = PyCode_Addr2Line(r.code, r.lasti);
+        std::string s = std::string(PyUnicode_AsUTF8(r.code->co_filename)) + ":" + std::to_string(line) + ":" +
+                        PyUnicode_AsUTF8(r.code->co_name);
+        it = sites.emplace(key, py::str(s)).first;
+      }
+      text = it->second;
+    }
+    allocs.append(py::make_tuple(r.addr, r.size, text));
+  }
+  TORCH_CHECK(passed_through == 0, "allocations handed out unrecorded: ", passed_through);
+  return py::make_tuple(allocs, frees, dropped);
+}
+
+// The records as one bytes object (what a native trace writer would hand to the file): 32 bytes a
+// record (address, size, site index, 1 for a free), the sites as a list of "file:line:function", one per distinct
+// (code object, instruction): no Python object per record.
+py::tuple drain_packed() {
+  std::vector<Record> out;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    out.swap(records);
+    records.reserve(capacity);
+  }
+  std::string packed;
+  packed.resize(out.size() * 32);
+  char* p = &packed[0];
+  py::list texts;
+  std::unordered_map<uint64_t, uint64_t> index;  // (code, lasti) -> position in texts
+  for (const Record& r : out) {
+    uint64_t at = UINT64_MAX;
+    if (r.code != nullptr) {
+      uint64_t key = reinterpret_cast<uint64_t>(r.code) ^ (static_cast<uint64_t>(r.lasti) << 48);
+      auto it = index.find(key);
+      if (it == index.end()) {
+        int line = PyCode_Addr2Line(r.code, r.lasti);
+        texts.append(py::str(std::string(PyUnicode_AsUTF8(r.code->co_filename)) + ":" + std::to_string(line) +
+                             ":" + PyUnicode_AsUTF8(r.code->co_name)));
+        it = index.emplace(key, texts.size() - 1).first;
+      }
+      at = it->second;
+    }
+    memcpy(p, &r.addr, 8);
+    memcpy(p + 8, &r.size, 8);
+    memcpy(p + 16, &at, 8);
+    memcpy(p + 24, &r.freed, 8);
+    p += 32;
+  }
+  return py::make_tuple(py::bytes(packed), texts, dropped);
+}
+
+int64_t pending() {
+  std::lock_guard<std::mutex> lock(mu);
+  return static_cast<int64_t>(records.size());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("install", &install);
+  m.def("pending", &pending);
+  m.def("drain_packed", &drain_packed);
+  m.def("drain", &drain);
+}
+"""
+
+#: The probe's variant: the loop of op_instructions.py with the recorder installed first, then
+#: the records read back and checked (one alloc and one free per op, the loop's line as site).
+NATIVE_LOOP = """
+import importlib.util, os, sys, torch
+spec = importlib.util.spec_from_file_location("hazsan_native_probe", os.environ["HAZSAN_PROBE_SO"])
+probe = importlib.util.module_from_spec(spec); spec.loader.exec_module(probe)
+n = int(sys.argv[1])
+probe.install(8 * n + 4096)  # 3 allocations and 3 frees per op
+import gc; gc.collect(); gc.freeze()
+a = torch.ones(16)
+b = None
+for _ in range(n):
+    b = a + 1.0
+del b
+if os.environ.get("HAZSAN_PROBE_HOOK_ONLY"):     # the hook alone: the records are not read back
+    assert probe.pending() >= 2 * n, probe.pending()
+    sys.exit(0)
+if os.environ.get("HAZSAN_PROBE_PACKED"):       # read back as one bytes object, no object per record
+    import array
+    packed, texts, dropped = probe.drain_packed()
+    assert dropped == 0, dropped
+    # checked without an object per record (small ints only): the outputs (64 bytes: n, and
+    # torch.ones' at line 8), the loop line's allocations (3 per op), a free per op
+    fields = array.array("Q", packed)
+    sizes, sites, freed = fields[1::4], fields[2::4], fields[3::4]
+    loop = [i for i, t in enumerate(texts) if t.endswith(":11:<module>")]
+    assert sizes.count(64) == n + 1 and freed.count(1) >= n, (sizes.count(64), freed.count(1), texts)
+    assert n == 0 or (len(loop) == 1 and sites.count(loop[0]) == 3 * n), (texts, loop)
+    sys.exit(0)
+allocs, frees, dropped = probe.drain()
+assert dropped == 0, dropped
+outputs = [x for x in allocs if x[1] == 64 and x[2] and x[2].endswith(":11:<module>")]  # b, 16 floats
+assert len(outputs) == n and len(frees) >= n, (len(allocs), len(outputs), len(frees), allocs[:4])
+if os.environ.get("HAZSAN_PROBE_SHOW"):
+    print(len(allocs), "allocations,", len(frees), "frees; sites:", sorted({x[2] for x in allocs}, key=str))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", type=int, default=4000)
+    p.add_argument("--variants", nargs="+", choices=[*VARIANTS, "native", "native-packed", "native-hook"],
+                   default=["bare", "noop", "alloc", "native", "native-packed", "native-hook"])
+    p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "hazsan-native-probe"))
+    args = p.parse_args()
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed")
+    from torch.utils.cpp_extension import load_inline
+
+    os.makedirs(args.build_dir, exist_ok=True)
+    so = load_inline("hazsan_native_probe", cpp_sources=[SOURCE], extra_cflags=["-O2"],
+                     build_directory=args.build_dir).__file__
+    print(f"probe built: {so}")
+    tmp = tempfile.mkdtemp(prefix="hazsan-probe-")
+    scripts = {}
+    for name, text in (("ops.py", FROZEN_LOOP), ("native.py", NATIVE_LOOP)):
+        scripts[name] = os.path.join(tmp, name)
+        with open(scripts[name], "w") as f:
+            f.write(text)
+    per = {}
+    for v in args.variants:
+        native = v.startswith("native")
+        script = scripts["native.py" if native else "ops.py"]
+        extra = VARIANTS.get(v, {})
+        if native:
+            extra = {"HAZSAN_PROBE_SO": so, **({"HAZSAN_PROBE_HOOK_ONLY": "1"} if v == "native-hook" else {}),
+                     **({"HAZSAN_PROBE_PACKED": "1"} if v == "native-packed" else {})}
+        n0 = instructions(script, 0, extra, tmp)
+        n1 = instructions(script, args.ops, extra, tmp)
+        per[v] = (n1 - n0) / args.ops
+        print(f"{v:>6}: {per[v] / 1000:8.1f}k instructions per op", flush=True)
+    if "bare" in per:
+        for v in per:
+            if v != "bare":
+                print(f"{v} / bare: {per[v] / per['bare']:.2f}x")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
