@@ -383,6 +383,13 @@ def check_capture(name: str, work: Path, result: dict, problems: list) -> dict:
         reasons = summary.get("incomplete") or []
         files = summary.get("incomplete_files") or []
         fail(f"hazsan check: capture INCOMPLETE: {reasons}: {[f['why'] for f in files]}")
+    if entry == "engine":
+        # what makes that so: the hook in the Engine's own process (its pid trace)
+        from sanitizer.trace.reader import read_header
+        hooked = [p.name for p in folder.iterdir() if p.name.endswith((".jsonl", ".hzs"))
+                  and "sglang.Engine.shutdown" in ((read_header(p) or {}).get("hooks") or {}).get("installed", [])]
+        if not hooked:
+            fail("no trace lists sglang.Engine.shutdown among its installed hooks")
     facts.update(steps=len(marks[0]), phases=dict(phases),
                  files=len([p for p in folder.iterdir() if p.name.endswith((".jsonl", ".hzs"))]),
                  events=summary.get("events"), findings=by_rule,
