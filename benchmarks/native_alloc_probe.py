@@ -1,34 +1,44 @@
 #!/usr/bin/env python3
-"""Issue 30's question, measured: what would alloc-level capture cost per tiny op with no Python
-dispatch mode at all, its allocations taken from a native hook on torch's CPU allocator?
+"""Issue 30's question, measured: what would capture cost per tiny op with no Python dispatch mode
+at all, its allocations taken from a native hook on torch's CPU allocator and (for `full`) its
+launches from a native op observer?
 
 A probe, not capture: a small C++ extension (built here with torch.utils.cpp_extension, cached
-under --build-dir) wraps the CPU allocator that `c10::GetCPUAllocator()` returns
-(`c10::SetCPUAllocator`), and records per allocation what capture's `alloc` needs that the
-allocator can know (address, size) plus the call site as capture finds it (the innermost Python
-frame whose file is not torch's or hazsan's, a flag cached per code object, the code object and
-its last instruction kept, `file:line:function` made only when the records are read), and per free
-the address, into a preallocated buffer under a mutex. The DataPtrs it hands out have the inner
-allocator's shape (context == data, one deleter: its own, which records the free and calls the
-inner one), so torch's raw_allocate / raw_deallocate keep working and nothing is made per
-allocation. The records are read back at the end of
-the loop (that read is counted too). What it leaves out of capture's `alloc`: the dtype and shape
-(the allocator sees bytes), symmetric scopes and pools, the trace writer; so its figure is a
-floor for that design, not a measurement of a built recorder.
+under --build-dir, compiled with -DNDEBUG as libtorch is: RecordFunction's inline accessors read
+fields that exist only in debug builds otherwise).
+
+- The allocation hook wraps the CPU allocator that `c10::GetCPUAllocator()` returns
+  (`c10::SetCPUAllocator`) and records per allocation what capture's `alloc` needs that the
+  allocator can know (address, size) plus the call site as capture finds it (the innermost Python
+  frame whose file is not torch's or hazsan's, a flag cached per code object, the code object and
+  its last instruction kept, `file:line:function` made only when the records are read), and per
+  free the address, into a preallocated buffer under a mutex. The DataPtrs it hands out have the
+  inner allocator's shape (context == data, one deleter: its own, which records the free and calls
+  the inner one), so torch's raw_allocate / raw_deallocate keep working and nothing is made per
+  allocation.
+- The op observer (`native-full`) is a RecordFunction global callback, as Kineto's: per outermost
+  op (what the dispatch mode sees, not the ops it runs inside) its name, the ranges of its tensor
+  inputs (reads) and outputs (writes), and its call site.
+
+What it leaves out of capture: the dtype and shape (the allocator sees bytes), symmetric scopes
+and pools, the trace writer; so its figures are floors for that design, not measurements of a
+built recorder.
 
 Each variant runs the tiny-op loop of op_instructions.py (a 16-element add, a new storage each)
 under callgrind with 0 and --ops ops; the difference per op. Variants: bare, the no-op
-TorchDispatchMode, HAZSAN=1 at alloc (capture as it is), the probe with its records read back into
-Python objects at the end (`native`), read back as one bytes object of packed records with a list
-of the distinct sites (`native-packed`: what a native trace writer would hand over; the check
-decodes them again, inside the count) and the probe's hook alone (`native-hook`: the records left in
-the buffer, only counted). `native` checks that it recorded each op's output (64 bytes) with the
-loop's own line as its site, and a free per op. The hook sees every allocation of the CPU
+TorchDispatchMode, HAZSAN=1 at alloc and at full (capture as it is), the probe with its records
+read back into Python objects at the end (`native`), read back as one bytes object of packed
+records with a list of the distinct sites (`native-packed`: what a native trace writer would hand
+over; the check decodes them again, inside the count), the probe's hook alone (`native-hook`: the
+records left in the buffer, only counted), and the hook with the op observer, both read back
+packed (`native-full`). The native variants check that they recorded each op's output (64 bytes)
+with the loop's own line as its site, a free per op, and (`native-full`) one `aten::add` launch
+per op reading and writing its ranges at that line. The hook sees every allocation of the CPU
 allocator, three per op here (the output, the 1.0 made a tensor, a 4-byte scratch), where the
 dispatch mode sees one storage per op.
 
-    .venv/bin/python benchmarks/native_alloc_probe.py                 # builds, then 12 callgrind runs
-    .venv/bin/python benchmarks/native_alloc_probe.py --variants bare native --ops 2000
+    .venv/bin/python benchmarks/native_alloc_probe.py                 # builds, then 16 callgrind runs
+    .venv/bin/python benchmarks/native_alloc_probe.py --variants bare full native-full --ops 2000
 
 Needs valgrind, a C++ compiler and ninja (the extension build).
 """
@@ -53,6 +63,7 @@ assert FROZEN_LOOP != LOOP
 SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
+#include <ATen/record_function.h>
 #include <Python.h>
 #include <frameobject.h>
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
@@ -245,6 +256,117 @@ py::tuple drain_packed() {
   return py::make_tuple(py::bytes(packed), texts, dropped);
 }
 
+// ---- the op observer (the `full` level's source: one `launch` per op with what it reads and writes)
+// A RecordFunction global callback, as Kineto and the ExecutionTraceObserver use. Only the
+// outermost op of each call is a launch (what the dispatch mode sees: aten::add, not the
+// aten::to / empty_strided / copy_ it runs inside), with the ranges of its tensor inputs (reads,
+// which RecordFunction hands only to the start callback) and outputs (writes, at the end), and
+// its call site.
+struct Launch {
+  const char* name;   // the op's name, owned by the dispatcher (static)
+  PyCodeObject* code;
+  int lasti;
+  uint32_t first_read, first_write;  // into `ranges`
+  uint16_t n_reads, n_writes;
+};
+std::vector<Launch> launches;
+std::vector<std::pair<uint64_t, uint64_t>> ranges;
+uint64_t launches_dropped = 0;
+thread_local int op_depth = 0;
+
+struct LaunchContext final : at::ObserverContext {
+  size_t index;
+  explicit LaunchContext(size_t i) : index(i) {}
+};
+
+uint16_t add_ranges(const c10::IValue* values, size_t n) {
+  uint16_t added = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!values[i].isTensor()) continue;
+    const at::Tensor& t = values[i].toTensor();
+    if (!t.defined() || !t.has_storage()) continue;
+    ranges.emplace_back(reinterpret_cast<uint64_t>(t.storage().data()) + t.storage_offset() * t.itemsize(),
+                        static_cast<uint64_t>(t.numel()) * t.itemsize());
+    ++added;
+  }
+  return added;
+}
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (op_depth++ > 0) return nullptr;            // inside an op already recorded
+  std::lock_guard<std::mutex> lock(mu);
+  if (launches.size() >= capacity) { ++launches_dropped; return nullptr; }
+  Launch l{fn.name(), nullptr, -1, static_cast<uint32_t>(ranges.size()), 0, 0, 0};
+  Record r{0, 0, 0, nullptr, -1};
+  site(r);
+  l.code = r.code;
+  l.lasti = r.lasti;
+  auto in = fn.inputs();
+  l.n_reads = add_ranges(in.data(), in.size());
+  launches.push_back(l);
+  return std::make_unique<LaunchContext>(launches.size() - 1);
+}
+
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  --op_depth;
+  if (ctx == nullptr) return;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t i = static_cast<LaunchContext*>(ctx)->index;
+  if (i >= launches.size()) return;              // drained meanwhile
+  const auto& out = fn.outputs();
+  launches[i].first_write = static_cast<uint32_t>(ranges.size());
+  launches[i].n_writes = add_ranges(out.data(), out.size());
+}
+
+void install_ops() {
+  launches.reserve(capacity);
+  ranges.reserve(capacity * 3);
+  at::addGlobalCallback(at::RecordFunctionCallback(&on_op_start, &on_op_end)
+                            .needsInputs(true).needsOutputs(true)
+                            .scopes({at::RecordScope::FUNCTION}));
+}
+
+// The launches, packed as the records are: per launch 24 bytes (site index, reads << 32 | writes,
+// name index), then its read and write ranges (16 bytes each); names and sites as lists of
+// distinct strings.
+py::tuple drain_launches() {
+  std::vector<Launch> out;
+  std::vector<std::pair<uint64_t, uint64_t>> rs;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    out.swap(launches);
+    rs.swap(ranges);
+  }
+  std::string packed;
+  py::list names, texts;
+  std::unordered_map<const char*, uint64_t> name_index;
+  std::unordered_map<uint64_t, uint64_t> site_index;
+  for (const Launch& l : out) {
+    uint64_t at_site = UINT64_MAX;
+    if (l.code != nullptr) {
+      uint64_t key = reinterpret_cast<uint64_t>(l.code) ^ (static_cast<uint64_t>(l.lasti) << 48);
+      auto it = site_index.find(key);
+      if (it == site_index.end()) {
+        int line = PyCode_Addr2Line(l.code, l.lasti);
+        texts.append(py::str(std::string(PyUnicode_AsUTF8(l.code->co_filename)) + ":" + std::to_string(line) +
+                             ":" + PyUnicode_AsUTF8(l.code->co_name)));
+        it = site_index.emplace(key, texts.size() - 1).first;
+      }
+      at_site = it->second;
+    }
+    auto nt = name_index.find(l.name);
+    if (nt == name_index.end()) {
+      names.append(py::str(l.name));
+      nt = name_index.emplace(l.name, names.size() - 1).first;
+    }
+    uint64_t head[3] = {at_site, (uint64_t(l.n_reads) << 32) | l.n_writes, nt->second};
+    packed.append(reinterpret_cast<const char*>(head), sizeof(head));
+    if (l.n_reads) packed.append(reinterpret_cast<const char*>(&rs[l.first_read]), 16 * l.n_reads);
+    if (l.n_writes) packed.append(reinterpret_cast<const char*>(&rs[l.first_write]), 16 * l.n_writes);
+  }
+  return py::make_tuple(py::bytes(packed), names, texts, launches_dropped);
+}
+
 int64_t pending() {
   std::lock_guard<std::mutex> lock(mu);
   return static_cast<int64_t>(records.size());
@@ -254,6 +376,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install);
   m.def("pending", &pending);
   m.def("drain_packed", &drain_packed);
+  m.def("install_ops", &install_ops);
+  m.def("drain_launches", &drain_launches);
   m.def("drain", &drain);
 }
 """
@@ -266,30 +390,50 @@ spec = importlib.util.spec_from_file_location("hazsan_native_probe", os.environ[
 probe = importlib.util.module_from_spec(spec); spec.loader.exec_module(probe)
 n = int(sys.argv[1])
 probe.install(8 * n + 4096)  # 3 allocations and 3 frees per op
+if os.environ.get("HAZSAN_PROBE_FULL"):
+    probe.install_ops()
 import gc; gc.collect(); gc.freeze()
 a = torch.ones(16)
 b = None
+loop_line = sys._getframe().f_lineno + 2    # the line of `b = a + 1.0`: every record's expected site
 for _ in range(n):
     b = a + 1.0
 del b
 if os.environ.get("HAZSAN_PROBE_HOOK_ONLY"):     # the hook alone: the records are not read back
     assert probe.pending() >= 2 * n, probe.pending()
     sys.exit(0)
+if os.environ.get("HAZSAN_PROBE_FULL"):         # and the launches: their ranges and sites, packed
+    import array, struct
+    packed, texts, dropped = probe.drain_packed()
+    lpacked, names, ltexts, ldropped = probe.drain_launches()
+    assert dropped == 0 and ldropped == 0, (dropped, ldropped)
+    fields = array.array("Q", packed)
+    assert fields[1::4].count(64) == n + 1, fields[1::4].count(64)
+    adds, at, size = 0, 0, len(lpacked)
+    add = names.index("aten::add") if "aten::add" in names else -1
+    while at < size:                       # walked only to check: n adds, one read of 64 bytes, one write
+        site, rw, name = struct.unpack_from("<QQQ", lpacked, at)
+        reads, writes = rw >> 32, rw & 0xFFFFFFFF
+        if name == add and reads >= 1 and writes == 1 and ltexts[site].endswith(f":{loop_line}:<module>"):
+            adds += 1
+        at += 24 + 16 * (reads + writes)
+    assert adds == n, (adds, names, ltexts)
+    sys.exit(0)
 if os.environ.get("HAZSAN_PROBE_PACKED"):       # read back as one bytes object, no object per record
     import array
     packed, texts, dropped = probe.drain_packed()
     assert dropped == 0, dropped
     # checked without an object per record (small ints only): the outputs (64 bytes: n, and
-    # torch.ones' at line 8), the loop line's allocations (3 per op), a free per op
+    # torch.ones' one), the loop line's allocations (3 per op), a free per op
     fields = array.array("Q", packed)
     sizes, sites, freed = fields[1::4], fields[2::4], fields[3::4]
-    loop = [i for i, t in enumerate(texts) if t.endswith(":11:<module>")]
+    loop = [i for i, t in enumerate(texts) if t.endswith(f":{loop_line}:<module>")]
     assert sizes.count(64) == n + 1 and freed.count(1) >= n, (sizes.count(64), freed.count(1), texts)
     assert n == 0 or (len(loop) == 1 and sites.count(loop[0]) == 3 * n), (texts, loop)
     sys.exit(0)
 allocs, frees, dropped = probe.drain()
 assert dropped == 0, dropped
-outputs = [x for x in allocs if x[1] == 64 and x[2] and x[2].endswith(":11:<module>")]  # b, 16 floats
+outputs = [x for x in allocs if x[1] == 64 and x[2] and x[2].endswith(f":{loop_line}:<module>")]  # b, 16 floats
 assert len(outputs) == n and len(frees) >= n, (len(allocs), len(outputs), len(frees), allocs[:4])
 if os.environ.get("HAZSAN_PROBE_SHOW"):
     print(len(allocs), "allocations,", len(frees), "frees; sites:", sorted({x[2] for x in allocs}, key=str))
@@ -299,8 +443,8 @@ if os.environ.get("HAZSAN_PROBE_SHOW"):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", type=int, default=4000)
-    p.add_argument("--variants", nargs="+", choices=[*VARIANTS, "native", "native-packed", "native-hook"],
-                   default=["bare", "noop", "alloc", "native", "native-packed", "native-hook"])
+    p.add_argument("--variants", nargs="+", choices=[*VARIANTS, "native", "native-packed", "native-hook", "native-full"],
+                   default=["bare", "noop", "alloc", "full", "native", "native-packed", "native-hook", "native-full"])
     p.add_argument("--build-dir", default=os.path.join(tempfile.gettempdir(), "hazsan-native-probe"))
     args = p.parse_args()
     if shutil.which("valgrind") is None:
@@ -308,7 +452,7 @@ def main() -> None:
     from torch.utils.cpp_extension import load_inline
 
     os.makedirs(args.build_dir, exist_ok=True)
-    so = load_inline("hazsan_native_probe", cpp_sources=[SOURCE], extra_cflags=["-O2"],
+    so = load_inline("hazsan_native_probe", cpp_sources=[SOURCE], extra_cflags=["-O2", "-DNDEBUG"],
                      build_directory=args.build_dir).__file__
     print(f"probe built: {so}")
     tmp = tempfile.mkdtemp(prefix="hazsan-probe-")
@@ -324,7 +468,8 @@ def main() -> None:
         extra = VARIANTS.get(v, {})
         if native:
             extra = {"HAZSAN_PROBE_SO": so, **({"HAZSAN_PROBE_HOOK_ONLY": "1"} if v == "native-hook" else {}),
-                     **({"HAZSAN_PROBE_PACKED": "1"} if v == "native-packed" else {})}
+                     **({"HAZSAN_PROBE_PACKED": "1"} if v == "native-packed" else {}),
+                     **({"HAZSAN_PROBE_FULL": "1"} if v == "native-full" else {})}
         n0 = instructions(script, 0, extra, tmp)
         n1 = instructions(script, args.ops, extra, tmp)
         per[v] = (n1 - n0) / args.ops
