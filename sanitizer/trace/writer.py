@@ -94,6 +94,8 @@ def default_format(environ=os.environ) -> str:
 
 _ENCODE_SLICE = 1024
 _CAPPED_RECORD_SECONDS = 60.0
+#: how long close() waits for the time flush to return (it is woken: normally well under 1 ms)
+CLOSE_JOIN_SECONDS = 1.0
 
 
 class TraceWriter(TraceFile, TimeFlush):
@@ -454,7 +456,13 @@ class TraceWriter(TraceFile, TimeFlush):
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
-        self._stop_timer()
+        # The time flush is joined, not only told to stop: at exit no thread of ours may still be
+        # running when the interpreter finalizes. A daemon thread that wakes then is ended with
+        # pthread_exit as it takes the GIL, and if that happens under a C++ frame (a torch call
+        # that released the GIL, a destructor run by a collection) the process aborts with
+        # "terminate called without an active exception" (pytorch#38228). Bounded: it is told to
+        # stop and woken, so it returns at once unless it is inside a flush.
+        self._stop_timer(join=CLOSE_JOIN_SECONDS)
         with self._lock:
             if self.closed:
                 return

@@ -324,6 +324,22 @@ def test_the_timer_never_raises_and_counts_a_failing_flush(tmp_path, monkeypatch
     assert hooks and hooks[0]["hook"] == "writer.flush"
 
 
+def test_close_joins_the_timer_so_no_thread_of_ours_outlives_it(tmp_path, monkeypatch):
+    """At exit the time flush must have returned before the interpreter finalizes (a daemon
+    thread ended there under a C++ frame aborts the process): close() wakes it and joins it, also
+    while it sleeps a whole long flush period."""
+    monkeypatch.delenv("RANK", raising=False)
+    w = TraceWriter(str(tmp_path), flush_seconds=1000.0)
+    w.start()
+    timer = w._timer
+    assert timer.is_alive()
+    w.emit({"ev": "step", "n": 0})
+    w.close()
+    assert not timer.is_alive()
+    assert not any(t.name == "hazsan-flush" for t in threading.enumerate())
+    assert [e["ev"] for e in _load(w.path)[1:]] == ["step", "end"]
+
+
 def test_emit_on_many_threads_while_the_timer_flushes_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     w = TraceWriter(str(tmp_path), flush_seconds=0.0, buffer_events=500)
