@@ -14,7 +14,8 @@ set-up, not hazsan, and outside what capture hooks: see cpu_setup/sitecustomize.
   * the steps come from hazsan's own Scheduler hook (sglang.Scheduler.run_batch): prefill and
     decode marked, the same on every rank;
   * the header names SGLang's and torch's versions, and no hook failed;
-  * `hazsan check` on the folder: exit 0, no finding, the capture COMPLETE;
+  * `hazsan check` on the folder: exit 0, no finding, the capture COMPLETE (at level `full` too:
+    engine-tp1-full, one `launch` per op);
   * a seeded early read in SGLang's real all-reduce path (cpu_setup/seed_early_read.py: the
     all-reduce of GroupCoordinator.all_reduce issued asynchronously and its buffer read before
     the wait) flagged at level `full` as `unordered-access`.
@@ -54,6 +55,7 @@ DRAFT_TOKENS = 4
 CONFIGS = {
     "engine-tp1-bare": ("engine", 1, False, None, False),
     "engine-tp1-alloc": ("engine", 1, False, "alloc", False),
+    "engine-tp1-full": ("engine", 1, False, "full", False),
     "engine-tp2-ngram-bare": ("engine", 2, True, None, False),
     "engine-tp2-ngram-alloc": ("engine", 2, True, "alloc", False),
     "server-tp2-bare": ("server", 2, False, None, False),
