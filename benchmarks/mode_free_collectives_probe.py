@@ -4,24 +4,28 @@ through torch's dispatcher without a Python dispatch mode, and what does that co
 
 A dispatch mode is called for every op, which is what puts the `alloc` level's floor at the no-op
 mode's 2.5x bare per tiny op (native_alloc_probe.py). A native allocation source removes the need
-for it for allocations; collectives are the other thing the mode is there for. The probe registers
-one Python kernel per overload of every op of the `c10d` and `_c10d_functional` namespaces at the
-`AutogradCPU` dispatch key (torch.library, `Library(ns, "IMPL")`), which records the op's name and
-redispatches below autograd (`torch._C._AutoDispatchBelowAutograd`). The Autograd keys are in the
-key set of every CPU tensor and come before the Python mode key, so such a kernel runs for exactly
-the collectives, before capture's mode would, and for nothing else.
+for it for allocations; collectives are the other thing the mode is there for. Three ways to see
+the ops of the `c10d` and `_c10d_functional` namespaces without it, each tried:
+
+- `autograd`: one Python kernel per overload at the `AutogradCPU` dispatch key (torch.library,
+  `Library(ns, "IMPL")`), redispatching below autograd (`torch._C._AutoDispatchBelowAutograd`);
+- `opcall`: each overload's OpOverload object made to log before calling its op;
+- `backendselect`: one Python kernel per overload at `BackendSelect` (`with_keyset=True`),
+  redispatching to the keys after it (`OpOverload.redispatch`), the outermost call logged.
 
 Two gloo ranks (fork) run a program of collectives (blocking, async and waited, all-gather,
 reduce-scatter, all-to-all, broadcast, send/recv, barrier, a functional all-reduce and its
-wait_tensor, a coalesced batch_isend_irecv) under HAZSAN=1 (capture's dispatch mode on, level
-alloc). Each rank checks its numbers, and compares the kernels' log with the collectives capture's
-mode recorded in its trace: the same ops, in the same order. Then, capture off, a loop of tiny ops
-(a 16-element add, as op_instructions.py) is timed with and without the kernels registered
-(Library destroyed between rounds), alternating: their cost to the ops that are not collectives.
+wait_tensor, a coalesced batch_isend_irecv, a DTensor Shard -> Replicate redistribute) under
+HAZSAN=1 (capture's dispatch mode on, level alloc) and again without capture, each interception
+normally and under `torch.inference_mode()` (how servers decode). Each rank checks its numbers and compares what each interception saw with
+the collectives capture's mode recorded in its trace: missed ones, and whether the same ops come
+in the same order. Then, capture off, a loop of tiny ops (a 16-element add, as op_instructions.py)
+is timed without kernels and with each kind of kernel registered (Library destroyed between
+rounds), alternating: their cost to the ops that are not collectives.
 
     .venv/bin/python benchmarks/mode_free_collectives_probe.py [--ops 20000] [--rounds 5]
 
-Prints a JSON line per rank and the verdict; exit 1 when a check fails.
+Prints a JSON line per rank, interception and mode; exit 1 when a program's result is wrong.
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ def register(log: list, how: str = "autograd"):
     import torch
     if how == "opcall":
         return _patch_opcalls(log)
+    if how == "backendselect":
+        return _backend_select_kernels(log)
     libs, covered = [], []
     for ns in NAMESPACES:
         lib = torch.library.Library(ns, "IMPL")
@@ -69,6 +75,54 @@ def register(log: list, how: str = "autograd"):
                 qualified = name if overload == "default" else f"{name}.{overload}"
                 try:
                     lib.impl(qualified, kernel, "AutogradCPU")
+                    covered.append(f"{ns}.{qualified}")
+                except Exception as exc:   # noqa: BLE001 - reported, not fatal
+                    covered.append(f"FAILED {ns}.{qualified}: {exc}")
+
+    def undo():
+        for lib in libs:
+            lib._destroy()
+    return undo, covered
+
+
+def _backend_select_kernels(log: list):
+    """One kernel per overload at BackendSelect, which redispatches to the keys after it.
+    BackendSelect is in every call's key set (torch's default TLS-included keys; inference mode
+    does not exclude it) and sits below the Python mode key, just above the backends: such a
+    kernel runs for every dispatched call of the op, from Python or C++, inside a subclass's
+    `__torch_dispatch__` too."""
+    import torch
+    import threading
+    after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+    depth = threading.local()
+    libs, covered = [], []
+    for ns in NAMESPACES:
+        lib = torch.library.Library(ns, "IMPL")
+        libs.append(lib)
+        packet_ns = getattr(torch.ops, ns)
+        for full in torch._C._dispatch_get_all_op_names():
+            if not full.startswith(ns + "::"):
+                continue
+            name = full.split("::", 1)[1]
+            packet = getattr(packet_ns, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+
+                def kernel(keyset, *args, __op=op, __name=f"{ns}.{name}", **kwargs):
+                    # only the outermost: a functional collective runs its c10d op inside it
+                    depth.n = getattr(depth, "n", 0) + 1
+                    try:
+                        if depth.n == 1:
+                            log.append(__name)
+                        return __op.redispatch(keyset & after, *args, **kwargs)
+                    finally:
+                        depth.n -= 1
+
+                qualified = name if overload == "default" else f"{name}.{overload}"
+                try:
+                    lib.impl(qualified, kernel, "BackendSelect", with_keyset=True)
                     covered.append(f"{ns}.{qualified}")
                 except Exception as exc:   # noqa: BLE001 - reported, not fatal
                     covered.append(f"FAILED {ns}.{qualified}: {exc}")
@@ -190,7 +244,7 @@ def worker(rank: int, port: int, args, out: str) -> None:
     from sanitizer.capture import runtime
     cap = runtime.active()
     result = {"rank": rank, "runs": []}
-    for how in ("autograd", "opcall"):
+    for how in ("autograd", "opcall", "backendselect"):
         for inference in (False, True):
             log: list = []
             if cap is not None:
@@ -215,14 +269,18 @@ def worker(rank: int, port: int, args, out: str) -> None:
         cap.writer.flush()
     dist.destroy_process_group()
     if cap is None:   # capture off: the cost to ordinary ops, alternating without / with kernels
-        without, with_ = [], []
+        without, with_, with_bs = [], [], []
         tiny_ops(2000)
         for _ in range(args.rounds):
             without.append(tiny_ops(args.ops))
             undo, _ = register([], "autograd")
             with_.append(tiny_ops(args.ops))
             undo()
-        result["tiny_op_us"] = {"without": min(without), "with_kernels": min(with_)}
+            undo, _ = register([], "backendselect")
+            with_bs.append(tiny_ops(args.ops))
+            undo()
+        result["tiny_op_us"] = {"without": min(without), "with_kernels": min(with_),
+                                "with_backend_select_kernels": min(with_bs)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
 
@@ -279,8 +337,9 @@ def main() -> int:
                                   "seen": len(run["seen"]), "missed": dict(missed),
                                   "same_sequence": [n for n in run["seen"] if n in mode] == mode}))
         costs = [runs["bare"][r]["tiny_op_us"] for r in (0, 1)]
-        print("tiny op us, without / with AutogradCPU kernels:",
-              ", ".join(f"rank {r}: {c['without']:.2f} / {c['with_kernels']:.2f}" for r, c in enumerate(costs)))
+        print("tiny op us, without / with AutogradCPU kernels / with BackendSelect kernels:",
+              ", ".join(f"rank {r}: {c['without']:.2f} / {c['with_kernels']:.2f} / "
+                        f"{c['with_backend_select_kernels']:.2f}" for r, c in enumerate(costs)))
     print("programs:", "every result right" if ok else "A FAILURE (see above)")
     return 0 if ok else 1
 
