@@ -17,11 +17,12 @@ Two gloo ranks (fork) run a program of collectives (blocking, async and waited, 
 reduce-scatter, all-to-all, broadcast, send/recv, barrier, a functional all-reduce and its
 wait_tensor, a coalesced batch_isend_irecv, a DTensor Shard -> Replicate redistribute) under
 HAZSAN=1 (capture's dispatch mode on, level alloc) and again without capture, each interception
-normally and under `torch.inference_mode()` (how servers decode). Each rank checks its numbers and compares what each interception saw with
-the collectives capture's mode recorded in its trace: missed ones, and whether the same ops come
-in the same order. Then, capture off, a loop of tiny ops (a 16-element add, as op_instructions.py)
-is timed without kernels and with each kind of kernel registered (Library destroyed between
-rounds), alternating: their cost to the ops that are not collectives.
+normally and under `torch.inference_mode()` (how servers decode). Each rank checks its numbers
+and compares what each interception saw with the collectives capture's mode recorded in its
+trace: missed ones, and whether the same ops come in the same order. Then, capture off, a loop of
+tiny ops (a 16-element add, as op_instructions.py) is timed without kernels and with each kind of
+kernel registered (Library destroyed between rounds), alternating: their cost to the ops that are
+not collectives.
 
     .venv/bin/python benchmarks/mode_free_collectives_probe.py [--ops 20000] [--rounds 5]
 
