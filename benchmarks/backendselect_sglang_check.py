@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""mode_free_collectives_probe.py's BackendSelect kernels on the real SGLang server: do they see
+every collective capture's dispatch mode records, in every SGLang process, in inference mode?
+
+A hook (HOOK below) registers, in each process that has BSPROBE=1, one BackendSelect kernel per
+overload of every `c10d` / `_c10d_functional` op once SGLang is imported (torch is by then), and
+appends the outermost calls, one name a line, to LOG/<pid>.txt (line-buffered: schedulers are
+SIGKILLed at shutdown). `install` puts it in a venv as a .pth line (SGLang's scheduler processes
+are spawned: a .pth is what reaches them); `compare` matches each rank's trace (header pid) with
+its process's log; `uninstall` removes the .pth line again.
+
+    .venv/bin/python benchmarks/backendselect_sglang_check.py install .venv-sglang
+    BSPROBE=1 .venv-sglang/bin/python examples/sglang_e2e/run.py --only engine-tp2-ngram-alloc --work /tmp/sg
+    .venv/bin/python benchmarks/backendselect_sglang_check.py compare /tmp/sg/traces/engine-tp2-ngram-alloc
+    .venv/bin/python benchmarks/backendselect_sglang_check.py uninstall .venv-sglang
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import glob
+import os
+import sys
+import tempfile
+from collections import Counter
+
+LOG = os.path.join(tempfile.gettempdir(), "hazsan-backendselect-log")
+PTH = "zz_hazsan_backendselect_probe.pth"
+HOOK = r'''
+import os, sys, threading
+LOG = %r
+def _register():
+    import torch
+    after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+    os.makedirs(LOG, exist_ok=True)
+    out = open(os.path.join(LOG, f"{os.getpid()}.txt"), "a", buffering=1)
+    depth = threading.local()
+    libs = []
+    for ns in ("c10d", "_c10d_functional"):
+        lib = torch.library.Library(ns, "IMPL")
+        libs.append(lib)
+        packet_ns = getattr(torch.ops, ns)
+        for full in torch._C._dispatch_get_all_op_names():
+            if not full.startswith(ns + "::"):
+                continue
+            name = full.split("::", 1)[1]
+            packet = getattr(packet_ns, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                def kernel(keyset, *args, __op=op, __name=f"{ns}.{name}", **kwargs):
+                    depth.n = getattr(depth, "n", 0) + 1
+                    try:
+                        if depth.n == 1:
+                            out.write(__name + "\n")
+                        return __op.redispatch(keyset & after, *args, **kwargs)
+                    finally:
+                        depth.n -= 1
+                lib.impl(name if overload == "default" else f"{name}.{overload}", kernel,
+                         "BackendSelect", with_keyset=True)
+    sys.modules["_hazsan_backendselect_libs"] = libs   # kept alive: destroying them unregisters
+class _WhenSGLang:
+    done = False
+    def find_spec(self, name, path=None, target=None):
+        torch = sys.modules.get("torch")
+        if not _WhenSGLang.done and name.startswith("sglang") and hasattr(torch, "ops") and hasattr(torch, "library"):
+            _WhenSGLang.done = True
+            try:
+                _register()
+            except Exception as exc:
+                print("backendselect probe: not registered:", exc, file=sys.stderr)
+        return None
+sys.meta_path.insert(0, _WhenSGLang())
+''' % LOG
+
+
+def site_packages(venv: str) -> str:
+    paths = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))
+    if len(paths) != 1:
+        sys.exit(f"{venv}: no single lib/python3*/site-packages")
+    return paths[0]
+
+
+def install(venv: str) -> None:
+    os.makedirs(LOG, exist_ok=True)
+    for f in glob.glob(os.path.join(LOG, "*.txt")):
+        os.unlink(f)
+    hook = os.path.join(LOG, "hook.py")
+    with open(hook, "w") as fh:
+        fh.write(HOOK)
+    line = (f"import os; exec(open({hook!r}).read(), {{'__name__': 'hazsan_backendselect_probe'}}) "
+            "if os.environ.get('BSPROBE') else None\n")
+    with open(os.path.join(site_packages(venv), PTH), "w") as fh:
+        fh.write(line)
+    print(f"installed in {site_packages(venv)}; logs go to {LOG}")
+
+
+def uninstall(venv: str) -> None:
+    path = os.path.join(site_packages(venv), PTH)
+    if os.path.exists(path):
+        os.unlink(path)
+    print(f"removed {path}")
+
+
+def compare(folder: str) -> int:
+    from sanitizer.trace.reader import open_trace
+    ok = True
+    for path in sorted(glob.glob(os.path.join(folder, "rank*.*"))):
+        tf = open_trace(path)
+        events = [ev for _, ev in tf.events() if isinstance(ev, dict)]
+        pid = tf.header.get("pid")
+        recorded = [str(e.get("op")) for e in events if e.get("ev") == "coll"]
+        log_path = os.path.join(LOG, f"{pid}.txt")
+        seen = open(log_path).read().split() if os.path.exists(log_path) else []
+        missed = Counter(recorded) - Counter(seen)
+        ok &= not missed and bool(seen)
+        print(f"{os.path.basename(path)} (pid {pid}): capture recorded {len(recorded)} collectives "
+              f"{dict(Counter(recorded))}")
+        print(f"  BackendSelect kernels saw {len(seen)} outermost calls {dict(Counter(seen))}")
+        print(f"  missed by the kernels: {dict(missed) or 'none'}")
+        diff = difflib.SequenceMatcher(a=recorded, b=seen, autojunk=False).get_opcodes()
+        for tag, i1, i2, j1, j2 in diff:
+            if tag != "equal":
+                where = "at the end" if i1 == len(recorded) else f"at capture's collective {i1}"
+                print(f"  {tag} {where}: capture {recorded[i1:i2]}, kernels {seen[j1:j2]}")
+        if all(tag == "equal" for tag, *_ in diff):
+            print("  the same calls in the same order")
+    print("verdict:", "nothing capture records is missed" if ok else "MISSED (see above)")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("install", "uninstall"):
+        sub.add_parser(name).add_argument("venv")
+    sub.add_parser("compare").add_argument("traces")
+    args = p.parse_args()
+    if args.cmd == "install":
+        install(args.venv)
+    elif args.cmd == "uninstall":
+        uninstall(args.venv)
+    else:
+        return compare(args.traces)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
