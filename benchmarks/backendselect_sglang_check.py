@@ -2,8 +2,8 @@
 """mode_free_collectives_probe.py's BackendSelect kernels on the real SGLang server: do they see
 every collective capture's dispatch mode records, in every SGLang process, in inference mode?
 
-A hook (HOOK below) registers, in each process that has BSPROBE=1, one BackendSelect kernel per
-overload of every `c10d` / `_c10d_functional` op once SGLang is imported (torch is by then), and
+A hook (HOOK below) registers, in each process that has BSPROBE=1, the probe's BackendSelect
+kernels (mode_free_collectives_probe.register) once SGLang is imported (torch is by then), and
 appends the outermost calls, one name a line, to LOG/<pid>.txt (line-buffered: schedulers are
 SIGKILLed at shutdown). `install` puts it in a venv as a .pth line (SGLang's scheduler processes
 are spawned: a .pth is what reaches them); `compare` matches each rank's trace (header pid) with
@@ -27,39 +27,15 @@ from collections import Counter
 LOG = os.path.join(tempfile.gettempdir(), "hazsan-backendselect-log")
 PTH = "zz_hazsan_backendselect_probe.pth"
 HOOK = r'''
-import os, sys, threading
-LOG = %r
-def _register():
-    import torch
-    after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-    os.makedirs(LOG, exist_ok=True)
-    out = open(os.path.join(LOG, f"{os.getpid()}.txt"), "a", buffering=1)
-    depth = threading.local()
-    libs = []
-    for ns in ("c10d", "_c10d_functional"):
-        lib = torch.library.Library(ns, "IMPL")
-        libs.append(lib)
-        packet_ns = getattr(torch.ops, ns)
-        for full in torch._C._dispatch_get_all_op_names():
-            if not full.startswith(ns + "::"):
-                continue
-            name = full.split("::", 1)[1]
-            packet = getattr(packet_ns, name, None)
-            if packet is None:
-                continue
-            for overload in packet.overloads():
-                op = getattr(packet, overload)
-                def kernel(keyset, *args, __op=op, __name=f"{ns}.{name}", **kwargs):
-                    depth.n = getattr(depth, "n", 0) + 1
-                    try:
-                        if depth.n == 1:
-                            out.write(__name + "\n")
-                        return __op.redispatch(keyset & after, *args, **kwargs)
-                    finally:
-                        depth.n -= 1
-                lib.impl(name if overload == "default" else f"{name}.{overload}", kernel,
-                         "BackendSelect", with_keyset=True)
-    sys.modules["_hazsan_backendselect_libs"] = libs   # kept alive: destroying them unregisters
+import os, sys
+LOG, BENCHMARKS = %r, %r
+class _LineLog:
+    """A log whose append writes the name as a line of this process's file (line-buffered)."""
+    def __init__(self):
+        os.makedirs(LOG, exist_ok=True)
+        self.out = open(os.path.join(LOG, f"{os.getpid()}.txt"), "a", buffering=1)
+    def append(self, name):
+        self.out.write(name + "\n")
 class _WhenSGLang:
     done = False
     def find_spec(self, name, path=None, target=None):
@@ -67,12 +43,16 @@ class _WhenSGLang:
         if not _WhenSGLang.done and name.startswith("sglang") and hasattr(torch, "ops") and hasattr(torch, "library"):
             _WhenSGLang.done = True
             try:
-                _register()
+                sys.path.insert(0, BENCHMARKS)
+                from mode_free_collectives_probe import register
+                sys.path.remove(BENCHMARKS)
+                # kept alive: destroying the Library objects would unregister the kernels
+                sys.modules["_hazsan_backendselect_probe"] = register(_LineLog(), "backendselect")
             except Exception as exc:
                 print("backendselect probe: not registered:", exc, file=sys.stderr)
         return None
 sys.meta_path.insert(0, _WhenSGLang())
-''' % LOG
+''' % (LOG, os.path.dirname(os.path.abspath(__file__)))
 
 
 def site_packages(venv: str) -> str:

@@ -43,120 +43,93 @@ import time
 NAMESPACES = ("c10d", "_c10d_functional")
 
 
-def register(log: list, how: str = "autograd"):
-    """How: `autograd`, one kernel per overload of the collective namespaces' ops at AutogradCPU
-    (returns the Library objects: destroying them unregisters the kernels); `opcall`, each
-    overload's OpOverload object made to log before it calls the op (what every Python caller of
-    `torch.ops.<ns>.<op>.<overload>` goes through; C++ callers do not). Returns (undo, covered)."""
+def overloads():
+    """(label `<ns>.<op>`, qualified name for Library.impl, OpOverload) of every overload of the
+    collective namespaces' ops."""
+    import torch
+    for ns in NAMESPACES:
+        packet_ns = getattr(torch.ops, ns)
+        for full in torch._C._dispatch_get_all_op_names():
+            if not full.startswith(ns + "::"):
+                continue
+            name = full.split("::", 1)[1]
+            packet = getattr(packet_ns, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                yield f"{ns}.{name}", (name if overload == "default" else f"{name}.{overload}"), \
+                    getattr(packet, overload)
+
+
+def register(log, how: str = "autograd"):
+    """Make every collective overload log its calls (`log.append(label)`), one of three ways:
+
+    - `autograd`: a kernel at AutogradCPU that redispatches below autograd;
+    - `opcall`: each OpOverload object made to log before it calls its op (what every Python
+      caller of `torch.ops.<ns>.<op>.<overload>` goes through; C++ callers do not);
+    - `backendselect`: a kernel at BackendSelect that redispatches to the keys after it, the
+      outermost call logged (a functional collective runs its c10d op inside it). BackendSelect
+      is in every call's key set (torch's default TLS-included keys; inference mode does not
+      exclude it) and sits below the Python mode key, just above the backends: such a kernel runs
+      for every dispatched call of the op, from Python or C++, inside a subclass's
+      `__torch_dispatch__` too.
+
+    Returns (undo, covered): undo() unregisters (destroys the Library objects, or restores the
+    overloads); covered names each overload, "FAILED ..." where it could not be registered."""
+    import threading
+
     import torch
     if how == "opcall":
         return _patch_opcalls(log)
-    if how == "backendselect":
-        return _backend_select_kernels(log)
-    libs, covered = [], []
-    for ns in NAMESPACES:
-        lib = torch.library.Library(ns, "IMPL")
-        libs.append(lib)
-        packet_ns = getattr(torch.ops, ns)
-        for full in torch._C._dispatch_get_all_op_names():
-            if not full.startswith(ns + "::"):
-                continue
-            name = full.split("::", 1)[1]
-            packet = getattr(packet_ns, name, None)
-            if packet is None:
-                continue
-            for overload in packet.overloads():
-                op = getattr(packet, overload)
+    if how == "autograd":
+        def make(label, op):
+            def kernel(*args, **kwargs):
+                log.append(label)
+                with torch._C._AutoDispatchBelowAutograd():
+                    return op(*args, **kwargs)
+            return kernel, "AutogradCPU", False
+    else:
+        after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        depth = threading.local()
 
-                def kernel(*args, __op=op, __name=f"{ns}.{name}", **kwargs):
-                    log.append(__name)
-                    with torch._C._AutoDispatchBelowAutograd():
-                        return __op(*args, **kwargs)
-
-                qualified = name if overload == "default" else f"{name}.{overload}"
+        def make(label, op):
+            def kernel(keyset, *args, **kwargs):
+                depth.n = getattr(depth, "n", 0) + 1
                 try:
-                    lib.impl(qualified, kernel, "AutogradCPU")
-                    covered.append(f"{ns}.{qualified}")
-                except Exception as exc:   # noqa: BLE001 - reported, not fatal
-                    covered.append(f"FAILED {ns}.{qualified}: {exc}")
+                    if depth.n == 1:
+                        log.append(label)
+                    return op.redispatch(keyset & after, *args, **kwargs)
+                finally:
+                    depth.n -= 1
+            return kernel, "BackendSelect", True
+    libs = {ns: torch.library.Library(ns, "IMPL") for ns in NAMESPACES}
+    covered = []
+    for label, qualified, op in overloads():
+        kernel, key, with_keyset = make(label, op)
+        try:
+            libs[label.split(".", 1)[0]].impl(qualified, kernel, key, with_keyset=with_keyset)
+            covered.append(label)
+        except Exception as exc:   # noqa: BLE001 - reported, not fatal
+            covered.append(f"FAILED {label} ({qualified}): {exc}")
 
     def undo():
-        for lib in libs:
+        for lib in libs.values():
             lib._destroy()
     return undo, covered
 
 
-def _backend_select_kernels(log: list):
-    """One kernel per overload at BackendSelect, which redispatches to the keys after it.
-    BackendSelect is in every call's key set (torch's default TLS-included keys; inference mode
-    does not exclude it) and sits below the Python mode key, just above the backends: such a
-    kernel runs for every dispatched call of the op, from Python or C++, inside a subclass's
-    `__torch_dispatch__` too."""
-    import torch
-    import threading
-    after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-    depth = threading.local()
-    libs, covered = [], []
-    for ns in NAMESPACES:
-        lib = torch.library.Library(ns, "IMPL")
-        libs.append(lib)
-        packet_ns = getattr(torch.ops, ns)
-        for full in torch._C._dispatch_get_all_op_names():
-            if not full.startswith(ns + "::"):
-                continue
-            name = full.split("::", 1)[1]
-            packet = getattr(packet_ns, name, None)
-            if packet is None:
-                continue
-            for overload in packet.overloads():
-                op = getattr(packet, overload)
-
-                def kernel(keyset, *args, __op=op, __name=f"{ns}.{name}", **kwargs):
-                    # only the outermost: a functional collective runs its c10d op inside it
-                    depth.n = getattr(depth, "n", 0) + 1
-                    try:
-                        if depth.n == 1:
-                            log.append(__name)
-                        return __op.redispatch(keyset & after, *args, **kwargs)
-                    finally:
-                        depth.n -= 1
-
-                qualified = name if overload == "default" else f"{name}.{overload}"
-                try:
-                    lib.impl(qualified, kernel, "BackendSelect", with_keyset=True)
-                    covered.append(f"{ns}.{qualified}")
-                except Exception as exc:   # noqa: BLE001 - reported, not fatal
-                    covered.append(f"FAILED {ns}.{qualified}: {exc}")
-
-    def undo():
-        for lib in libs:
-            lib._destroy()
-    return undo, covered
-
-
-def _patch_opcalls(log: list):
-    import torch
+def _patch_opcalls(log):
     saved, covered = [], []
-    for ns in NAMESPACES:
-        packet_ns = getattr(torch.ops, ns)
-        for full in torch._C._dispatch_get_all_op_names():
-            if not full.startswith(ns + "::"):
-                continue
-            name = full.split("::", 1)[1]
-            packet = getattr(packet_ns, name, None)
-            if packet is None:
-                continue
-            for overload in packet.overloads():
-                op = getattr(packet, overload)
-                original = op._op
+    for label, qualified, op in overloads():
+        original = op._op
 
-                def call(*args, __original=original, __name=f"{ns}.{name}", **kwargs):
-                    log.append(__name)
-                    return __original(*args, **kwargs)
+        def call(*args, __original=original, __label=label, **kwargs):
+            log.append(__label)
+            return __original(*args, **kwargs)
 
-                op._op = call
-                saved.append((op, original))
-                covered.append(f"{ns}.{name}.{overload}")
+        op._op = call
+        saved.append((op, original))
+        covered.append(label)
 
     def undo():
         for op, original in saved:
