@@ -13,6 +13,11 @@ its process's log; `uninstall` removes the .pth line again.
     BSPROBE=1 .venv-sglang/bin/python examples/sglang_e2e/run.py --only engine-tp2-ngram-alloc --work /tmp/sg
     .venv/bin/python benchmarks/backendselect_sglang_check.py compare /tmp/sg/traces/engine-tp2-ngram-alloc
     .venv/bin/python benchmarks/backendselect_sglang_check.py uninstall .venv-sglang
+
+With BSPROBE_FLOOR=<the probe's .so> (native_alloc_probe.py builds it) instead, the hook is the
+mode-free design's floor in every SGLang process: the probe's native allocation hook (every CPU
+allocation and free with its call site, read back packed every 20 ms) and the BackendSelect
+kernels; run the bare configurations with and without it and compare their batch CPU time.
 """
 from __future__ import annotations
 
@@ -36,6 +41,23 @@ class _LineLog:
         self.out = open(os.path.join(LOG, f"{os.getpid()}.txt"), "a", buffering=1)
     def append(self, name):
         self.out.write(name + "\n")
+def _floor(so):
+    """The mode-free design's floor: native_alloc_probe.py's allocation hook on torch's CPU
+    allocator (every allocation and free, with its call site), its records read back packed by a
+    thread every 20 ms as a recorder's writer would, and the collectives' names kept in a list."""
+    import importlib.util, threading, time
+    spec = importlib.util.spec_from_file_location("hazsan_native_probe", so)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    probe.install(1 << 20)
+    names = []
+    def drain():
+        while True:
+            time.sleep(0.02)
+            probe.drain_packed()
+            del names[:]
+    threading.Thread(target=drain, name="floor-drain", daemon=True).start()
+    return names
 class _WhenSGLang:
     done = False
     def find_spec(self, name, path=None, target=None):
@@ -46,8 +68,10 @@ class _WhenSGLang:
                 sys.path.insert(0, BENCHMARKS)
                 from mode_free_collectives_probe import register
                 sys.path.remove(BENCHMARKS)
+                floor = os.environ.get("BSPROBE_FLOOR")
+                log = _floor(floor) if floor else _LineLog()
                 # kept alive: destroying the Library objects would unregister the kernels
-                sys.modules["_hazsan_backendselect_probe"] = register(_LineLog(), "backendselect")
+                sys.modules["_hazsan_backendselect_probe"] = register(log, "backendselect")
             except Exception as exc:
                 print("backendselect probe: not registered:", exc, file=sys.stderr)
         return None

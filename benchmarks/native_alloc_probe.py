@@ -10,8 +10,9 @@ fields that exist only in debug builds otherwise).
 - The allocation hook wraps the CPU allocator that `c10::GetCPUAllocator()` returns
   (`c10::SetCPUAllocator`) and records per allocation what capture's `alloc` needs that the
   allocator can know (address, size) plus the call site as capture finds it (the innermost Python
-  frame whose file is not torch's or hazsan's, a flag cached per code object, the code object and
-  its last instruction kept, `file:line:function` made only when the records are read), and per
+  frame whose file is not torch's or hazsan's, a flag cached per file name, the text
+  `file:line:function` made the first time a code location is seen, while its frame is alive, and
+  each record keeping only the site's index), and per
   free the address, into a preallocated buffer under a mutex. The DataPtrs it hands out have the
   inner allocator's shape (context == data, one deleter: its own, which records the free and calls
   the inner one), so torch's raw_allocate / raw_deallocate keep working and nothing is made per
@@ -80,18 +81,71 @@ SOURCE = r"""
 
 namespace {
 
+constexpr uint64_t NO_SITE = UINT64_MAX;
+
 struct Record {
   uint64_t addr;
   uint64_t size;
   uint64_t freed;     // 1: a free (an allocation may be of 0 bytes)
-  PyCodeObject* code; // a strong reference held in `internal` (nullptr: no Python frame)
-  int lasti;
+  uint64_t site;      // index into site_texts, NO_SITE: no Python frame outside torch and hazsan
 };
 
 std::mutex mu;
 std::vector<Record> records;
-// code object -> is it torch's or hazsan's (skipped when finding the site); a strong reference each
-std::unordered_map<PyCodeObject*, bool> internal;
+// file name (the code object's co_filename str) -> is it torch's or hazsan's (skipped when
+// finding the site)
+std::unordered_map<PyObject*, bool> internal;
+
+// Call sites are resolved to their text the first time they are seen, while the frame that shows
+// them is alive: a record keeps only the site's index, never a code object, which may be freed
+// before the records are read (SGLang's start-up frees code objects by the thousand; reading them
+// at drain time crashed it). Key: what identifies a code location without a reference; a freed
+// code object whose address comes back for another one with the same file, name, first line and
+// instruction offset is the same location as far as a site says.
+struct SiteKey {
+  const void* code; const void* file; const void* name; int firstlineno; int lasti;
+  bool operator==(const SiteKey& o) const {
+    return code == o.code && file == o.file && name == o.name && firstlineno == o.firstlineno && lasti == o.lasti;
+  }
+};
+struct SiteKeyHash {
+  size_t operator()(const SiteKey& k) const {
+    return std::hash<const void*>()(k.code) ^ (std::hash<int>()(k.lasti) << 1) ^ (std::hash<int>()(k.firstlineno) << 7);
+  }
+};
+std::unordered_map<SiteKey, uint64_t, SiteKeyHash> site_index;
+std::vector<std::string> site_texts;     // append-only: an index stays valid
+size_t texts_handed = 0;                 // site_texts handed to Python by the drains so far
+
+std::string ascii(PyObject* s) {
+  if (s && PyUnicode_Check(s) && PyUnicode_IS_COMPACT_ASCII(s))
+    return std::string(static_cast<const char*>(PyUnicode_DATA(s)), PyUnicode_GET_LENGTH(s));
+  return "?";   // not read without the GIL (a non-ASCII str's UTF-8 form may have to be made)
+}
+
+// The site index of (code, lasti), its text made now if new (called under `mu`, the frame alive).
+uint64_t site_of(PyCodeObject* code, int lasti) {
+  SiteKey key{code, code->co_filename, code->co_name, code->co_firstlineno, lasti};
+  auto it = site_index.find(key);
+  if (it != site_index.end()) return it->second;
+  int line = PyCode_Addr2Line(code, lasti);   // reads the code's line table, makes no object
+  site_texts.push_back(ascii(code->co_filename) + ":" + std::to_string(line) + ":" + ascii(code->co_name));
+  return site_index.emplace(key, site_texts.size() - 1).first->second;
+}
+
+// The sites made since the last drain (`mu` held); made into str objects after `mu` is let go:
+// a Python object made may start a collection that frees a tensor, whose free takes `mu`.
+std::vector<std::string> new_texts() {
+  std::vector<std::string> out(site_texts.begin() + texts_handed, site_texts.end());
+  texts_handed = site_texts.size();
+  return out;
+}
+
+py::list as_list(const std::vector<std::string>& texts) {
+  py::list out;
+  for (const std::string& t : texts) out.append(py::str(t));
+  return out;
+}
 c10::Allocator* inner = nullptr;
 uint64_t dropped = 0;
 size_t capacity = 0;
@@ -100,17 +154,17 @@ size_t capacity = 0;
 // (torch's bindings release it around every op), so nothing here may touch a reference count or
 // allocate a Python object: the file name is read from the str's own ASCII data.
 bool is_internal(PyCodeObject* code) {
-  auto it = internal.find(code);
+  PyObject* file = code->co_filename;
+  auto it = internal.find(file);
   if (it != internal.end()) return it->second;
   bool skip = false;
-  PyObject* file = code->co_filename;
   if (file && PyUnicode_Check(file) && PyUnicode_IS_COMPACT_ASCII(file)) {
     const char* f = static_cast<const char*>(PyUnicode_DATA(file));
     skip = strstr(f, "/torch/") || strstr(f, "/sanitizer/");
   }
-  // NOTE (probe only): the pointer is kept without a reference (no GIL here); a recorder must
-  // take one later under the GIL, or learn of the code object's death (3.12: PyCode_AddWatcher).
-  internal.emplace(code, skip);
+  // Kept without a reference (no GIL here): a str freed and its address reused by another file
+  // name would keep this flag (one site misattributed; the probe accepts that).
+  internal.emplace(file, skip);
   return skip;
 }
 
@@ -118,16 +172,14 @@ bool is_internal(PyCodeObject* code) {
 // frame stack cannot change while it is inside this call, so it is read as CPython 3.11 lays it
 // out (PyGILState_GetThisThreadState: the thread's state even while it has released the GIL).
 void site(Record& r) {
-  r.code = nullptr;
-  r.lasti = -1;
+  r.site = NO_SITE;
 #ifdef HAZSAN_FRAMES_311
   PyThreadState* ts = PyGILState_GetThisThreadState();
   if (ts == nullptr || ts->cframe == nullptr) return;   // a thread that never ran Python
   for (_PyInterpreterFrame* f = ts->cframe->current_frame; f != nullptr; f = f->previous) {
     if (_PyFrame_IsIncomplete(f)) continue;
     if (!is_internal(f->f_code)) {
-      r.code = f->f_code;
-      r.lasti = _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT);
+      r.site = site_of(f->f_code, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
       return;
     }
   }
@@ -148,7 +200,7 @@ c10::DeleterFnPtr inner_deleter = nullptr;
 uint64_t passed_through = 0;   // allocations of another shape, handed out unrecorded (counted)
 
 void free_and_record(void* data) {
-  push(Record{reinterpret_cast<uint64_t>(data), 0, 1, nullptr, -1});
+  push(Record{reinterpret_cast<uint64_t>(data), 0, 1, NO_SITE});
   inner_deleter(data);
 }
 
@@ -163,7 +215,7 @@ struct RecordingAllocator final : c10::Allocator {
     }
     c10::Device device = real.device();
     real.release_context();                      // ownership moves to the DataPtr returned
-    Record r{reinterpret_cast<uint64_t>(data), static_cast<uint64_t>(n), 0, nullptr, -1};
+    Record r{reinterpret_cast<uint64_t>(data), static_cast<uint64_t>(n), 0, NO_SITE};
     {
       std::lock_guard<std::mutex> lock(mu);
       site(r);
@@ -192,26 +244,21 @@ void install(int64_t n) {
 
 py::tuple drain() {
   std::vector<Record> out;
+  std::vector<std::string> texts;
   {
     std::lock_guard<std::mutex> lock(mu);
     out.swap(records);
     records.reserve(capacity);
+    texts = site_texts;
   }
   py::list allocs, frees;
-  std::unordered_map<uint64_t, py::object> sites;  // (code, lasti) -> "file:line:function"
+  std::vector<py::object> text_of(texts.size());
   for (const Record& r : out) {
     if (r.freed) { frees.append(py::int_(r.addr)); continue; }
     py::object text = py::none();
-    if (r.code != nullptr) {
-      uint64_t key = reinterpret_cast<uint64_t>(r.code) ^ (static_cast<uint64_t>(r.lasti) << 48);
-      auto it = sites.find(key);
-      if (it == sites.end()) {
-        int line = PyCode_Addr2Line(r.code, r.lasti);
-        std::string s = std::string(PyUnicode_AsUTF8(r.code->co_filename)) + ":" + std::to_string(line) + ":" +
-                        PyUnicode_AsUTF8(r.code->co_name);
-        it = sites.emplace(key, py::str(s)).first;
-      }
-      text = it->second;
+    if (r.site != NO_SITE) {
+      if (!text_of[r.site]) text_of[r.site] = py::str(texts[r.site]);
+      text = text_of[r.site];
     }
     allocs.append(py::make_tuple(r.addr, r.size, text));
   }
@@ -220,40 +267,20 @@ py::tuple drain() {
 }
 
 // The records as one bytes object (what a native trace writer would hand to the file): 32 bytes a
-// record (address, size, site index, 1 for a free), the sites as a list of "file:line:function", one per distinct
-// (code object, instruction): no Python object per record.
+// record (address, size, 1 for a free, site index), and the sites made since the last drain as
+// "file:line:function" (the reader appends them to its table: indexes are into the whole table,
+// as the binary trace's `V` frames are): no Python object per record.
 py::tuple drain_packed() {
   std::vector<Record> out;
+  std::vector<std::string> texts;
   {
     std::lock_guard<std::mutex> lock(mu);
     out.swap(records);
     records.reserve(capacity);
+    texts = new_texts();
   }
-  std::string packed;
-  packed.resize(out.size() * 32);
-  char* p = &packed[0];
-  py::list texts;
-  std::unordered_map<uint64_t, uint64_t> index;  // (code, lasti) -> position in texts
-  for (const Record& r : out) {
-    uint64_t at = UINT64_MAX;
-    if (r.code != nullptr) {
-      uint64_t key = reinterpret_cast<uint64_t>(r.code) ^ (static_cast<uint64_t>(r.lasti) << 48);
-      auto it = index.find(key);
-      if (it == index.end()) {
-        int line = PyCode_Addr2Line(r.code, r.lasti);
-        texts.append(py::str(std::string(PyUnicode_AsUTF8(r.code->co_filename)) + ":" + std::to_string(line) +
-                             ":" + PyUnicode_AsUTF8(r.code->co_name)));
-        it = index.emplace(key, texts.size() - 1).first;
-      }
-      at = it->second;
-    }
-    memcpy(p, &r.addr, 8);
-    memcpy(p + 8, &r.size, 8);
-    memcpy(p + 16, &at, 8);
-    memcpy(p + 24, &r.freed, 8);
-    p += 32;
-  }
-  return py::make_tuple(py::bytes(packed), texts, dropped);
+  std::string packed(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(Record));
+  return py::make_tuple(py::bytes(packed), as_list(texts), dropped);
 }
 
 // ---- the op observer (the `full` level's source: one `launch` per op with what it reads and writes)
@@ -264,8 +291,7 @@ py::tuple drain_packed() {
 // its call site.
 struct Launch {
   const char* name;   // the op's name, owned by the dispatcher (static)
-  PyCodeObject* code;
-  int lasti;
+  uint64_t site;
   uint32_t first_read, first_write;  // into `ranges`
   uint16_t n_reads, n_writes;
 };
@@ -296,11 +322,10 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   if (op_depth++ > 0) return nullptr;            // inside an op already recorded
   std::lock_guard<std::mutex> lock(mu);
   if (launches.size() >= capacity) { ++launches_dropped; return nullptr; }
-  Launch l{fn.name(), nullptr, -1, static_cast<uint32_t>(ranges.size()), 0, 0, 0};
-  Record r{0, 0, 0, nullptr, -1};
+  Launch l{fn.name(), NO_SITE, static_cast<uint32_t>(ranges.size()), 0, 0, 0};
+  Record r{0, 0, 0, NO_SITE};
   site(r);
-  l.code = r.code;
-  l.lasti = r.lasti;
+  l.site = r.site;
   auto in = fn.inputs();
   l.n_reads = add_ranges(in.data(), in.size());
   launches.push_back(l);
@@ -338,22 +363,16 @@ py::tuple drain_launches() {
     rs.swap(ranges);
   }
   std::string packed;
-  py::list names, texts;
+  py::list names;
+  std::vector<std::string> new_sites;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    new_sites = new_texts();
+  }
+  py::list texts = as_list(new_sites);
   std::unordered_map<const char*, uint64_t> name_index;
-  std::unordered_map<uint64_t, uint64_t> site_index;
   for (const Launch& l : out) {
-    uint64_t at_site = UINT64_MAX;
-    if (l.code != nullptr) {
-      uint64_t key = reinterpret_cast<uint64_t>(l.code) ^ (static_cast<uint64_t>(l.lasti) << 48);
-      auto it = site_index.find(key);
-      if (it == site_index.end()) {
-        int line = PyCode_Addr2Line(l.code, l.lasti);
-        texts.append(py::str(std::string(PyUnicode_AsUTF8(l.code->co_filename)) + ":" + std::to_string(line) +
-                             ":" + PyUnicode_AsUTF8(l.code->co_name)));
-        it = site_index.emplace(key, texts.size() - 1).first;
-      }
-      at_site = it->second;
-    }
+    uint64_t at_site = l.site;
     auto nt = name_index.find(l.name);
     if (nt == name_index.end()) {
       names.append(py::str(l.name));
@@ -406,6 +425,7 @@ if os.environ.get("HAZSAN_PROBE_FULL"):         # and the launches: their ranges
     import array, struct
     packed, texts, dropped = probe.drain_packed()
     lpacked, names, ltexts, ldropped = probe.drain_launches()
+    ltexts = texts + ltexts                # one table of sites: the later drain adds to it
     assert dropped == 0 and ldropped == 0, (dropped, ldropped)
     fields = array.array("Q", packed)
     assert fields[1::4].count(64) == n + 1, fields[1::4].count(64)
@@ -426,7 +446,7 @@ if os.environ.get("HAZSAN_PROBE_PACKED"):       # read back as one bytes object,
     # checked without an object per record (small ints only): the outputs (64 bytes: n, and
     # torch.ones' one), the loop line's allocations (3 per op), a free per op
     fields = array.array("Q", packed)
-    sizes, sites, freed = fields[1::4], fields[2::4], fields[3::4]
+    sizes, freed, sites = fields[1::4], fields[2::4], fields[3::4]
     loop = [i for i, t in enumerate(texts) if t.endswith(f":{loop_line}:<module>")]
     assert sizes.count(64) == n + 1 and freed.count(1) >= n, (sizes.count(64), freed.count(1), texts)
     assert n == 0 or (len(loop) == 1 and sites.count(loop[0]) == 3 * n), (texts, loop)
