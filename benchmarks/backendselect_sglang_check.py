@@ -17,7 +17,15 @@ its process's log; `uninstall` removes the .pth line again.
 With BSPROBE_FLOOR=<the probe's .so> (native_alloc_probe.py builds it) instead, the hook is the
 mode-free design's floor in every SGLang process: the probe's native allocation hook (every CPU
 allocation and free with its call site, read back packed every 20 ms) and the BackendSelect
-kernels; run the bare configurations with and without it and compare their batch CPU time.
+kernels; run the bare configurations with and without it and compare their batch CPU time. Each
+process rewrites LOG/floor-<pid>.txt about every second with what it read (records, dropped,
+collectives). The hook also starts when vLLM is imported, so the same lines installed in
+.venv-e2e put the floor in vLLM's processes (examples/vllm_e2e/run.py --only eager-bare):
+
+    (make the probe .so: .venv/bin/python benchmarks/native_alloc_probe.py, or its load_inline line)
+    .venv/bin/python benchmarks/backendselect_sglang_check.py install .venv-sglang
+    BSPROBE=1 BSPROBE_FLOOR=/tmp/hazsan-native-probe/hazsan_native_probe.so \
+        .venv-sglang/bin/python examples/sglang_e2e/run.py --only engine-tp1-bare --work /tmp/sgf
 """
 from __future__ import annotations
 
@@ -49,21 +57,38 @@ def _floor(so):
     spec = importlib.util.spec_from_file_location("hazsan_native_probe", so)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    probe.install(1 << 20)
     names = []
+    if not probe.install(1 << 20):
+        raise RuntimeError("the allocation hook is already installed in this process")
     def drain():
+        # what it read, rewritten about every second (schedulers are SIGKILLed: the last second
+        # may be missing): allocations and frees, records dropped, collectives seen
+        records = collectives = rounds = 0
+        out = os.path.join(LOG, f"floor-{os.getpid()}.txt")
+        os.makedirs(LOG, exist_ok=True)
         while True:
             time.sleep(0.02)
-            probe.drain_packed()
+            packed, _, dropped = probe.drain_packed()
+            records += len(packed) // 32
+            collectives += len(names)
             del names[:]
-    threading.Thread(target=drain, name="floor-drain", daemon=True).start()
+            rounds += 1
+            if rounds %% 50 == 0:
+                with open(out, "w") as f:
+                    f.write(f"records {records} dropped {dropped} collectives {collectives}\n")
+    def start():
+        threading.Thread(target=drain, name="floor-drain", daemon=True).start()
+    start()
+    # a forked child (vLLM's workers) inherits the hook but not the thread (the probe has no
+    # at-fork handler for its lock: a fork while the drain holds it would hang the child)
+    os.register_at_fork(after_in_child=start)
     return names
-class _WhenSGLang:
+class _WhenServer:
     done = False
     def find_spec(self, name, path=None, target=None):
         torch = sys.modules.get("torch")
-        if not _WhenSGLang.done and name.startswith("sglang") and hasattr(torch, "ops") and hasattr(torch, "library"):
-            _WhenSGLang.done = True
+        if not _WhenServer.done and name.startswith(("sglang", "vllm")) and hasattr(torch, "ops") and hasattr(torch, "library"):
+            _WhenServer.done = True
             try:
                 sys.path.insert(0, BENCHMARKS)
                 from mode_free_collectives_probe import register
@@ -75,7 +100,10 @@ class _WhenSGLang:
             except Exception as exc:
                 print("backendselect probe: not registered:", exc, file=sys.stderr)
         return None
-sys.meta_path.insert(0, _WhenSGLang())
+# once per process: site.py processes a venv's .pth files twice (from venv() and again from
+# main()), and a second finder would register the kernels again over the first ones
+if not any(type(m).__name__ == "_WhenServer" for m in sys.meta_path):
+    sys.meta_path.insert(0, _WhenServer())
 ''' % (LOG, os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -233,13 +233,18 @@ RecordingAllocator recording;
 
 }  // namespace
 
-void install(int64_t n) {
+// Idempotent: a second call (the .pth hook run again in a process that already has it) would take
+// the recording allocator as its own inner one and recurse until the stack overflows (the SIGSEGV
+// BSPROBE_FLOOR gave SGLang's Engine). Returns whether this call installed it.
+bool install(int64_t n) {
+  if (c10::GetCPUAllocator() == &recording) return false;
   capacity = static_cast<size_t>(n);
   records.reserve(capacity);
   inner = c10::GetCPUAllocator();
   inner_deleter = inner->raw_deleter();
   TORCH_CHECK(inner_deleter != nullptr, "the CPU allocator has no raw deleter: not wrapped");
   c10::SetCPUAllocator(&recording, /*priority=*/100);
+  return true;
 }
 
 py::tuple drain() {
