@@ -93,9 +93,22 @@ def new_block(storage, callback, bid, key, real, nbytes, addr, size, model, stre
 QUIET_ENTERED = False
 
 
+#: The native recorder's per-thread quiet depth (native/native_table.py), kept equal to
+#: DispatchSlot.quiet: a storage freed inside a wait is recorded as such where it dies.
+NATIVE_QUIET = None
+
+
 def entering_quiet() -> None:
+    """Called just before a thread's `slot.quiet += 1` (leaving_quiet after its `-= 1`)."""
     global QUIET_ENTERED
     QUIET_ENTERED = True
+    if NATIVE_QUIET is not None:
+        NATIVE_QUIET(1)
+
+
+def leaving_quiet() -> None:
+    if NATIVE_QUIET is not None:
+        NATIVE_QUIET(-1)
 
 
 class DispatchSlot(threading.local):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from sanitizer.capture.block_table import entering_quiet
+from sanitizer.capture.block_table import entering_quiet, leaving_quiet
 from sanitizer.capture.collective_ops import BACKEND_METHODS
 from sanitizer.capture.collective_state import CoverageGaps
 
@@ -242,6 +242,7 @@ def _patch_work(capture, colls) -> None:
             observe(self, settle=sys._getframe(1).f_globals.get("__name__") != _API_MODULE)
         finally:
             slot.quiet -= 1
+            leaving_quiet()
             colls._release_deferred()
         return r
 
@@ -279,6 +280,7 @@ def _patch_work(capture, colls) -> None:
             observe(self)
         finally:
             slot.quiet -= 1
+            leaving_quiet()
             colls._release_deferred()
         return r
 

@@ -85,7 +85,7 @@ from sanitizer.capture.collective_ops import (
     ROOTED, TRANSPARENT, PLAIN_TYPES, backend_arg, backend_key, bind, copied_args, current_stream,
     hook_name, p2p_comm, rank_in_options, register_collective_op, register_wrapping_op,
     tensors_in, work_in)
-from sanitizer.capture.block_table import entering_quiet
+from sanitizer.capture.block_table import entering_quiet, leaving_quiet
 from sanitizer.capture.collective_patches import ORIGINAL, install_patches
 from sanitizer.capture.collective_state import (CompletionStreams, CoverageGaps, NcclWorkLifetimes,
                                                 WorkHeldTensors)
@@ -358,6 +358,7 @@ class DispatchedCollectives:
             self._waited_tensor(args, kwargs)
         finally:
             self.slot.quiet -= 1
+            leaving_quiet()
             self._release_deferred()
         return out
 

@@ -21,6 +21,9 @@ def _version(dist_name: str) -> str | None:
 def header_facts(capture) -> dict:
     h: dict = {"hooks": {"installed": sorted(set(capture.installed)),
                          "failed": dict(sorted(capture.hooks_failed.items()))}}
+    alloc_path = getattr(capture, "alloc_path", None)
+    if alloc_path:        # which path recorded allocations, and why not the native one
+        h["hooks"]["alloc"] = dict(alloc_path)
     versions = {"hazsan": _version("hazsan")}
     for mod, dist in (("sglang", "sglang"), ("vllm", "vllm")):
         module = sys.modules.get(mod)

@@ -73,12 +73,16 @@ class Capture:
         self.streams = StreamIds()    # one id per device stream, shared by every hook
         self.step: int | None = None
         self.blocks = None        # block_table.BlockTable, once torch is imported
+        self.backend_select = None  # native.backend_select.BackendSelectKernels (native recorder)
         self.arenas = None        # window.SymmetricArenas, on the first symmetric scope
         self.cuda = None          # cuda_hooks.CudaOrdering, once torch is imported
         self.alloc_history = None # allocator_history.AllocatorHistory under HAZSAN_ALLOC_SOURCE=history
         self.host_work_unsynced = False   # a CPU `launch` was written since the last cpu sync
         self.signals = None       # signals.SignalChain, once installed (bootstrap)
         self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
+        self.on_scope_change = None  # native recorder: told the thread's innermost scope (native_table.py)
+        # which path records allocations (`dispatch-mode` or `native`), and why not native
+        self.alloc_path: dict = {}
         self.hooks_failed: dict[str, int] = {}   # hook name -> failures (trace header)
         self.versions: dict[str, str] = {}       # versions hooks learnt (the NCCL pynccl loaded)
         self._cids = itertools.count(1)  # coll ids, unique within the file, for every hook
@@ -167,6 +171,11 @@ class Capture:
             ev["phase"] = str(phase)
         if tokens is not None:
             ev["tokens"] = int(tokens)
+        if self.backend_select is not None and self.step is None:
+            try:          # collective ops a server registered since torch.distributed's import
+                self.backend_select.scan()
+            except Exception as exc:
+                self.failed("native.backend_select", exc)
         self.step = int(n)
         self.writer.mark_step(int(n), ended=False)
         self.emit(ev)
@@ -184,6 +193,8 @@ class Capture:
         global SCOPES_ENTERED
         SCOPES_ENTERED = True
         self.scopes.stack.append((pool, comm))
+        if self.on_scope_change is not None:
+            self.on_scope_change(self.scopes.stack)
         self.event({"ev": "scope", "name": name, "enter": True, "pool": pool, "comm": comm})
 
     def exit_scope(self, pool: str, comm: str, name: str = "symm") -> None:
@@ -192,6 +203,8 @@ class Capture:
             stack.pop()
         elif (pool, comm) in stack:            # exited out of order: drop the innermost match
             del stack[len(stack) - 1 - stack[::-1].index((pool, comm))]
+        if self.on_scope_change is not None:
+            self.on_scope_change(stack)
         self.event({"ev": "scope", "name": name, "enter": False, "pool": pool, "comm": comm})
 
     def arenas_model(self):

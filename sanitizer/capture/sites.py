@@ -28,6 +28,7 @@ class SiteFinder:
         self.external: tuple = ()
         self.cwd = os.getcwd() + os.sep
         self._names: dict = {}   # id(code) -> (code, display file name or None when internal)
+        self.on_change = None    # called after the rules change (the native recorder keeps a copy)
 
     def add_internal(self, module) -> None:
         """Treat `module` as internal: every file of a package (torch, wrapt, ...), or the one file
@@ -42,18 +43,26 @@ class SiteFinder:
         else:
             prefix = os.path.splitext(path)[0] + "."    # typing_extensions.py and its .pyc
         self.prefixes += (prefix,)
-        self._names.clear()
+        self._changed()
 
     def add_external_dir(self, path: str) -> None:
         """Treat files under `path` as the program's even inside an internal package (torch's
         own test code, torch/testing)."""
         self.external += (os.path.abspath(path) + os.sep,)
-        self._names.clear()
+        self._changed()
 
     def add_internal_dir(self, path: str) -> None:
         """Treat every file under folder `path` as internal (generated code, such as Inductor's)."""
         self.prefixes += (os.path.abspath(path) + os.sep,)
+        self._changed()
+
+    def _changed(self) -> None:
         self._names.clear()
+        if self.on_change is not None:
+            try:
+                self.on_change(self)
+            except Exception:
+                pass
 
     def _name(self, code):
         return self._entry(code)[1]

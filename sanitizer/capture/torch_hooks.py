@@ -21,9 +21,11 @@ def on_torch(capture) -> None:
     # torch.compile's generated code: its ops and collectives are the compiled function's, whose
     # call site is the user's
     capture.sites.add_internal_dir(_inductor_cache_dir())
-    from sanitizer.capture import memory
-    table = memory.install(capture)
-    capture.installed.append("dispatch-mode")
+    table = _install_native(capture)
+    if table is None:
+        from sanitizer.capture import memory
+        table = memory.install(capture)
+        capture.installed.append("dispatch-mode")
     if capture.settings.alloc_source == "history":
         try:
             from sanitizer.capture import allocator_history
@@ -41,13 +43,58 @@ def on_torch(capture) -> None:
         capture.failed("install.use_mem_pool", exc)
 
 
+def _install_native(capture):
+    """The native recorder as the allocation source, where it can be (sanitizer/capture/native):
+    its table, or None for the dispatch mode. Says which, and why, in capture.alloc_path (the
+    trace header's `hooks.alloc`); a refusal the user asked against goes to stderr too."""
+    from sanitizer.capture import native
+    settings = capture.settings
+    wanted = native.mode()
+    why = None
+    if wanted == "off":
+        why = "HAZSAN_NATIVE=0"
+    elif settings.level != "alloc":
+        why = f"level {settings.level}: launches come from the dispatch mode"
+    elif settings.alloc_source != "dispatch":
+        why = f"HAZSAN_ALLOC_SOURCE={settings.alloc_source}"
+    elif settings.stacks == "full":
+        why = "HAZSAN_STACKS=full: the recorder keeps one site per allocation"
+    table = None
+    if why is None:
+        try:
+            lib = native.load(torch, build=wanted == "on")
+            from sanitizer.capture.native import native_table
+            table = native_table.install(capture, lib)
+        except Exception as exc:   # NativeUnavailable, or an install that failed: the Python path
+            why = str(exc) if isinstance(exc, native.NativeUnavailable) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, native.NativeUnavailable):
+                capture.failed("install.native", exc)
+    if table is not None:
+        capture.alloc_path = {"source": "native"}
+        capture.installed.append("native-recorder")
+        return table
+    capture.alloc_path = {"source": "dispatch-mode", "native": why}
+    if wanted == "on":
+        print(f"hazsan: HAZSAN_NATIVE=1 but the native recorder is not used: {why}; "
+              f"allocations are recorded by the dispatch mode", file=sys.stderr)
+    return None
+
+
 def on_distributed(capture) -> None:
     import torch.distributed as dist
     if not dist.is_available():
         return
     from sanitizer.capture import collectives
-    collectives.install(capture)
+    colls = collectives.install(capture)
     capture.installed.append("collectives")
+    if capture.alloc_path.get("source") == "native":
+        try:
+            from sanitizer.capture.native.backend_select import BackendSelectKernels
+            kernels = capture.backend_select = BackendSelectKernels(capture, colls)
+            kernels.scan()
+            capture.installed.append("backend-select-collectives")
+        except Exception as exc:
+            capture.failed("install.backend_select", exc)
 
 
 def _inductor_cache_dir() -> str:

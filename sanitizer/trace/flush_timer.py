@@ -84,16 +84,21 @@ class TimeFlush:
                 if self.closed:
                     return
                 now = time.monotonic()
+                source = self.source
+                if self._quiet and source is not None and source.pending():
+                    # records made outside Python while the file said it was complete: not any more
+                    self._wake()
+                    self.flush()
                 if not self._quiet and self._idle_between_steps(now):
                     self._settle()
                 left = self._last_flush + period - now
                 if left <= 0.001:
-                    if self._buf or self._dropped or self._hook_errors:
+                    if self._buf or self._dropped or self._hook_errors or (source is not None and source.pending()):
                         self.flush()
                     self._settle()
                     left = period
                 wait = left               # flushed meanwhile (a step, a full buffer): the rest
-                if self.step_ends and not self._quiet:
+                if (self.step_ends and not self._quiet) or source is not None:
                     wait = min(wait, look)
             except Exception:             # never raise, not even at interpreter exit
                 wait = period

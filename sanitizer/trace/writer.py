@@ -117,6 +117,10 @@ class TraceWriter(TraceFile, TimeFlush):
         self.header_extra = dict(header_extra or {})
         self.header_source = None   # callable -> dict of more header keys, asked when the header is written
         self.header_key = None      # callable -> hashable; the header is written again when it changes
+        # events recorded outside Python and buffered there (capture's native recorder): an object
+        # with pending() -> int and drain_before_flush(), drained before each flush and before the
+        # header may say that everything recorded is in the file
+        self.source = None
         self.write_empty = True     # close() keeps a header-only file (false: a header-only file is removed)
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -237,7 +241,7 @@ class TraceWriter(TraceFile, TimeFlush):
                 return False
             with self._buf_lock:
                 self._buf.append(ev)
-            self.flush()              # a failed write counts a drop, which ends the quiet state
+            self.flush(drain_source=False)   # a failed write counts a drop, which ends the quiet state
         if self._deferred:
             self._run_deferred()
         return True
@@ -254,14 +258,17 @@ class TraceWriter(TraceFile, TimeFlush):
         as it is recorded, until the next step starts (mark_step) or a write fails. So a server
         killed as soon as its last request is answered (SGLang's Engine.shutdown SIGKILLs its
         schedulers) has lost nothing, not only one idle for a flush period."""
+        source = self.source
+        if source is not None and source.pending():
+            self.flush()
         with self._lock:
             if self._quiet or self.closed or self._fd is None:
                 return False
             idle = self._idle_between_steps(time.monotonic())
             with self._buf_lock:
                 if idle:    # appends wait meanwhile: an idle loop's events cannot slip in between
-                    self.flush()
-                if self._buf or self._dropped or self._hook_errors:
+                    self.flush(drain_source=False)    # (drained above: its lock is taken before ours)
+                if self._buf or self._dropped or self._hook_errors or (source is not None and source.pending()):
                     return False
                 self._quiet = True
                 self._through = idle
@@ -311,6 +318,12 @@ class TraceWriter(TraceFile, TimeFlush):
         """A termination signal arrived and the program handles it: flush, and let the header say
         when, so that a kill during the shutdown that follows (vLLM: SIGKILL 5 s after SIGTERM) is
         named as such."""
+        source = self.source
+        if source is not None:       # before our lock, as flush() does
+            try:
+                source.drain_before_flush()
+            except Exception as exc:
+                self.hook_failed("writer.source", exc)
         with self._lock:
             self.progress.update(signal=name, signal_t=time.time_ns())
             self.flush()
@@ -356,8 +369,14 @@ class TraceWriter(TraceFile, TimeFlush):
 
 
     # ------------------------------------------------------------------ flushing
-    def flush(self) -> None:
+    def flush(self, drain_source: bool = True) -> None:
         """Write everything buffered as whole lines. Never raises."""
+        source = self.source
+        if source is not None and drain_source:       # outside the locks: the source emits, and orders its own lock first
+            try:
+                source.drain_before_flush()
+            except Exception as exc:
+                self.hook_failed("writer.source", exc)
         with self._lock:
             outer = self._flush_thread
             self._flush_thread = threading.get_ident()
@@ -463,6 +482,12 @@ class TraceWriter(TraceFile, TimeFlush):
         # "terminate called without an active exception" (pytorch#38228). Bounded: it is told to
         # stop and woken, so it returns at once unless it is inside a flush.
         self._stop_timer(join=CLOSE_JOIN_SECONDS)
+        source = self.source
+        if source is not None:       # before our lock, as flush() does
+            try:
+                source.drain_before_flush()
+            except Exception as exc:
+                self.hook_failed("writer.source", exc)
         with self._lock:
             if self.closed:
                 return

@@ -1,0 +1,114 @@
+"""Collectives dispatched as ops, without a dispatch mode: a kernel at torch's BackendSelect key.
+
+With the native recorder there is no TorchDispatchMode to see the c10d and functional collective
+ops (and the registered custom ones, collective_ops.CUSTOM). Each of their overloads gets a Python
+kernel at `BackendSelect` that hands the call to capture's own handler (collectives.py: the same
+code the mode calls), the op itself run by redispatching to the keys after BackendSelect.
+
+Why BackendSelect (benchmarks/README.md, "Collectives without a dispatch mode", measured on gloo
+ranks and in real SGLang): it is in every call's key set (one of torch's default TLS-included keys;
+inference mode does not exclude it, where autograd-key kernels never run) and sits just above the
+backends, so a kernel there runs for every dispatched call of the op, from Python or from C++
+(`dist.all_reduce` reaches `c10d::allreduce_` from ProcessGroup's C++ method), inside a tensor
+subclass's own dispatch too. Only the outermost call is handed over, as the mode saw it (a
+functional collective runs its c10d op inside its kernel), except inside an op whose kernel issues
+the collectives itself (collective_ops.TRANSPARENT), whose inner calls are the program's.
+
+Other ops cost nothing: only the collectives' own overloads get a kernel.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from sanitizer.capture.collective_ops import COLLECTIVE_NAMESPACES, CUSTOM, TRANSPARENT
+
+
+class Redispatch:
+    """Stands for the OpOverload in a handler: calling it runs the op below BackendSelect."""
+
+    __slots__ = ("op", "keys")
+
+    def __init__(self, op, keys):
+        self.op = op
+        self.keys = keys
+
+    def __call__(self, *args, **kwargs):
+        return self.op.redispatch(self.keys, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.op, name)
+
+    def __str__(self):
+        return str(self.op)
+
+    __repr__ = __str__
+
+
+class BackendSelectKernels:
+    def __init__(self, capture, collectives):
+        self.capture = capture
+        self.collectives = collectives
+        self.after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        self.depth = threading.local()
+        self.libs: dict = {}
+        self.covered: set = set()     # qualified names of the overloads with a kernel
+        self.failed: list = []
+
+    def scan(self) -> int:
+        """Register a kernel for every collective overload not covered yet (ops registered later,
+        a server's custom ones, are picked up by the next scan). Returns how many were added."""
+        names = set(CUSTOM) | set(TRANSPARENT) | set(self.collectives.custom)
+        added = 0
+        for full in torch._C._dispatch_get_all_op_names():
+            ns, _, rest = full.partition("::")
+            if ns not in COLLECTIVE_NAMESPACES and full.split(".")[0] not in names:
+                continue
+            name = rest.split(".")[0]
+            packet = getattr(getattr(torch.ops, ns), name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                qualified = name if overload == "default" else f"{name}.{overload}"
+                label = f"{ns}::{qualified}"
+                if label in self.covered:
+                    continue
+                self.covered.add(label)
+                try:
+                    handler = self.collectives.handler(op)
+                    if handler is False:
+                        continue
+                    lib = self.libs.get(ns)
+                    if lib is None:
+                        lib = self.libs[ns] = torch.library.Library(ns, "IMPL")
+                    lib.impl(qualified, self._kernel(op, handler), "BackendSelect", with_keyset=True)
+                    added += 1
+                except Exception as exc:
+                    self.failed.append(f"{label}: {exc}")
+                    self.capture.failed("native.backend_select", exc)
+        return added
+
+    def _kernel(self, op, handler):
+        after = self.after
+        depth = self.depth
+        nested_ok = handler == self.collectives._transparent
+        capture = self.capture
+
+        def kernel(keyset, *args, **kwargs):
+            keys = keyset & after
+            n = getattr(depth, "n", 0)
+            if n:        # inside a collective's own kernel: its work, not the program's call
+                return op.redispatch(keys, *args, **kwargs)
+            if not nested_ok:
+                depth.n = 1
+            try:
+                table = capture.blocks
+                if table is not None and table.unowned:
+                    table.collectives.poll()
+                return handler(Redispatch(op, keys), args, kwargs, None)
+            finally:
+                if not nested_ok:
+                    depth.n = 0
+        return kernel

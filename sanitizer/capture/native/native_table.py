@@ -1,0 +1,246 @@
+"""The block table fed by the native recorder (HAZSAN_NATIVE): records -> `alloc` and `free` events.
+
+The recorder (alloc_recorder.cpp) buffers one record per allocation and free of torch's CPU
+allocator. They become trace events here, in batches (`drain`), and always before any event capture
+writes from Python (`emit` below drains first): so the trace's order is the host's, an allocation
+before the scope exit or the collective that follows it, a free before the `coll` that reuses its
+bytes. The writer drains too before each flush and before it says the file is complete (`quiet`).
+
+What an event holds, against the dispatch mode's (block_table.py):
+  * `alloc`: id, address, size, stream `cpu`, pool, the call site, `t` taken where it happened.
+    No `op`, `shape` or `dtype` (the allocator sees bytes: docs/capture.md says so). Every
+    allocation of the CPU allocator is one, torch's own scratch too (the mode saw one storage per
+    op result), and those made inside a symmetric scope are placed in its modelled window, as the
+    mode placed the op results (on a GPU every allocation inside a pool's scope is the pool's).
+  * `free`: when the memory goes back to the allocator (the mode: when the storage object dies;
+    the same moment for a CPU storage, which owns its memory).
+  * A free on a thread inside a collective's wait is written after that wait records the
+    collective's completion, as the mode's DispatchSlot.deferred does; a storage a gloo Work let go
+    of gets its collective's `coll_done` first (WorkHeldTensors), as before.
+
+Storages the recorder did not see (made before it was installed, or by another allocator) reach
+collectives as before: adopted through the Python path (BlockTable._new), with a weakref free.
+"""
+from __future__ import annotations
+
+import threading
+from time import time_ns
+
+from sanitizer.capture import block_table as _bt
+from sanitizer.capture.block_table import BlockTable
+from sanitizer.capture.native import FREED, MAX_RECORDS, NO_SITE, QUIET, RECORD
+
+_ALLOC, _FREE = _bt._ALLOC, _bt._FREE
+
+
+class NativeBlock:
+    """A block the recorder saw allocated (BlockTable's StorageBlock fields; no storage reference)."""
+
+    __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "stream", "recorded")
+
+    def __init__(self, bid, real, nbytes, addr, size, model):
+        self.id = bid
+        self.key = None          # the StorageImpl address, once a collective looked it up
+        self.real = real
+        self.nbytes = nbytes
+        self.addr = addr
+        self.size = size
+        self.model = model
+        self.stream = "cpu"
+        self.recorded = None
+
+    def __call__(self):
+        return None              # (StorageBlock: the storage object) not kept: the memory is the record
+
+
+class NativeBlockTable(BlockTable):
+    """BlockTable whose allocations come from the native recorder instead of the dispatch mode."""
+
+    def __init__(self, capture, lib):
+        super().__init__(capture)
+        self.lib = lib
+        self.writer = capture.writer
+        self.native: dict[int, NativeBlock] = {}   # real address -> block, while allocated
+        self.site_texts: list[str] = []
+        self.scope_index: dict[tuple, int] = {}    # (pool, comm) -> the recorder's scope number
+        self.scope_of: list = [None]               # number -> (pool, comm); 0: none
+        self.deferred_by_thread: dict[int, list] = {}   # thread ident -> blocks freed inside its wait
+        self._lock = threading.RLock()             # a drain and the event after it, whole
+        self._draining = None                      # the thread inside drain() (a GC free re-enters)
+        self._dropped = 0
+        self._passed = 0
+        self.records_seen = 0
+
+    # ------------------------------------------------------------------ ordering with Python's events
+    def emit_after_drain(self, ev) -> None:
+        """capture.emit: the recorder's pending records first, then `ev`."""
+        with self._lock:
+            if self.lib.pending():
+                self.drain()
+            self.writer.emit(ev)
+
+    def drain_before_flush(self, timeout: float = 2.0) -> None:
+        """The writer's source hook: called before each flush, outside the writer's locks."""
+        if not self.lib.pending():
+            return
+        if self._lock.acquire(timeout=timeout):
+            try:
+                self.drain()
+            finally:
+                self._lock.release()
+
+    def pending(self) -> int:
+        return self.lib.pending()
+
+    def drain(self) -> None:
+        """Turn the recorder's records into events (callers hold self._lock)."""
+        me = threading.get_ident()
+        if self._draining == me:
+            return        # a collection inside this drain freed an adopted storage: next time
+        self._draining = me
+        try:
+            packed, texts, dropped, passed = self.lib.drain()
+            if texts:
+                self.site_texts.extend(texts)
+            if dropped != self._dropped:
+                self.writer.count_drop(dropped - self._dropped, "native-buffer-full")
+                self._dropped = dropped
+            if passed != self._passed:
+                self.capture.failed("native.unrecorded_allocation",
+                                    RuntimeError(f"{passed - self._passed} allocations of an unknown shape "
+                                                 f"handed out unrecorded"))
+                self._passed = passed
+            if not packed:
+                return
+            if self.writer._quiet:
+                self.writer._wake()      # one flush for the batch, not one per event (write-through)
+            texts = self.site_texts
+            native = self.native
+            emit = self.writer.emit
+            n = 0
+            for addr, size, site, tid, t, flags, scope in RECORD.iter_unpack(packed):
+                n += 1
+                if flags & FREED:
+                    b = native.pop(addr, None)
+                    if b is None:
+                        continue        # allocated before the recorder, of 0 bytes, or a resize's
+                    if b.key is not None and self.live.get(b.key) is b:
+                        del self.live[b.key]
+                    if self.held_by_work:
+                        self.on_held_death(b.addr, b.size)   # a Work let go of it: its coll_done first
+                    if flags & QUIET:
+                        self.deferred_by_thread.setdefault(tid, []).append((b, t))
+                    else:
+                        self._release_native(b, t)
+                    continue
+                if size == 0:
+                    continue
+                pool, model, a, s = "default", None, addr, size
+                if scope:
+                    pool, comm = self.scope_of[scope]
+                    try:
+                        model = self.capture.arenas_model().malloc(pool, comm, size, "cpu")
+                        a, s, pool = model.addr, model.size, model.pool
+                    except Exception as exc:   # window full: the real placement instead
+                        pool, model = "default", None
+                        self.capture.failed("window", exc)
+                bid = next(self._ids)
+                emit((_ALLOC, bid, a, s, "cpu", pool, None if model is None else size, None, None, t, None,
+                      texts[site] if site != NO_SITE else None))
+                native[addr] = NativeBlock(bid, addr, size, a, s, model)
+            self.records_seen += n
+            if self.unowned and self.collectives is not None:
+                self.collectives.poll()
+        except Exception as exc:
+            self.capture.failed("native.drain", exc)
+        finally:
+            self._draining = None
+
+    def _release_native(self, b: NativeBlock, t: int) -> None:
+        if self.stashed:
+            self.on_stash_release(b.addr, b.size)
+        if b.model is not None:
+            self.capture.arenas_model().free(b.model)
+        self.writer.emit((_FREE, b.id, t))
+
+    # ------------------------------------------------------------------ the Python path's lookups
+    def _new(self, t, s, opname, live, placed_by_scope=True, where=None, key=None):
+        """A storage a collective or an op handler names: the recorder's block for its memory when
+        it has one (registered under the storage's key), else adopted as the Python path does."""
+        try:
+            with self._lock:
+                if self.lib.pending():
+                    self.drain()
+                b = self.native.get(s.data_ptr())
+                if b is not None and b.nbytes >= s.nbytes():
+                    b.key = key if key is not None else s._cdata
+                    live[b.key] = b
+                    return b
+        except Exception as exc:
+            self.capture.failed("native.lookup", exc)
+        return super()._new(t, s, opname, live, placed_by_scope, where, key)
+
+    def _release(self, b) -> None:
+        if type(b) is NativeBlock:      # released by a resize: its memory's free is not written again
+            if self.native.get(b.real) is b:
+                del self.native[b.real]
+            self._release_native(b, time_ns())
+            return
+        super()._release(b)
+
+    def release_deferred(self) -> None:
+        with self._lock:
+            if self.lib.pending():
+                self.drain()
+            if not self.slot.quiet:
+                mine = self.deferred_by_thread.pop(threading.get_ident(), None)
+                for b, t in mine or ():
+                    try:
+                        self._release_native(b, t)
+                    except Exception as exc:
+                        self.capture.failed("free", exc)
+        super().release_deferred()
+
+    def redeclare_after_fork(self) -> None:
+        super().redeclare_after_fork()
+        for b in list(self.native.values()):
+            if b.key is None or self.live.get(b.key) is not b:
+                self.emit({"ev": "alloc", "id": b.id, "addr": b.addr, "size": b.size, "stream": "cpu",
+                           "pool": "default", "op": "inherited-by-fork", "t": time_ns()})
+
+    # ------------------------------------------------------------------ scopes
+    def scope_changed(self, stack) -> None:
+        """Capture entered or left a symmetric scope on this thread: tell the recorder which."""
+        top = stack[-1] if stack else None
+        n = 0
+        if top is not None:
+            n = self.scope_index.get(top)
+            if n is None:
+                self.scope_of.append(top)
+                n = self.scope_index[top] = len(self.scope_of) - 1
+        self.lib.set_scope(n)
+
+
+def install(capture, lib) -> NativeBlockTable:
+    """Install the recorder as capture's allocation source (no dispatch mode). Raises when the
+    recorder cannot be installed: the caller falls back to the dispatch mode."""
+    import os
+
+    table = NativeBlockTable(capture, lib)
+    sites = capture.sites
+
+    def copy_rules(finder) -> None:
+        lib.set_filters(list(finder.prefixes), list(finder.external), list(finder.stdlib), finder.cwd,
+                        finder.mode != "none")
+    copy_rules(sites)
+    sites.on_change = copy_rules
+    if not lib.install(MAX_RECORDS) and not lib.installed():
+        raise RuntimeError("the CPU allocator could not be wrapped")
+    capture.blocks = table
+    capture.emit = table.emit_after_drain
+    table.emit = table.emit_after_drain
+    capture.writer.source = table
+    capture.on_scope_change = table.scope_changed
+    _bt.NATIVE_QUIET = lib.quiet_add
+    os.register_at_fork(before=lambda: table.drain_before_flush(timeout=1.0))
+    return table
