@@ -431,6 +431,10 @@ class BlockTable:
         except Exception as exc:
             self.capture.failed("free", exc)
 
+    def native_deferred(self) -> bool:
+        """Whether frees recorded natively inside a wait may be held back (native_table.py)."""
+        return False
+
     def release_deferred(self) -> None:
         """Write the frees of the blocks that died inside this thread's wait, now that the wait
         recorded what it completed. Called by the waits themselves (collectives.py), once the

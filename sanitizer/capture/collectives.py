@@ -366,7 +366,7 @@ class DispatchedCollectives:
         """The frees held back while this thread was inside a wait (block_table.py), once it is out."""
         try:
             table = self.capture.blocks
-            if table is not None and self.slot.deferred and not self.slot.quiet:
+            if table is not None and not self.slot.quiet and (self.slot.deferred or table.native_deferred()):
                 table.release_deferred()
         except Exception as exc:
             self.capture.failed("free", exc)
@@ -566,6 +566,17 @@ class DispatchedCollectives:
             self.capture.failed("coll.future", exc)
 
     def done(self, cid, waited: bool = False) -> None:
+        ordered = getattr(getattr(self.capture, "blocks", None), "ordered", None)
+        if ordered is None:
+            self._done_with_prior(cid, waited)
+            return
+        # the native recorder's records made before this completion was seen are events before
+        # it: a free among them is interpreted with the collective still in flight
+        # (WorkHeldTensors), as the dispatch mode's finalizer ran at the death itself
+        with ordered():
+            self._done_with_prior(cid, waited)
+
+    def _done_with_prior(self, cid, waited: bool) -> None:
         # a gloo barrier has waited for every collective of its group enqueued before it
         prior = self.streams.completed_with(cid)
         self._done(cid, waited)

@@ -92,6 +92,7 @@ def on_distributed(capture) -> None:
             from sanitizer.capture.native.backend_select import BackendSelectKernels
             kernels = capture.backend_select = BackendSelectKernels(capture, colls)
             kernels.scan()
+            kernels.watch_definitions()
             capture.installed.append("backend-select-collectives")
         except Exception as exc:
             capture.failed("install.backend_select", exc)

@@ -90,6 +90,31 @@ class BackendSelectKernels:
                     self.capture.failed("native.backend_select", exc)
         return added
 
+    def watch_definitions(self) -> None:
+        """Scan again after an op is defined from Python in a collective namespace (or one the
+        CUSTOM table names): torch.library.Library.define. Ops a C++ extension registers are
+        picked up by the scan at the program's first step (Capture.mark_step)."""
+        original = torch.library.Library.define
+        if getattr(original, "_hazsan", False):
+            return
+        kernels = self
+
+        def define(lib, schema, *args, **kwargs):
+            out = original(lib, schema, *args, **kwargs)
+            try:
+                name = str(schema).split("(")[0].split(".")[0].strip()
+                ns = getattr(lib, "ns", "")
+                if ns in COLLECTIVE_NAMESPACES or f"{ns}::{name}" in CUSTOM \
+                        or f"{ns}::{name}" in kernels.collectives.custom:
+                    kernels.scan()
+            except Exception as exc:
+                kernels.capture.failed("native.backend_select", exc)
+            return out
+
+        define._hazsan = True
+        define.__doc__ = original.__doc__
+        torch.library.Library.define = define
+
     def _kernel(self, op, handler):
         after = self.after
         depth = self.depth

@@ -23,6 +23,7 @@ collectives as before: adopted through the Python path (BlockTable._new), with a
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from time import time_ns
 
@@ -88,6 +89,15 @@ class NativeBlockTable(BlockTable):
                 self.drain()
             finally:
                 self._lock.release()
+
+    @contextlib.contextmanager
+    def ordered(self):
+        """The recorder's pending records drained, and none drained by another thread until the
+        block ends (collectives.done: a completion and the state it changes, whole)."""
+        with self._lock:
+            if self.lib.pending():
+                self.drain()
+            yield
 
     def pending(self) -> int:
         return self.lib.pending()
@@ -187,6 +197,9 @@ class NativeBlockTable(BlockTable):
             self._release_native(b, time_ns())
             return
         super()._release(b)
+
+    def native_deferred(self) -> bool:
+        return True        # (which thread's, and whether any, is known only once drained)
 
     def release_deferred(self) -> None:
         with self._lock:
