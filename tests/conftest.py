@@ -6,6 +6,11 @@ from pathlib import Path
 # line and exit 2): a test that only checks the exit code must not pass over a bug. Subprocesses
 # the tests start inherit it.
 os.environ["HAZSAN_RAISE"] = "1"
+# Capture's allocations are recorded by its dispatch mode here unless a test asks for the native
+# recorder (HAZSAN_NATIVE=1): the dispatch mode is the reference path, whose events carry op, shape
+# and dtype that many tests read; the native path runs the same programs in the tests that name it
+# (`alloc-native` in tests/support/gloo_programs.py, tests/capture/test_capture_native.py).
+os.environ.setdefault("HAZSAN_NATIVE", "0")
 
 # tests/support/ helpers (tracebuilder, reference_model, engine_scenarios) import as plain modules;
 # the tests themselves are grouped by the package they test (tests/capture/, tests/rules/, ...).

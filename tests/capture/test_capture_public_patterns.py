@@ -174,7 +174,7 @@ CLEAN = (101, 110, 111, 121, 131, 141, 151)
 ALLOC_SEES = (100,)      # alloc records no reads or writes: only the free
 
 
-@pytest.fixture(scope="module", params=["full", "alloc"])
+@pytest.fixture(scope="module", params=["full", "alloc", "alloc-native"])
 def run(request, tmp_path_factory):
     return request.param, run_under_hazsan(tmp_path_factory.mktemp(request.param), request.param, PROGRAM)[:4]
 
