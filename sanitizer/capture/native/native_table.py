@@ -247,7 +247,12 @@ def install(capture, lib) -> NativeBlockTable:
                         finder.mode != "none")
     copy_rules(sites)
     sites.on_change = copy_rules
-    if not lib.install(MAX_RECORDS) and not lib.installed():
+    limit = MAX_RECORDS
+    try:      # HAZSAN_NATIVE_MAX_RECORDS: records held between two drains before drops are counted
+        limit = max(1, int(os.environ.get("HAZSAN_NATIVE_MAX_RECORDS") or MAX_RECORDS))
+    except ValueError:
+        pass
+    if not lib.install(limit) and not lib.installed():
         raise RuntimeError("the CPU allocator could not be wrapped")
     capture.blocks = table
     capture.emit = table.emit_after_drain

@@ -1,0 +1,272 @@
+"""The native allocation recorder (HAZSAN_NATIVE=1, sanitizer/capture/native): real programs run
+with it, their traces read back. The same gloo programs as the dispatch mode's tests also run at
+`alloc-native` (test_capture_backend_semantics.py, test_capture_public_patterns.py: the same
+assertions); here, what is particular to it: the allocator's contract kept, sites, scopes, frees,
+fork, drops counted, completeness at a kill, the fallback and the header saying which path ran,
+and the mHC decode's verdict equal on both paths."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gloo_programs import require_native
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("jsonl_capture")
+
+
+def _env(traces, native="1", **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
+    env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_NATIVE=native, HAZSAN_RAISE="1",
+               HAZSAN_TRACE_FORMAT="jsonl", PYTHONPATH=str(ROOT))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _run(tmp_path, code, env, timeout=120):
+    (tmp_path / "prog.py").write_text(textwrap.dedent(code))
+    return subprocess.run([sys.executable, "prog.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _trace(traces):
+    files = sorted(Path(traces).glob("*.jsonl"))
+    return {f: [json.loads(x) for x in f.read_text().splitlines()] for f in files}
+
+
+def _check(traces, *more):
+    out = subprocess.run([sys.executable, "-m", "sanitizer", "check", str(traces), "--format", "json", *more],
+                         capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(autouse=True)
+def _native_here():
+    require_native()
+
+
+CONTRACT = """
+    import hashlib, io, pickle, torch
+    import numpy as np
+    out = []
+    a = torch.arange(1000, dtype=torch.float32)
+    buf = io.BytesIO(); torch.save({"a": a, "b": a[10:20]}, buf); buf.seek(0)
+    d = torch.load(buf)
+    out.append(d["b"].tolist() + [d["a"].sum().item()])
+    n = a.numpy(); n[0] = 7.0                       # shares memory
+    out.append([a[0].item(), torch.from_numpy(np.ones(5)).sum().item()])
+    r = torch.ones(4); r.resize_(1000); r.fill_(2.0); out.append([r.sum().item()])
+    s = torch.ones(64).share_memory_(); s.add_(1); out.append([s.sum().item(), s.is_shared()])
+    v, i = torch.sort(torch.tensor([3.0, 1.0, 2.0])); out.append(v.tolist() + i.tolist())
+    f = torch.frombuffer(bytearray(b"abcd" * 4), dtype=torch.int32); out.append(f.tolist())
+    p = pickle.loads(pickle.dumps(torch.full((8,), 3.0))); out.append(p.tolist())
+    big = torch.empty(1 << 22).fill_(1.0); out.append([big.sum().item()])
+    print(hashlib.sha256(repr(out).encode()).hexdigest())
+"""
+
+
+def test_the_programs_results_are_unchanged_and_its_trace_clean(tmp_path):
+    """torch.save/load, numpy sharing, resize_, share_memory_, frombuffer, pickle through the
+    wrapped allocator: the same results as without capture; the trace says native, clean, complete."""
+    bare = _run(tmp_path, CONTRACT, {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")})
+    assert bare.returncode == 0, bare.stderr
+    traces = tmp_path / "t"
+    cap = _run(tmp_path, CONTRACT, _env(traces))
+    assert cap.returncode == 0, cap.stderr
+    assert cap.stdout == bare.stdout
+    ((path, events),) = _trace(traces).items()
+    assert events[0]["hooks"]["alloc"] == {"source": "native"}
+    assert "native-recorder" in events[0]["hooks"]["installed"]
+    assert "dispatch-mode" not in events[0]["hooks"]["installed"]
+    allocs = [e for e in events[1:] if e["ev"] == "alloc"]
+    assert any(e["size"] == 4 << 22 and e["site"].startswith("prog.py:") for e in allocs)
+    doc = _check(traces)
+    assert doc["findings"] == [] and doc["summary"]["complete"] and doc["summary"]["hook_errors"] == 0
+
+
+SITES = """
+    import torch, sanitizer
+    def make(n):
+        return torch.ones(n)                                   # line 4
+    keep = make(1000)
+    gone = make(2000); del gone                               # freed at once
+    with sanitizer.symmetric_scope("tp"):
+        x = make(3000)                                         # placed in the window
+        y = torch.einsum("i,i->i", x, x)                       # line 9: its result, in the window too
+    z = make(4000)
+    print("done")
+"""
+
+
+def test_sites_frees_and_scope_placement(tmp_path):
+    traces = tmp_path / "t"
+    out = _run(tmp_path, SITES, _env(traces))
+    assert out.returncode == 0, out.stderr
+    ((path, events),) = _trace(traces).items()
+    body = events[1:]
+    by_size = {}
+    for e in body:
+        if e["ev"] == "alloc":
+            by_size.setdefault(e["size"], []).append(e)
+    (a4k,) = by_size[4000]
+    assert a4k["site"] == "prog.py:4:make" and a4k["pool"] == "default" and a4k["stream"] == "cpu"
+    assert "op" not in a4k and "shape" not in a4k       # the allocator sees bytes only
+    (a8k,) = by_size[8000]
+    frees = [e["id"] for e in body if e["ev"] == "free"]
+    assert a8k["id"] in frees and a4k["id"] not in frees[:frees.index(a8k["id"]) + 1]
+    scope = [i for i, e in enumerate(body) if e["ev"] == "scope"]
+    assert [body[i]["enter"] for i in scope] == [True, False]
+    inside = [e for e in body[scope[0]:scope[1]] if e["ev"] == "alloc"]
+    assert {e.get("requested", e["size"]) for e in inside} >= {12000}   # (the model rounds sizes up)
+    assert all(e["pool"] == "symm" for e in inside), inside
+    (win,) = [e for e in body if e["ev"] == "window"]
+    assert all(win["addr"] <= e["addr"] < win["addr"] + win["size"] for e in inside)
+    assert any(e["site"] == "prog.py:9:<module>" for e in inside)
+    (a16k,) = by_size[16000]
+    assert a16k["pool"] == "default"
+    ts = [e["t"] for e in body if e["ev"] in ("alloc", "free")]
+    assert ts == sorted(ts)
+
+
+def test_level_full_and_off_use_the_dispatch_mode_and_say_why(tmp_path):
+    code = "import torch; x = torch.ones(10); print('ok')"
+    full = _run(tmp_path, code, _env(tmp_path / "full", HAZSAN_LEVEL="full"))
+    assert full.returncode == 0 and full.stdout.strip() == "ok", full.stderr
+    assert "HAZSAN_NATIVE=1 but the native recorder is not used: level full" in full.stderr
+    ((_, ev_full),) = _trace(tmp_path / "full").items()
+    assert ev_full[0]["hooks"]["alloc"]["source"] == "dispatch-mode"
+    assert ev_full[0]["hooks"]["alloc"]["native"].startswith("level full")
+    off = _run(tmp_path, code, _env(tmp_path / "off", native="0"))
+    assert off.returncode == 0 and off.stderr == "", off.stderr
+    ((_, ev_off),) = _trace(tmp_path / "off").items()
+    assert ev_off[0]["hooks"]["alloc"] == {"source": "dispatch-mode", "native": "HAZSAN_NATIVE=0"}
+
+
+def test_a_build_that_fails_falls_back_and_the_program_runs(tmp_path):
+    """HAZSAN_NATIVE=1 with nothing built and no working compiler: the program starts and runs,
+    recorded by the dispatch mode; stderr and the header say why."""
+    code = "import torch; x = torch.ones(10) * 2; print(x.sum().item())"
+    env = _env(tmp_path / "t", HAZSAN_NATIVE_CACHE=tmp_path / "cache", CXX="/bin/false", CC="/bin/false")
+    out = _run(tmp_path, code, env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "20.0", out.stderr
+    assert "the native recorder is not used: build failed" in out.stderr
+    ((_, events),) = _trace(tmp_path / "t").items()
+    assert events[0]["hooks"]["alloc"]["source"] == "dispatch-mode"
+    assert events[0]["hooks"]["alloc"]["native"].startswith("build failed")
+    assert any(e["ev"] == "alloc" and e.get("shape") == [10] for e in events[1:])
+    # auto (the default) never builds: it says the recorder is not built, and runs as well
+    env = _env(tmp_path / "auto", native="auto", HAZSAN_NATIVE_CACHE=tmp_path / "cache2")
+    out = _run(tmp_path, code, env)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    ((_, events),) = _trace(tmp_path / "auto").items()
+    assert events[0]["hooks"]["alloc"]["native"].startswith("not built")
+    assert not (tmp_path / "cache2").exists()
+
+
+def test_records_beyond_the_buffer_are_counted_as_dropped(tmp_path):
+    """No drain for a long loop (no Python event, the time flush 1000 s away) and a buffer of 500
+    records: what did not fit is a `dropped` record, and the check says findings may be missing."""
+    code = """
+        import torch
+        keep = [torch.ones(16) for _ in range(2000)]
+        print("ok")
+    """
+    traces = tmp_path / "t"
+    out = _run(tmp_path, code, _env(traces, HAZSAN_NATIVE_MAX_RECORDS=500, HAZSAN_FLUSH_SECONDS=1000))
+    assert out.returncode == 0, out.stderr
+    ((_, events),) = _trace(traces).items()
+    dropped = [e for e in events[1:] if e["ev"] == "dropped"]
+    assert dropped and dropped[0]["reason"] == "native-buffer-full" and sum(d["count"] for d in dropped) >= 1500
+    doc = _check(traces)
+    assert any("dropped" in w for w in doc["summary"]["warnings"]), doc["summary"]["warnings"]
+
+
+KILLED = """
+    import sys, time, torch, sanitizer
+    t = torch.ones(32)
+    for n in range(3):
+        with sanitizer.step(n, phase="decode"):
+            t = t * 2
+    zs = [torch.ones(5) for _ in range(4)]                  # after the last step
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def test_sigkill_of_an_idle_process_loses_nothing(tmp_path):
+    """The allocations after the last step are in the file before the header says it is
+    complete (the writer drains the recorder before it settles)."""
+    traces = tmp_path / "t"
+    (tmp_path / "prog.py").write_text(textwrap.dedent(KILLED))
+    proc = subprocess.Popen([sys.executable, "prog.py"], cwd=tmp_path, env=_env(traces, HAZSAN_FLUSH_SECONDS="0.2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        time.sleep(0.6)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    doc = _check(traces)
+    assert doc["summary"]["complete"] is True, doc["summary"]
+    ((_, events),) = _trace(traces).items()
+    assert sum(1 for e in events[1:] if e["ev"] == "alloc" and e["size"] == 20 and e.get("site") == "prog.py:7:<listcomp>") == 4
+
+
+FORK = """
+    import multiprocessing as mp, os, torch
+    keep = torch.ones(111)
+    def child():
+        c = torch.ones(222)
+        print("child", c.sum().item(), flush=True)
+    if __name__ == "__main__":
+        p = mp.get_context("fork").Process(target=child); p.start(); p.join()
+        assert p.exitcode == 0
+        after = torch.ones(333)
+        print("parent", flush=True)
+"""
+
+
+def test_a_forked_child_records_its_own_allocations(tmp_path):
+    traces = tmp_path / "t"
+    out = _run(tmp_path, FORK, _env(traces))
+    assert out.returncode == 0, out.stderr
+    files = _trace(traces)
+    assert len(files) == 2
+    sizes = {}
+    for f, events in files.items():
+        sizes[events[0]["pid"]] = {e["size"] for e in events[1:] if e["ev"] == "alloc"}
+    parent = [p for p, s in sizes.items() if 1332 in s]
+    child = [p for p, s in sizes.items() if 888 in s]
+    assert len(parent) == 1 and len(child) == 1 and parent != child
+    assert 888 not in sizes[parent[0]] and 1332 not in sizes[child[0]]
+    assert 444 in sizes[child[0]]       # the inherited tensor, declared again in the child's trace
+    for f in files:
+        assert _check(f.parent)["summary"]["hook_errors"] == 0
+
+
+@pytest.mark.long
+def test_the_mhc_decode_gets_the_same_verdict_on_both_paths(tmp_path):
+    """The reference case (stock build, the colliding draft depth), captured at alloc by the
+    dispatch mode and by the native recorder: the same findings, rule by rule and site by site."""
+    result = {}
+    for native in ("0", "1"):
+        out_dir = tmp_path / f"native{native}"
+        env = _env(out_dir, native=native, HAZSAN_TRACE_FORMAT="binary")
+        r = subprocess.run([sys.executable, "-m", "examples.mhc_decode.run", "--variant", "stock", "--depth", "4",
+                            "--steps", "8", "--out", str(out_dir)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        doc = _check(out_dir)
+        result[native] = ({(f["rule"], f.get("site"), f["rank"], f.get("step")) for f in doc["findings"]},
+                          doc["summary"]["by_rule"], doc["summary"]["complete"])
+    assert result["0"][0], "the stock build's collision was not flagged"
+    assert result["0"] == result["1"]
