@@ -35,8 +35,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("bare", "noop-mode", "alloc", "full")
-CAPTURED = ("alloc", "full")
+VARIANTS = ("bare", "noop-mode", "alloc", "alloc-native", "full")
+CAPTURED = ("alloc", "alloc-native", "full")   # alloc-native: level alloc, the native recorder (HAZSAN_NATIVE=1)
 TARGETS = {"alloc": 1.15, "full": 1.5}
 
 
@@ -119,7 +119,8 @@ def run_variant(variant, args, trace_dir) -> dict:
     env.pop("HAZSAN", None)
     env.pop("HAZSAN_LEVEL", None)
     if variant in CAPTURED:
-        env.update(HAZSAN="1", HAZSAN_LEVEL=variant,
+        env.update(HAZSAN="1", HAZSAN_LEVEL=variant.split("-")[0],
+                   HAZSAN_NATIVE="1" if variant == "alloc-native" else "0",
                    HAZSAN_DIR=os.path.join(trace_dir, variant, f"run{time.monotonic_ns()}"))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
            *[f"--{k}={getattr(args, k)}" for k in ("hidden", "tokens", "layers", "streams", "inter",

@@ -17,10 +17,11 @@ no tokenizer), bare and under HAZSAN=1, and checks:
   * and it prints the cost per configuration and level against bare (overhead): start-up, and one
     batch's wall time (the fastest of REPEAT) and CPU time (every vLLM process, mean of REPEAT).
 
-Configurations (`--only NAME,...` picks some): eager bare / alloc / full, compiled (torch.compile,
-vLLM's default) bare / alloc / full, eager with ngram speculative decoding bare / alloc, and eager
+Configurations (`--only NAME,...` picks some): eager bare / alloc / full / native (level alloc
+recorded by the native recorder), compiled (torch.compile,
+vLLM's default) bare / alloc / full, eager with ngram speculative decoding bare / alloc / native, and eager
 on the gloo path (vLLM's AVX2 kernel library, which registers no shared-memory ops, so its CPU
-communicator falls back to torch.distributed: what a CPU without AVX-512 runs) bare / alloc. The
+communicator falls back to torch.distributed: what a CPU without AVX-512 runs) bare / alloc / native. The
 others take the build's own path: on a CPU with AVX-512 the shared-memory ops `_C::shm_*`.
 
 Usage (in the venv `make test-e2e` builds): python examples/vllm_e2e/run.py [--work DIR] [--only ...]
@@ -52,14 +53,19 @@ CONFIGS = {
     "eager-bare": (True, None, False, "native"),
     "eager-alloc": (True, "alloc", False, "native"),
     "eager-full": (True, "full", False, "native"),
+    "eager-native": (True, "alloc-native", False, "native"),
     "compiled-bare": (False, None, False, "native"),
     "compiled-alloc": (False, "alloc", False, "native"),
     "compiled-full": (False, "full", False, "native"),
     "ngram-bare": (True, None, True, "native"),
     "ngram-alloc": (True, "alloc", True, "native"),
+    "ngram-native": (True, "alloc-native", True, "native"),
     "gloo-bare": (True, None, False, "avx2"),
     "gloo-alloc": (True, "alloc", False, "avx2"),
+    "gloo-native": (True, "alloc-native", False, "avx2"),
 }
+# `alloc-native`: level alloc, allocations from the native recorder (HAZSAN_NATIVE=1,
+# sanitizer/capture/native; `hazsan native build` first); the other levels pin the dispatch mode.
 # TP collectives as the two paths record them (collectives.py: the dispatcher's op names)
 ALL_REDUCE = {"_C.shm_allreduce", "c10d.allreduce_"}
 ALL_GATHER = {"_C.shm_all_gather", "c10d._allgather_base_", "c10d.allgather_"}
@@ -140,7 +146,8 @@ def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor" / name),
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
     if level is not None:
-        env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level)
+        env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level.split("-")[0],
+                   HAZSAN_NATIVE="1" if level == "alloc-native" else "0")
     if kernels == "avx2":
         env["PYTHONPATH"] = os.pathsep.join([str(HERE / "avx2")] + [p for p in [env.get("PYTHONPATH")] if p])
         env["VLLM_E2E_KERNELS"] = "avx2"
@@ -200,6 +207,9 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
         if header.get("versions", {}).get("vllm") != version:
             fail(f"rank {r}: header versions {header.get('versions')} do not name vLLM {version}")
         installed = header["hooks"]["installed"]
+        source = header["hooks"].get("alloc", {}).get("source")
+        if source != ("native" if level == "alloc-native" else "dispatch-mode"):
+            fail(f"rank {r}: allocations recorded by {source} ({header['hooks'].get('alloc')})")
         if "vllm.GPUModelRunner.execute_model" not in installed:
             fail(f"rank {r}: step hook not installed: {installed}")
         if header["hooks"]["failed"]:

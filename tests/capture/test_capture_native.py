@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("jsonl_capture")
 
 
 def _env(traces, native="1", **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN") or k == "HAZSAN_NATIVE_CACHE"}
     env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_NATIVE=native, HAZSAN_RAISE="1",
                HAZSAN_TRACE_FORMAT="jsonl", PYTHONPATH=str(ROOT))
     env.update({k: str(v) for k, v in extra.items()})
