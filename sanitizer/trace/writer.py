@@ -194,6 +194,24 @@ class TraceWriter(TraceFile, TimeFlush):
         if self._deferred:
             self._run_deferred()
 
+    def emit_many(self, evs: list) -> None:
+        """Queue events in order, one lock for all (the native recorder's batches)."""
+        with self._buf_lock:
+            if self._quiet:
+                n = -1
+            else:
+                buf = self._buf
+                buf.extend(evs)
+                n = len(buf)
+        if n < 0:
+            for ev in evs:
+                self.emit(ev)
+            return
+        if n >= self.buffer_events and self._flush_thread != threading.get_ident():
+            self.flush()
+        if self._deferred:
+            self._run_deferred()
+
     def hook_failed(self, hook: str, exc: BaseException) -> None:
         """Count a caught hook failure; written into the trace at the next flush."""
         text = f"{type(exc).__name__}: {exc}"[:300]

@@ -25,15 +25,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import struct
 import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("alloc_recorder.cpp")
-#: One record as alloc_recorder.cpp packs it: addr, size, site index, thread, t, flags, scope.
-RECORD = struct.Struct("<QQQQQII")
-FREED, QUIET = 1, 2
-NO_SITE = (1 << 64) - 1
+#: A free made on a thread inside a collective's wait (alloc_recorder.cpp's record flag).
+QUIET = 2
 MODES = ("auto", "on", "off")
 #: The records a process may hold between two drains before it counts drops (40 bytes each).
 MAX_RECORDS = 1 << 24

@@ -4,7 +4,8 @@
 // records per allocation its address, size, call site, the thread's symmetric scope, and per free
 // its address, whether the freeing thread is inside a collective's wait, and that thread. Python
 // (sanitizer/capture/native/__init__.py) drains the records into trace events in order with its
-// own events. Nothing here makes a Python object or touches a reference count outside drain():
+// own events. Nothing here makes a Python object or touches a reference count outside the calls
+// Python makes (drain_events and the lookups, with the GIL):
 // the allocator runs on threads that released the GIL (every torch op does) and on threads that
 // never ran Python.
 //
@@ -43,7 +44,7 @@ constexpr uint64_t NO_SITE = UINT64_MAX;
 constexpr uint32_t FREED = 1;   // a free (else an allocation)
 constexpr uint32_t QUIET = 2;   // freed on a thread inside a collective's wait
 
-struct Record {        // 48 bytes, unpacked in Python as "<QQQQQII"
+struct Record {        // 48 bytes
   uint64_t addr;
   uint64_t size;
   uint64_t site;       // index into site_texts, NO_SITE: none
@@ -267,10 +268,54 @@ void quiet_add(int64_t d) { quiet_depth += static_cast<int32_t>(d); }
 
 int64_t pending() { return static_cast<int64_t>(n_pending.load(std::memory_order_relaxed)); }
 
-// (records packed as Record, the site texts made since the last drain, dropped, passed through).
-// Strings and bytes are made after `mu` is let go: a Python object made may start a collection
-// that frees a tensor, whose deleter takes `mu`.
-py::tuple drain() {
+// ---- the records as trace events (called with the GIL, by one thread at a time: Python's drain
+// lock). The blocks the recorder saw allocated and not yet freed, by address: their trace ids.
+constexpr uint32_t NAMED = 1;      // Python holds a block object for it (a collective named it)
+constexpr uint32_t MODELLED = 2;   // placed in a modelled window by Python (allocated in a scope)
+struct LiveBlock { uint64_t id; uint64_t size; uint32_t flags; };
+std::unordered_map<uint64_t, LiveBlock> blocks;
+uint64_t next_block_id = 1;
+// Python objects made once and kept for the process's life (never released: no destructor may
+// run after the interpreter is gone)
+std::vector<PyObject*> site_objs;
+PyObject* s_cpu = nullptr;
+PyObject* s_default = nullptr;
+
+PyObject* site_obj(uint64_t site) {
+  if (site == NO_SITE || site >= site_objs.size()) return Py_None;
+  return site_objs[site];
+}
+
+// An id for a block Python records itself (a storage the recorder never saw): one sequence.
+int64_t new_id() { return static_cast<int64_t>(next_block_id++); }
+
+// Python took a block object for the block at `addr`: (id, size, flags before), or None.
+py::object claim(uint64_t addr) {
+  auto it = blocks.find(addr);
+  if (it == blocks.end()) return py::none();
+  py::tuple out = py::make_tuple(it->second.id, it->second.size, it->second.flags);
+  it->second.flags |= NAMED;
+  return out;
+}
+
+// The block at `addr` is no more the recorder's to free (released by Python: a resize).
+void forget(uint64_t addr) { blocks.erase(addr); }
+
+// Every block alive: (addr, id, size, flags), for a forked child's trace.
+py::list alive() {
+  py::list out;
+  for (const auto& kv : blocks) out.append(py::make_tuple(kv.first, kv.second.id, kv.second.size, kv.second.flags));
+  return out;
+}
+
+// The pending records as trace events: (events, specials, dropped, passed through). `events` holds
+// the plain ones as the binary layout's tuples, `[5, id, addr, size, "cpu", "default", nil, nil,
+// nil, t, nil, site]` and `[6, id, t]`; `specials` the records Python must handle itself, each
+// (the index in `events` it comes before, its fields): an allocation inside a scope
+// (0, addr, size, site, t, scope, id), and a free (1, addr, size, thread, t, flags, id, block
+// flags) when it was made inside a wait, its block is one Python holds or placed, or
+// `all_frees` (Python has Work-held or stashed blocks to look at on every free).
+py::tuple drain_events(bool all_frees) {
   std::vector<Record> out;
   std::vector<std::string> texts;
   uint64_t lost, passed;
@@ -283,10 +328,57 @@ py::tuple drain() {
     lost = dropped;
     passed = passed_through;
   }
-  py::list py_texts;
-  for (const std::string& t : texts) py_texts.append(py::str(t));
-  py::bytes packed(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(Record));
-  return py::make_tuple(packed, py_texts, lost, passed);
+  if (!s_cpu) {
+    s_cpu = PyUnicode_InternFromString("cpu");
+    s_default = PyUnicode_InternFromString("default");
+  }
+  for (const std::string& t : texts) {
+    PyObject* o = PyUnicode_DecodeUTF8(t.data(), t.size(), "replace");
+    if (!o) throw py::error_already_set();
+    site_objs.push_back(o);
+  }
+  py::list events, specials;
+  for (const Record& r : out) {
+    if (r.flags & FREED) {
+      auto it = blocks.find(r.addr);
+      if (it == blocks.end()) continue;    // allocated before the recorder, of 0 bytes, or forgotten
+      LiveBlock b = it->second;
+      blocks.erase(it);
+      if (all_frees || (r.flags & QUIET) || b.flags) {
+        specials.append(py::make_tuple(events.size(), py::make_tuple(1, r.addr, b.size, r.thread, r.t, r.flags, b.id, b.flags)));
+      } else {
+        PyObject* ev = PyTuple_New(3);
+        if (!ev) throw py::error_already_set();
+        PyTuple_SET_ITEM(ev, 0, PyLong_FromLong(6));
+        PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(b.id));
+        PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(r.t));
+        events.append(py::reinterpret_steal<py::object>(ev));
+      }
+      continue;
+    }
+    if (r.size == 0) continue;
+    uint64_t id = next_block_id++;
+    blocks[r.addr] = LiveBlock{id, r.size, r.scope ? MODELLED : 0u};
+    if (r.scope) {
+      specials.append(py::make_tuple(events.size(), py::make_tuple(0, r.addr, r.size,
+          py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, r.scope, id)));
+      continue;
+    }
+    PyObject* ev = PyTuple_New(12);
+    if (!ev) throw py::error_already_set();
+    PyTuple_SET_ITEM(ev, 0, PyLong_FromLong(5));
+    PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(id));
+    PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(r.addr));
+    PyTuple_SET_ITEM(ev, 3, PyLong_FromUnsignedLongLong(r.size));
+    Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 4, s_cpu);
+    Py_INCREF(s_default); PyTuple_SET_ITEM(ev, 5, s_default);
+    for (int i : {6, 7, 8, 10}) { Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, i, Py_None); }
+    PyTuple_SET_ITEM(ev, 9, PyLong_FromUnsignedLongLong(r.t));
+    PyObject* so = site_obj(r.site);
+    Py_INCREF(so); PyTuple_SET_ITEM(ev, 11, so);
+    events.append(py::reinterpret_steal<py::object>(ev));
+  }
+  return py::make_tuple(events, specials, lost, passed);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -297,5 +389,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scope", &scope);
   m.def("quiet_add", &quiet_add);
   m.def("pending", &pending);
-  m.def("drain", &drain);
+  m.def("drain_events", &drain_events);
+  m.def("new_id", &new_id);
+  m.def("claim", &claim);
+  m.def("forget", &forget);
+  m.def("alive", &alive);
 }

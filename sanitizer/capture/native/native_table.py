@@ -29,7 +29,7 @@ from time import time_ns
 
 from sanitizer.capture import block_table as _bt
 from sanitizer.capture.block_table import BlockTable
-from sanitizer.capture.native import FREED, MAX_RECORDS, NO_SITE, QUIET, RECORD
+from sanitizer.capture.native import MAX_RECORDS, QUIET
 
 _ALLOC, _FREE = _bt._ALLOC, _bt._FREE
 
@@ -61,8 +61,10 @@ class NativeBlockTable(BlockTable):
         super().__init__(capture)
         self.lib = lib
         self.writer = capture.writer
-        self.native: dict[int, NativeBlock] = {}   # real address -> block, while allocated
-        self.site_texts: list[str] = []
+        self._ids = iter(lib.new_id, None)         # one id sequence with the recorder's blocks
+        # real address -> block object, for the recorder's blocks Python holds: named by a
+        # collective (BlockTable.live has it under its storage key too) or placed in a window
+        self.named: dict[int, NativeBlock] = {}
         self.scope_index: dict[tuple, int] = {}    # (pool, comm) -> the recorder's scope number
         self.scope_of: list = [None]               # number -> (pool, comm); 0: none
         self.deferred_by_thread: dict[int, list] = {}   # thread ident -> blocks freed inside its wait
@@ -103,15 +105,14 @@ class NativeBlockTable(BlockTable):
         return self.lib.pending()
 
     def drain(self) -> None:
-        """Turn the recorder's records into events (callers hold self._lock)."""
+        """Turn the recorder's records into events (callers hold self._lock). The plain ones come
+        back from C++ as the events themselves; Python handles the rest, in their place."""
         me = threading.get_ident()
         if self._draining == me:
             return        # a collection inside this drain freed an adopted storage: next time
         self._draining = me
         try:
-            packed, texts, dropped, passed = self.lib.drain()
-            if texts:
-                self.site_texts.extend(texts)
+            events, specials, dropped, passed = self.lib.drain_events(bool(self.held_by_work or self.stashed))
             if dropped != self._dropped:
                 self.writer.count_drop(dropped - self._dropped, "native-buffer-full")
                 self._dropped = dropped
@@ -120,51 +121,57 @@ class NativeBlockTable(BlockTable):
                                     RuntimeError(f"{passed - self._passed} allocations of an unknown shape "
                                                  f"handed out unrecorded"))
                 self._passed = passed
-            if not packed:
+            if not events and not specials:
                 return
-            if self.writer._quiet:
-                self.writer._wake()      # one flush for the batch, not one per event (write-through)
-            texts = self.site_texts
-            native = self.native
-            emit = self.writer.emit
-            n = 0
-            for addr, size, site, tid, t, flags, scope in RECORD.iter_unpack(packed):
-                n += 1
-                if flags & FREED:
-                    b = native.pop(addr, None)
-                    if b is None:
-                        continue        # allocated before the recorder, of 0 bytes, or a resize's
-                    if b.key is not None and self.live.get(b.key) is b:
-                        del self.live[b.key]
-                    if self.held_by_work:
-                        self.on_held_death(b.addr, b.size)   # a Work let go of it: its coll_done first
-                    if flags & QUIET:
-                        self.deferred_by_thread.setdefault(tid, []).append((b, t))
-                    else:
-                        self._release_native(b, t)
-                    continue
-                if size == 0:
-                    continue
-                pool, model, a, s = "default", None, addr, size
-                if scope:
-                    pool, comm = self.scope_of[scope]
-                    try:
-                        model = self.capture.arenas_model().malloc(pool, comm, size, "cpu")
-                        a, s, pool = model.addr, model.size, model.pool
-                    except Exception as exc:   # window full: the real placement instead
-                        pool, model = "default", None
-                        self.capture.failed("window", exc)
-                bid = next(self._ids)
-                emit((_ALLOC, bid, a, s, "cpu", pool, None if model is None else size, None, None, t, None,
-                      texts[site] if site != NO_SITE else None))
-                native[addr] = NativeBlock(bid, addr, size, a, s, model)
-            self.records_seen += n
+            writer = self.writer
+            if writer._quiet:
+                writer._wake()      # one flush for the batch, not one per event (write-through)
+            if not specials:
+                writer.emit_many(events)
+            else:
+                at = 0
+                for pos, rec in specials:
+                    if pos > at:
+                        writer.emit_many(events[at:pos])
+                        at = pos
+                    self._special(rec)
+                if at < len(events):
+                    writer.emit_many(events[at:])
+            self.records_seen += len(events) + len(specials)
             if self.unowned and self.collectives is not None:
                 self.collectives.poll()
         except Exception as exc:
             self.capture.failed("native.drain", exc)
         finally:
             self._draining = None
+
+    def _special(self, rec) -> None:
+        if rec[0] == 0:                        # an allocation inside a scope: placed in its window
+            _, addr, size, site, t, scope, bid = rec
+            pool, comm = self.scope_of[scope]
+            model, a, s = None, addr, size
+            try:
+                model = self.capture.arenas_model().malloc(pool, comm, size, "cpu")
+                a, s, pool = model.addr, model.size, model.pool
+            except Exception as exc:           # window full: the real placement instead
+                pool = "default"
+                self.capture.failed("window", exc)
+            self.writer.emit((_ALLOC, bid, a, s, "cpu", pool, None if model is None else size, None, None, t, None,
+                              site))
+            self.named[addr] = NativeBlock(bid, addr, size, a, s, model)
+            return
+        _, addr, size, tid, t, flags, bid, block_flags = rec
+        b = self.named.pop(addr, None) if block_flags else None
+        if b is None:
+            b = NativeBlock(bid, addr, size, addr, size, None)
+        if b.key is not None and self.live.get(b.key) is b:
+            del self.live[b.key]
+        if self.held_by_work:
+            self.on_held_death(b.addr, b.size)   # a Work let go of it: its coll_done first
+        if flags & QUIET:
+            self.deferred_by_thread.setdefault(tid, []).append((b, t))
+        else:
+            self._release_native(b, t)
 
     def _release_native(self, b: NativeBlock, t: int) -> None:
         if self.stashed:
@@ -181,7 +188,13 @@ class NativeBlockTable(BlockTable):
             with self._lock:
                 if self.lib.pending():
                     self.drain()
-                b = self.native.get(s.data_ptr())
+                real = s.data_ptr()
+                b = self.named.get(real)
+                if b is None:
+                    claimed = self.lib.claim(real)
+                    if claimed is not None:
+                        bid, size, _ = claimed
+                        b = self.named[real] = NativeBlock(bid, real, size, real, size, None)
                 if b is not None and b.nbytes >= s.nbytes():
                     b.key = key if key is not None else s._cdata
                     live[b.key] = b
@@ -192,8 +205,9 @@ class NativeBlockTable(BlockTable):
 
     def _release(self, b) -> None:
         if type(b) is NativeBlock:      # released by a resize: its memory's free is not written again
-            if self.native.get(b.real) is b:
-                del self.native[b.real]
+            if self.named.get(b.real) is b:
+                del self.named[b.real]
+            self.lib.forget(b.real)
             self._release_native(b, time_ns())
             return
         super()._release(b)
@@ -216,10 +230,13 @@ class NativeBlockTable(BlockTable):
 
     def redeclare_after_fork(self) -> None:
         super().redeclare_after_fork()
-        for b in list(self.native.values()):
-            if b.key is None or self.live.get(b.key) is not b:
-                self.emit({"ev": "alloc", "id": b.id, "addr": b.addr, "size": b.size, "stream": "cpu",
-                           "pool": "default", "op": "inherited-by-fork", "t": time_ns()})
+        for addr, bid, size, _ in self.lib.alive():
+            b = self.named.get(addr)
+            if b is not None and b.key is not None and self.live.get(b.key) is b:
+                continue                 # declared again by the Python path's loop above
+            a, n = (b.addr, b.size) if b is not None else (addr, size)
+            self.emit({"ev": "alloc", "id": bid, "addr": a, "size": n, "stream": "cpu",
+                       "pool": "default", "op": "inherited-by-fork", "t": time_ns()})
 
     # ------------------------------------------------------------------ scopes
     def scope_changed(self, stack) -> None:
