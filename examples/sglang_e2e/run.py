@@ -58,14 +58,18 @@ CONFIGS = {
     "engine-tp1-bare": ("engine", 1, False, None, False),
     "engine-tp1-alloc": ("engine", 1, False, "alloc", False),
     "engine-tp1-full": ("engine", 1, False, "full", False),
+    "engine-tp1-native": ("engine", 1, False, "alloc-native", False),
     "engine-tp2-ngram-bare": ("engine", 2, True, None, False),
     "engine-tp2-ngram-alloc": ("engine", 2, True, "alloc", False),
+    "engine-tp2-ngram-native": ("engine", 2, True, "alloc-native", False),
     "server-tp2-bare": ("server", 2, False, None, False),
     "server-tp2-alloc": ("server", 2, False, "alloc", False),
     "server-tp1-ngram-bare": ("server", 1, True, None, False),
     "server-tp1-ngram-alloc": ("server", 1, True, "alloc", False),
     "engine-tp2-seeded-full": ("engine", 2, False, "full", True),
 }
+# `alloc-native`: level alloc recorded by the native recorder (HAZSAN_NATIVE=1, `hazsan native build`
+# first); the other levels pin the dispatch mode (HAZSAN_NATIVE=0).
 # what `make test-sglang` runs (about 10 minutes on 2 cores): every dimension at least once, bare
 # and captured; the server's bare runs are left to --all (every run's tokens are checked against
 # every other's, so the captured server is checked against the bare Engine)
@@ -158,7 +162,8 @@ def sglang_env(tp: int, level: str | None, seeded: bool, traces: Path) -> dict:
     if seeded:
         env["SGLANG_E2E_SEED"] = "early-read"
     if level is not None:
-        env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level)
+        env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level.split("-")[0],
+                   HAZSAN_NATIVE="1" if level == "alloc-native" else "0")
     return env
 
 
@@ -311,6 +316,9 @@ def check_capture(name: str, work: Path, result: dict, problems: list) -> dict:
         if versions.get("sglang") != result["sglang"] or not versions.get("torch"):
             fail(f"rank {r}: header versions {versions} do not name SGLang {result['sglang']} and torch")
         installed = header["hooks"]["installed"]
+        source = header["hooks"].get("alloc", {}).get("source")
+        if source != ("native" if level == "alloc-native" else "dispatch-mode"):
+            fail(f"rank {r}: allocations recorded by {source} ({header['hooks'].get('alloc')})")
         if "sglang.Scheduler.run_batch" not in installed:
             fail(f"rank {r}: the Scheduler step hook is not installed: {installed}")
         if header["hooks"]["failed"]:
