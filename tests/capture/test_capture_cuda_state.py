@@ -135,14 +135,20 @@ def test_control_the_spies_see_a_query_and_the_bare_program_makes_none(tmp_path,
     ("alloc", "history", "1"),
     ("full", "history", "1"),
     ("full", "history", "0"),          # this CPU build as it is
+    ("alloc", "native", "0"),          # the native recorder (HAZSAN_NATIVE=1) on this CPU build
 ])
 def test_capture_makes_no_cuda_query(tmp_path, level, source, fake_build):
-    records, headers, _ = run(tmp_path, HAZSAN_LEVEL=level, HAZSAN_ALLOC_SOURCE=source,
-                              SPY_FAKE_BUILD=fake_build)
+    if source == "native":
+        from gloo_programs import require_native
+        require_native()
+    records, headers, _ = run(tmp_path, HAZSAN_LEVEL=level,
+                              HAZSAN_ALLOC_SOURCE="dispatch" if source == "native" else source,
+                              HAZSAN_NATIVE="1" if source == "native" else "0", SPY_FAKE_BUILD=fake_build)
     assert one(records, "spies")["hooks_before"] == []      # spied before capture hooked torch
     assert calls(records) == [], describe(records)
     facts = one(records, "header")["facts"]
-    assert "dispatch-mode" in facts["hooks"]["installed"] and "collectives" in facts["hooks"]["installed"]
+    path = "native-recorder" if source == "native" else "dispatch-mode"
+    assert path in facts["hooks"]["installed"] and "collectives" in facts["hooks"]["installed"]
     assert facts["gpu"] is None                 # no NVML here, CUDA never initialised: nothing known
     assert headers and all(h.get("gpu") is None for h in headers)
     queued = one(records, "queued")["calls"]
