@@ -321,3 +321,9 @@ def _reclassify() -> None:
         colls.handlers.clear()
         if cap.blocks is not None:
             cap.blocks.special.clear()
+        kernels = getattr(cap, "backend_select", None)
+        if kernels is not None:            # the native recorder: the new entry's kernel
+            try:
+                kernels.scan()
+            except Exception as exc:
+                cap.failed("native.backend_select", exc)

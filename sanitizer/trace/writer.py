@@ -189,6 +189,10 @@ class TraceWriter(TraceFile, TimeFlush):
             self._wake()      # say otherwise before buffering
             self.emit(ev)
             return
+        self._queued(n)
+
+    def _queued(self, n: int) -> None:
+        """After an append that left `n` events buffered."""
         if n >= self.buffer_events and self._flush_thread != threading.get_ident():
             self.flush()      # (on the flushing thread itself: a free fired by GC inside flush(), next time)
         if self._deferred:
@@ -203,14 +207,11 @@ class TraceWriter(TraceFile, TimeFlush):
                 buf = self._buf
                 buf.extend(evs)
                 n = len(buf)
-        if n < 0:
+        if n < 0:             # quiet: one by one, as emit() handles it
             for ev in evs:
                 self.emit(ev)
             return
-        if n >= self.buffer_events and self._flush_thread != threading.get_ident():
-            self.flush()
-        if self._deferred:
-            self._run_deferred()
+        self._queued(n)
 
     def hook_failed(self, hook: str, exc: BaseException) -> None:
         """Count a caught hook failure; written into the trace at the next flush."""

@@ -75,15 +75,14 @@ class BackendSelectKernels:
                 label = f"{ns}::{qualified}"
                 if label in self.covered:
                     continue
-                self.covered.add(label)
                 try:
-                    handler = self.collectives.handler(op)
-                    if handler is False:
-                        continue
+                    if self.collectives.handler(op) is False:
+                        continue           # (looked at again by the next scan: a later table entry)
                     lib = self.libs.get(ns)
                     if lib is None:
                         lib = self.libs[ns] = torch.library.Library(ns, "IMPL")
-                    lib.impl(qualified, self._kernel(op, handler), "BackendSelect", with_keyset=True)
+                    lib.impl(qualified, self._kernel(op), "BackendSelect", with_keyset=True)
+                    self.covered.add(label)
                     added += 1
                 except Exception as exc:
                     self.failed.append(f"{label}: {exc}")
@@ -115,23 +114,32 @@ class BackendSelectKernels:
         define.__doc__ = original.__doc__
         torch.library.Library.define = define
 
-    def _kernel(self, op, handler):
+    def _kernel(self, op):
         after = self.after
         depth = self.depth
-        nested_ok = handler == self.collectives._transparent
+        colls = self.collectives
+        transparent = colls._transparent
         capture = self.capture
+        meta = torch._C.DispatchKey.Meta
+        is_compiling = torch.compiler.is_compiling
 
         def kernel(keyset, *args, **kwargs):
             keys = keyset & after
-            n = getattr(depth, "n", 0)
-            if n:        # inside a collective's own kernel: its work, not the program's call
+            # inside a collective's own kernel: its work, not the program's call; on meta tensors
+            # (torch.compile tracing a graph, a fake implementation calling the real one): no
+            # memory and nothing sent, as the dispatch mode steps aside while compiling
+            if getattr(depth, "n", 0) or keyset.has(meta) or is_compiling():
                 return op.redispatch(keys, *args, **kwargs)
+            handler = colls.handler(op)       # (the tables may have changed since registration)
+            if handler is False:
+                return op.redispatch(keys, *args, **kwargs)
+            nested_ok = handler == transparent
             if not nested_ok:
                 depth.n = 1
             try:
                 table = capture.blocks
                 if table is not None and table.unowned:
-                    table.collectives.poll()
+                    colls.poll()
                 return handler(Redispatch(op, keys), args, kwargs, None)
             finally:
                 if not nested_ok:
