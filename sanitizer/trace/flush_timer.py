@@ -86,9 +86,9 @@ class TimeFlush:
                 now = time.monotonic()
                 source = self.source
                 if self._quiet and source is not None and source.pending():
-                    # records made outside Python while the file said it was complete: not any more
-                    self._wake()
-                    self.flush()
+                    # records made outside Python while the file said it was complete: written
+                    # through while idle between steps (emit_many), else the header takes it back
+                    source.drain_before_flush()
                 if not self._quiet and self._idle_between_steps(now):
                     self._settle()
                 left = self._last_flush + period - now

@@ -207,9 +207,11 @@ class TraceWriter(TraceFile, TimeFlush):
                 buf = self._buf
                 buf.extend(evs)
                 n = len(buf)
-        if n < 0:             # quiet: one by one, as emit() handles it
-            for ev in evs:
-                self.emit(ev)
+        if n < 0:             # the header says nothing is missing
+            if self._through and self._write_through(evs, many=True):
+                return        # idle between steps: the batch written at once, still quiet
+            self._wake()
+            self.emit_many(evs)
             return
         self._queued(n)
 
@@ -251,15 +253,19 @@ class TraceWriter(TraceFile, TimeFlush):
             with self._buf_lock:
                 self._quiet = self._through = False
 
-    def _write_through(self, ev: dict) -> bool:
-        """Idle between steps (see _settle): write `ev` now, so that the file keeps holding every
-        event recorded. False when that cannot be done here (the mode ended meanwhile; this thread
-        is inside a flush, a GC finalizer): the caller buffers it the usual way."""
+    def _write_through(self, ev, many: bool = False) -> bool:
+        """Idle between steps (see _settle): write `ev` now (`many`: the events of list `ev`), so
+        that the file keeps holding every event recorded. False when that cannot be done here (the
+        mode ended meanwhile; this thread is inside a flush, a GC finalizer): the caller buffers it
+        the usual way."""
         with self._lock:
             if not (self._quiet and self._through) or self._flush_thread == threading.get_ident():
                 return False
             with self._buf_lock:
-                self._buf.append(ev)
+                if many:
+                    self._buf.extend(ev)
+                else:
+                    self._buf.append(ev)
             self.flush(drain_source=False)   # a failed write counts a drop, which ends the quiet state
         if self._deferred:
             self._run_deferred()

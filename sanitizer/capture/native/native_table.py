@@ -123,9 +123,7 @@ class NativeBlockTable(BlockTable):
                 self._passed = passed
             if not events and not specials:
                 return
-            writer = self.writer
-            if writer._quiet:
-                writer._wake()      # one flush for the batch, not one per event (write-through)
+            writer = self.writer     # (quiet: emit_many writes a batch through, or wakes the writer)
             if not specials:
                 writer.emit_many(events)
             else:
