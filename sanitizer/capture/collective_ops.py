@@ -319,6 +319,7 @@ def _reclassify() -> None:
     if colls is not None:
         colls.custom.update(CUSTOM)
         colls.handlers.clear()
+        colls._custom_plans.clear()
         if cap.blocks is not None:
             cap.blocks.special.clear()
         kernels = getattr(cap, "backend_select", None)

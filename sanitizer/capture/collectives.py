@@ -114,6 +114,7 @@ class DispatchedCollectives:
         self.issued_cids: set[int] = set()      # recorded, not yet done
         self.handlers: dict = {}                # OpOverload -> bound recorder, or False
         self.custom = dict(CUSTOM)
+        self._custom_plans: dict = {}          # OpOverload -> [(tensor argument, access)]
         self.nccl_works = NcclWorkLifetimes(self)   # PyTorch >= 2.8's NCCL streams and stashes
         self.streams = CompletionStreams()
         self.work_held = WorkHeldTensors(self)      # gloo: a storage its Work let go of
@@ -443,13 +444,15 @@ class DispatchedCollectives:
             table = self.capture.blocks
             if table is not None:
                 table.on_op(func, args, out)
+            plan = self._custom_plans.get(func)
+            if plan is None:       # its tensor arguments and their accesses, once per op
+                plan = self._custom_plans[func] = [
+                    (arg.name, entry.get(arg.name, "rw" if arg.alias_info is not None and arg.alias_info.is_write
+                                         else "r"))
+                    for arg in func._schema.arguments if "Tensor" in str(arg.type)]
             bufs = []
-            for arg in func._schema.arguments:
-                if "Tensor" not in str(arg.type):
-                    continue
-                written = arg.alias_info is not None and arg.alias_info.is_write
-                access = entry.get(arg.name, "rw" if written else "r")
-                bufs.extend(self._ranges(named.get(arg.name), access))
+            for name, access in plan:
+                bufs.extend(self._ranges(named.get(name), access))
             bufs.extend(self._ranges(out, entry.get("result", "w")))
             host = all(b.get("_cpu") for b in bufs) if bufs else True
             for b in bufs:

@@ -270,3 +270,17 @@ def test_the_mhc_decode_gets_the_same_verdict_on_both_paths(tmp_path):
                           doc["summary"]["by_rule"], doc["summary"]["complete"])
     assert result["0"][0], "the stock build's collision was not flagged"
     assert result["0"] == result["1"]
+
+
+def test_a_redispatching_op_is_one_key_with_its_op():
+    """The handlers cache per op (names, argument plans); the BackendSelect kernels hand them a
+    new Redispatch per call, which must be the same key as its op, or the caches grow per call."""
+    import torch
+
+    from sanitizer.capture.native.backend_select import Redispatch
+    op = torch.ops.c10d.allreduce_.default
+    first, second = Redispatch(op, None), Redispatch(op, None)
+    cache = {first: "plan"}
+    assert cache[second] == "plan" and cache.get(op) == "plan" and {op: 1}[second] == 1
+    assert first == op and op == second and str(first) == str(op)
+    assert Redispatch(torch.ops.c10d.broadcast_.default, None) not in cache

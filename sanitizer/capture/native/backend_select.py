@@ -43,6 +43,13 @@ class Redispatch:
     def __str__(self):
         return str(self.op)
 
+    # the handlers cache per op (names, argument plans): one entry per op, not per call
+    def __hash__(self):
+        return hash(self.op)
+
+    def __eq__(self, other):
+        return self.op == (other.op if type(other) is Redispatch else other)
+
     __repr__ = __str__
 
 
