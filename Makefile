@@ -74,6 +74,7 @@ $(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE
 # path; then the vLLM hook tests on vLLM's real classes (skipped in `make test`, which has no vLLM).
 # About 10 minutes on 2 cores, after a first build of .venv-e2e (3.5 GB, a few minutes).
 test-e2e: $(VENV_E2E)/.installed
+	$(call NATIVE_BUILD,$(E2EPY))
 	$(E2EPY) examples/vllm_e2e/run.py
 	$(E2EPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_vllm_hooks.py tests/examples/test_vllm_mhc_plugin.py
 
@@ -101,6 +102,7 @@ $(VENV_SGLANG)/.installed: pyproject.toml examples/sglang_e2e/requirements.txt $
 # then the SGLang hook tests on its real classes. 7 SGLang runs of 1.5-2.5 minutes each on 2 shared cores
 # (start-up dominates), after a first build of .venv-sglang; `run.py --all` adds the bare server runs.
 test-sglang: $(VENV_SGLANG)/.installed
+	$(call NATIVE_BUILD,$(SGPY))
 	$(SGPY) examples/sglang_e2e/run.py
 	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py \
 		tests/examples/test_sglang_step_tokens.py
@@ -128,6 +130,7 @@ test-sanitizers: $(VENV)/.installed
 # The mHC reference case at the colliding draft depth and its two neighbours, stock and fixed, under
 # capture: corruption, findings, the log signature, the HTML report (out/demo/). About 90 s on 2 cores.
 demo: $(VENV)/.installed
+	$(call NATIVE_BUILD,$(VPY))
 	$(VPY) examples/demo.py
 
 # The same at all 8 draft depths with the statistics; rewrites reports/mhc-proof/ (about 8 minutes).

@@ -93,11 +93,18 @@ def child(args) -> None:
         mode.__enter__()
     if args.variant in CAPTURED and not sanitizer.enabled():
         raise SystemExit("HAZSAN=1 did not start capture: is hooks/hazsan_capture.pth installed?")
+    # Captured variants write what the step recorded inside the timed region: the native
+    # recorder's records become events when drained, which a flush does (otherwise at the next
+    # step's mark, outside the timing); the dispatch mode's events are encoded and written then too
+    from sanitizer.capture.runtime import active
+    cap = active()
+    flush = cap.writer.flush if cap is not None else (lambda: None)
     times, cpu = [], []
     for n in range(args.warmup + args.steps):
         sanitizer.step(n)
         t0, c0 = time.perf_counter(), time.process_time()
         h = decode_step(torch, sanitizer, model, h0)
+        flush()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         del h
@@ -107,6 +114,7 @@ def child(args) -> None:
     c0 = time.process_time()
     for _ in range(n_ops):
         b = a + 1.0
+    flush()
     per_op = (time.process_time() - c0) / n_ops
     del b
     if mode is not None:
