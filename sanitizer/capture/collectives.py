@@ -114,7 +114,7 @@ class DispatchedCollectives:
         self.issued_cids: set[int] = set()      # recorded, not yet done
         self.handlers: dict = {}                # OpOverload -> bound recorder, or False
         self.custom = dict(CUSTOM)
-        self._custom_plans: dict = {}          # OpOverload -> [(tensor argument, access)]
+        self._custom_plans: dict = {}          # OpOverload -> _custom_plan(op)
         self.nccl_works = NcclWorkLifetimes(self)   # PyTorch >= 2.8's NCCL streams and stashes
         self.streams = CompletionStreams()
         self.work_held = WorkHeldTensors(self)      # gloo: a storage its Work let go of
@@ -435,35 +435,52 @@ class DispatchedCollectives:
         if inside:
             return out                       # a Python-level hook (ops.py) records this call itself
         try:
-            self.poll()
-            entry = self.custom[func._schema.name]
-            named = bind(func, args, kwargs)
-            kind = entry.get("kind", func.namespace)
-            ident = named.get(entry["comm"]) if entry.get("comm") else None
+            if self.unowned:
+                self.poll()
+            plan = self._custom_plans.get(func)
+            if plan is None:                 # what the schema and the table say, once per op
+                plan = self._custom_plans[func] = self._custom_plan(func)
+            positional, defaults, comm_arg, kind, label, tensors, result_access = plan
+            named = dict(zip(positional, args))
+            if kwargs:
+                named.update(kwargs)
+            ident = None
+            if comm_arg is not None:
+                ident = named[comm_arg] if comm_arg in named else defaults.get(comm_arg)
             comm = f"{kind}:{ident}" if ident is not None else f"{kind}:{func._schema.name}"
             table = self.capture.blocks
             if table is not None:
                 table.on_op(func, args, out)
-            plan = self._custom_plans.get(func)
-            if plan is None:       # its tensor arguments and their accesses, once per op
-                plan = self._custom_plans[func] = [
-                    (arg.name, entry.get(arg.name, "rw" if arg.alias_info is not None and arg.alias_info.is_write
-                                         else "r"))
-                    for arg in func._schema.arguments if "Tensor" in str(arg.type)]
             bufs = []
-            for name, access in plan:
-                bufs.extend(self._ranges(named.get(name), access))
-            bufs.extend(self._ranges(out, entry.get("result", "w")))
-            host = all(b.get("_cpu") for b in bufs) if bufs else True
+            for name, access in tensors:
+                value = named[name] if name in named else defaults.get(name)
+                if value is not None:
+                    bufs.extend(self._ranges(value, access))
+            bufs.extend(self._ranges(out, result_access))
+            host = True
             for b in bufs:
-                b.pop("_cpu", None)
+                host = b.pop("_cpu") and host
             stream = "cpu" if host else current_stream(self.capture)
-            cid = self._record(f"{func.namespace}.{func._schema.name.partition('::')[2]}", comm,
-                               stream, bufs, by_backend=False)
+            cid = self._record(label, comm, stream, bufs, by_backend=False)
             self.done(cid, waited=True)    # returned: done for the host (CPU) / ordered on the stream
         except Exception as exc:
             self.capture.failed(hook_name(func), exc)
         return out
+
+    def _custom_plan(self, func) -> tuple:
+        """(argument names in order, schema defaults, the argument naming the communicator, the
+        comm's kind, the op's name in the trace, [(tensor argument, access)], the result's access)
+        of a registered custom collective op (collective_ops.CUSTOM, register_collective_op)."""
+        schema = func._schema
+        entry = self.custom[schema.name]
+        arguments = schema.arguments
+        defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+        tensors = [(a.name, entry.get(a.name, "rw" if a.alias_info is not None and a.alias_info.is_write
+                                      else "r"))
+                   for a in arguments if "Tensor" in str(a.type)]
+        return ([a.name for a in arguments], defaults, entry.get("comm") or None,
+                entry.get("kind", func.namespace), f"{func.namespace}.{schema.name.partition('::')[2]}",
+                tensors, entry.get("result", "w"))
 
     def _ranges(self, value, access):
         table = self.capture.blocks

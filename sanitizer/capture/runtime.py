@@ -163,7 +163,8 @@ class Capture:
         self.emit({"ev": "sync", "stream": "cpu", "t": time.time_ns()})
 
     def mark_step(self, n: int, phase: str | None = None, tokens: int | None = None) -> None:
-        """Start of decode step n: record it and flush what the previous step produced."""
+        """Start of decode step n: record it; flush what the previous step produced (where the
+        program marks step ends, end_step flushed it already)."""
         if self.alloc_history is not None:
             self.alloc_history.drain()     # the previous step's segments, before its end
         ev = {"ev": "step", "n": int(n), "t": time.time_ns()}
@@ -179,7 +180,10 @@ class Capture:
         self.step = int(n)
         self.writer.mark_step(int(n), ended=False)
         self.emit(ev)
-        self.writer.flush()
+        if not self.writer.step_ends:
+            # a program that marks step ends had them flushed by end_step: what came between
+            # (the host's work between two steps) waits in the buffer with this step's events
+            self.writer.flush()
 
     def end_step(self, n: int) -> None:
         """Step n's own call returned (SGLang's run_batch, vLLM's execute_model): its events are

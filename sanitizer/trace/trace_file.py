@@ -172,6 +172,7 @@ class TraceFile:
             self._fd, self.path = old_fd, old_path
             return
         self._in_file = self._written
+        self._close_header_fd()
         try:
             os.close(old_fd)
             os.unlink(old_path)
@@ -188,19 +189,47 @@ class TraceFile:
         try:
             data = self._header_bytes(h, self._header_len)
             if data is not None:
-                fd = os.open(self.path, os.O_WRONLY)
-                try:
-                    if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
-                        return           # not our file any more (the folder was removed)
-                    done = 0
-                    while done < len(data):
-                        done += os.pwrite(fd, data[done:], done)
-                finally:
-                    os.close(fd)
+                fd = self._header_fd()
+                if fd is None:
+                    return               # not our file any more (the folder was removed)
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], done)
             else:
                 self._rewrite_with_header(h)
         except Exception as exc:
             self.hook_failed("writer.header", exc)
+
+    def _header_fd(self) -> int | None:
+        """The second descriptor the header is written through (the first appends: O_APPEND
+        ignores pwrite's offset), opened once per file and kept: a program that marks steps
+        rewrites the header twice a step. None when the path is no longer our file (its folder
+        was removed and made again). A file replaced since (rename, rotation, fork, reopen) is a
+        new (descriptor, path) pair: the old one is closed, a new one opened."""
+        cached = getattr(self, "_hdr", None)
+        if cached is not None:
+            if cached[0] == self._fd and cached[1] == self.path and cached[3] == os.getpid():
+                return cached[2]
+            self._close_header_fd()
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+                os.close(fd)
+                return None
+        except OSError:
+            os.close(fd)
+            raise
+        self._hdr = (self._fd, self.path, fd, os.getpid())
+        return fd
+
+    def _close_header_fd(self) -> None:
+        cached = getattr(self, "_hdr", None)
+        self._hdr = None
+        if cached is not None:
+            try:
+                os.close(cached[2])
+            except OSError:
+                pass
 
     def _rewrite_with_header(self, h: dict) -> None:
         """The header outgrew its room: the file copied under the new header, then renamed over."""
@@ -218,6 +247,7 @@ class TraceFile:
             except OSError:
                 pass
             raise
+        self._close_header_fd()
         try:
             os.close(self._fd)
         except OSError:

@@ -138,6 +138,7 @@ class TraceWriter(TraceFile, TimeFlush):
         self.progress: dict = {"quiet": False}
         self._quiet = False          # every event recorded so far is in the file; the header says so
         self._through = False        # (quiet) idle between steps: each event is written as it comes
+        self._hdr = None             # (descriptor, path, header descriptor, pid): TraceFile._header_fd
         self.step_ends = False       # the program marks where its steps end (progress says so then)
         self._step_end_at = 0.0      # monotonic time the last step ended
         self._flush_thread = None    # ident of the thread inside flush() (a GC free there must not re-enter)
@@ -479,6 +480,7 @@ class TraceWriter(TraceFile, TimeFlush):
         """The trace file was unlinked (its folder removed mid-run): what it held is lost. Count
         it, and let the next _open make the folder and the file again."""
         lost = self._in_file
+        self._close_header_fd()
         try:
             os.close(self._fd)
         except OSError:
@@ -556,6 +558,7 @@ class TraceWriter(TraceFile, TimeFlush):
             pass
         finally:
             self._fd = None
+            self._close_header_fd()
             try:
                 os.close(fd)
             except OSError:

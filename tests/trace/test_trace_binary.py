@@ -448,7 +448,11 @@ SITE_A, SITE_B = "model.py:10:forward", "model.py:20:backward"
 def _frames_of(path) -> list[tuple[int, bytes]]:
     """(kind, payload) of every frame after the signature."""
     data = Path(path).read_bytes()
-    out, pos = [], len(B.SIGNATURE)
+    return _frames_in(data, len(B.SIGNATURE))
+
+
+def _frames_in(data: bytes, pos: int = 0) -> list[tuple[int, bytes]]:
+    out = []
     while pos < len(data):
         kind, length = B.PREFIX.unpack_from(data, pos)
         out.append((kind, data[pos + B.PREFIX_SIZE:pos + B.PREFIX_SIZE + length]))
@@ -683,3 +687,46 @@ def test_values_survive_the_copy_under_the_rank_name(tmp_path):
     allocs = [ev for _, ev in open_trace(w.path).events() if ev["ev"] == "alloc"]
     assert [(a["id"], a["site"], a["shape"], a["dtype"]) for a in allocs] == [
         (1, ALLOC["site"], [2, 3], "int8"), (2, ALLOC["site"], [2, 3], "int8")]
+
+
+def test_the_native_recorders_arrays_encode_as_the_generic_path_does():
+    """encode_frames does the native recorder's arrays (`free` with no site, `alloc` whose only
+    interned field is its site) inline: the frames decode to the same events, the same values
+    tables and indices, as to_item of each event one by one; sites new, seen, None, and a
+    non-str site (which the layout cannot intern: a map item) included."""
+    from sanitizer.trace.binary import encode as enc
+
+    def native_alloc(i, site):
+        return (5, i, 4096 * i, 64, "cpu", "default", None, None, None, 1000 + i, None, site)
+
+    batch = [native_alloc(1, "m.py:1:f"), (6, 1, 2000), native_alloc(2, "m.py:1:f"),
+             native_alloc(3, None), native_alloc(4, "m.py:2:g"), (6, 2, 2001), native_alloc(5, 7),
+             dict(ALLOC, id=6), (6, 3, 2002, None, "m.py:3:h"), native_alloc(7, "m.py:2:g")]
+
+    def decoded(items_of):
+        table = enc.ValueTable()
+        original = enc._items
+        enc._items = items_of
+        try:
+            data = enc.encode_frames(list(batch), table)
+        finally:
+            enc._items = original
+        values, events = B.new_values(), []
+        for kind, payload in _frames_in(data):
+            if kind == B.FRAME_VALUES:
+                B.add_values(values, payload)
+            else:
+                events.append(msgspec.msgpack.decode(payload))
+        return values, events
+
+    fast = decoded(enc._items)
+    generic = decoded(lambda part, table: [enc.to_item(ev, table) for ev in part])
+    assert fast == generic
+    values, events = fast
+    assert values["site"] == ["m.py:1:f", "m.py:2:g", "m.py:3:h"]
+    site_at = 1 + B.ORDER["alloc"][1].index("site")
+    allocs = [i for i in events[0] if type(i) is list and i[0] == 5]
+    assert [i[site_at] for i in allocs] == [0, 0, None, 1, 0, 1]   # ALLOC's own site is m.py:1:f
+    assert {"ev": "alloc", "id": 5, "site": 7} == {k: v for k, v in
+                                                   next(i for i in events[0] if type(i) is dict).items()
+                                                   if k in ("ev", "id", "site")}

@@ -99,3 +99,41 @@ def test_past_the_event_cap_the_file_stops_growing(tmp_path, monkeypatch):
     assert len(lines) <= 1 + 10 + 3            # header, the cap, a drop record or two, the end
     drops = sum(e["count"] for e in lines[1:] if e["ev"] == "dropped")
     assert drops == 1990 and lines[-1] == {"ev": "end", "events": len(lines) - 2, "dropped": 1990}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_step_progress_is_written_through_one_kept_descriptor(tmp_path, monkeypatch, trace_format):
+    """Marking steps rewrites the header twice a step through a second descriptor opened once per
+    file (the first appends); the header on disk says each mark at once; a file made again after
+    its folder was removed gets its own descriptor, and closing leaves none open."""
+    d = tmp_path / "t"
+    before = _open_fds()
+    w = _writer(d, monkeypatch)
+    w.emit({"ev": "step", "n": 0})
+    w.flush()
+    w.mark_step(0, ended=True)
+    during = _open_fds()
+    assert during == before + 2                   # the file's descriptor and the header's
+    for n in range(1, 30):
+        w.mark_step(n, ended=False)
+        w.emit({"ev": "step", "n": n})
+        assert open_trace(w.path).header["progress"]["step_ended"] is False
+        w.flush()
+        w.mark_step(n, ended=True)
+        progress = open_trace(w.path).header["progress"]
+        assert (progress["step"], progress["step_ended"]) == (n, True)
+        assert _open_fds() == during              # no descriptor opened per header write
+    shutil.rmtree(d)
+    w.mark_step(30, ended=False)                  # the old file is gone: no header written to it
+    w.emit({"ev": "step", "n": 30})
+    w.flush()                                     # made again
+    w.mark_step(30, ended=True)
+    progress = open_trace(w.path).header["progress"]
+    assert (progress["step"], progress["step_ended"]) == (30, True)
+    assert _open_fds() == during
+    w.close()
+    assert _open_fds() == before

@@ -279,12 +279,47 @@ def encode_frames(batch: list, table: ValueTable | None = None) -> bytes:
     INDEXED fields as indices, and first a `V` frame with the values new to the table."""
     out = []
     for i in range(0, len(batch), FRAME_EVENTS_MAX):
-        out.append(_encode_part([to_item(ev, table) for ev in batch[i:i + FRAME_EVENTS_MAX]]))
+        out.append(_encode_part(_items(batch[i:i + FRAME_EVENTS_MAX], table)))
     if table is not None:
         new = table.pending()
         if new is not None:
             out.insert(0, values_frame(new))
     return b"".join(out)
+
+
+# The first position of an INDEXED field in each kind's array: a shorter array has none to intern.
+_FIRST_INDEXED = {tag: min(pos for pos, _ in at) if at else 1 << 30 for tag, at in _INDEXED_AT_TAG.items()}
+_ALLOC_TAG = LAYOUT["alloc"][0]
+_ALLOC_SITE = 1 + ORDER["alloc"][1].index("site")
+
+
+def _items(batch: list, table: ValueTable | None) -> list:
+    """to_item of each event. The native recorder's arrays (`free` without a site, `alloc` whose
+    only INDEXED field is its site: most of a trace at level alloc) are done inline here, a
+    known site one dict lookup; anything else goes through to_item."""
+    if table is None:
+        return [to_item(ev) for ev in batch]
+    first = _FIRST_INDEXED
+    sites = table.index["site"]              # value -> index
+    out = []
+    append = out.append
+    for ev in batch:
+        if type(ev) is tuple:
+            n = len(ev)
+            tag = ev[0]
+            if n <= first.get(tag, 0):
+                append(ev)                   # no INDEXED field present: as it is
+                continue
+            if tag == _ALLOC_TAG and n == _ALLOC_SITE + 1:
+                site = ev[_ALLOC_SITE]
+                found = sites.get(site) if type(site) is str else None
+                if found is not None:
+                    item = list(ev)
+                    item[_ALLOC_SITE] = found
+                    append(item)
+                    continue
+        append(to_item(ev, table))
+    return out
 
 
 def values_frame(new: dict) -> bytes:
