@@ -4,7 +4,9 @@ comparisons on a shared machine where CPU-time figures move by 20-50%.
 Each variant runs the same loop of tiny ops (a 16-element add, a new storage each) in its own
 interpreter under `valgrind --tool=callgrind`, once with 0 ops and once with --ops; the
 difference divided by --ops is the cost of one op, interpreter start-up and torch's import
-cancelled out. Variants: bare, a no-op TorchDispatchMode, HAZSAN=1 at alloc and at full.
+cancelled out (what capture writes at exit is counted: the trace is flushed then). Variants: bare,
+a no-op TorchDispatchMode, HAZSAN=1 at alloc (the native recorder: `hazsan native build` first),
+at alloc with the dispatch mode (HAZSAN_NATIVE=0), and at full.
 Issue 30's per-op goal: alloc within 2x the no-op mode.
 
     .venv/bin/python benchmarks/op_instructions.py                # about 10 minutes on 2 cores
@@ -33,7 +35,10 @@ for _ in range(int(sys.argv[1])):
     b = a + 1.0
 """
 VARIANTS = {"bare": {}, "noop": {"HAZSAN_BENCH_NOOP": "1"},
-            "alloc": {"HAZSAN": "1", "HAZSAN_LEVEL": "alloc"}, "full": {"HAZSAN": "1", "HAZSAN_LEVEL": "full"}}
+            # alloc: the native recorder (`hazsan native build` first); alloc-dispatch: the dispatch mode
+            "alloc": {"HAZSAN": "1", "HAZSAN_LEVEL": "alloc", "HAZSAN_NATIVE": "1"},
+            "alloc-dispatch": {"HAZSAN": "1", "HAZSAN_LEVEL": "alloc", "HAZSAN_NATIVE": "0"},
+            "full": {"HAZSAN": "1", "HAZSAN_LEVEL": "full"}}
 
 
 def instructions(script: str, n: int, extra: dict, trace_dir: str) -> int:
@@ -62,9 +67,9 @@ def main() -> None:
     for v in args.variants:
         d = os.path.join(tmp, v)
         per[v] = (instructions(script, args.ops, VARIANTS[v], d) - instructions(script, 0, VARIANTS[v], d)) / args.ops
-        print(f"{v:>6}: {per[v]:10,.0f} instructions per op", flush=True)
+        print(f"{v:>14}: {per[v]:10,.0f} instructions per op", flush=True)
     if "noop" in per:
-        for v in ("alloc", "full"):
+        for v in ("alloc", "alloc-dispatch", "full"):
             if v in per:
                 print(f"{v} / no-op mode: {per[v] / per['noop']:.2f}x (goal for alloc: 2x)")
     shutil.rmtree(tmp, ignore_errors=True)

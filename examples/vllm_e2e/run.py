@@ -24,7 +24,7 @@ on the gloo path (vLLM's AVX2 kernel library, which registers no shared-memory o
 communicator falls back to torch.distributed: what a CPU without AVX-512 runs) bare / alloc / native. The
 others take the build's own path: on a CPU with AVX-512 the shared-memory ops `_C::shm_*`.
 
-Usage (in the venv `make test-e2e` builds): python examples/vllm_e2e/run.py [--work DIR] [--only ...]
+Usage (in the venv `make test-e2e` builds): python examples/vllm_e2e/run.py [--work DIR] [--only ...] [--rounds N]
 Exit status 0 when every check passes, 1 otherwise.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -284,6 +285,10 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(ROOT / "build" / "vllm-e2e"))
     ap.add_argument("--only", default="", help="comma-separated configuration names")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per vLLM run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations this many times, in turn (every other round in reverse "
+                         "order), and give each captured one's ratio per round against that round's bare "
+                         "run, and their median: the ratios of one round swing with the machine's load")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -303,20 +308,24 @@ def main(argv=None) -> int:
           f"{len(prompts())} token-id prompts, {MAX_TOKENS} greedy tokens each, timed {REPEAT} times (fastest shown)", flush=True)
     problems: list[str] = []
     results: dict = {}
-    for name in names:
-        t = time.perf_counter()
-        try:
-            results[name] = run_config(name, work, model, args.timeout)
-        except Exception as exc:
-            problems.append(f"{name}: did not run: {exc}")
-            print(f"[{name}] FAILED to run ({time.perf_counter() - t:.0f} s)", flush=True)
-            continue
-        r = results[name]
-        print(f"[{name}] {r['wall_s']:.0f} s: start-up {r['startup_s']} s, one batch {r['generate_s']} s "
-              f"wall, {r['cpu_s']} s CPU, shutdown {r['shutdown_s']} s", flush=True)
-        if CONFIGS[name][1] is not None:
-            r["capture"] = check_capture(name, work, r["vllm"], problems)
-            print(f"    capture: {json.dumps(r['capture'])}", flush=True)
+    rounds: list[dict] = []
+    for rnd in range(max(1, args.rounds)):
+        this: dict = {}
+        rounds.append(this)
+        for name in (names if rnd % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            try:
+                this[name] = run_config(name, work, model, args.timeout)
+            except Exception as exc:
+                problems.append(f"{name}: did not run (round {rnd + 1}): {exc}")
+                print(f"[{name}] FAILED to run ({time.perf_counter() - t:.0f} s)", flush=True)
+                continue
+            r = results[name] = this[name]
+            print(f"[{name}] {r['wall_s']:.0f} s: start-up {r['startup_s']} s, one batch {r['generate_s']} s "
+                  f"wall, {r['cpu_s']} s CPU, shutdown {r['shutdown_s']} s", flush=True)
+            if CONFIGS[name][1] is not None:
+                r["capture"] = check_capture(name, work, r["vllm"], problems)
+                print(f"    capture: {json.dumps(r['capture'])}", flush=True)
     # tokens and overhead against the bare run of the same configuration
     print("\nper configuration and level: the greedy tokens against bare, start-up, and one batch of "
           f"{N_PROMPTS} x {MAX_TOKENS} tokens (wall: fastest of {REPEAT}; CPU: all vLLM processes, mean)")
@@ -337,6 +346,21 @@ def main(argv=None) -> int:
         cratio = f"{r['cpu_s'] / bare['cpu_s']:.2f}" if bare and bare["cpu_s"] else "-"
         print(f"{group:18} {level:6} {same:15} {r['startup_s']:10.1f} {r['generate_s']:7.3f} {ratio:>7}"
               f" {r['cpu_s']:7.2f} {cratio:>7}")
+    if len(rounds) > 1:
+        print(f"\nper round (CPU, all vLLM processes, mean of {REPEAT} batches; wall, fastest), against "
+              "the same round's bare run; the median of the rounds")
+        for name in names:
+            group, level = name.rsplit("-", 1)
+            if name == f"{group}-bare":
+                continue
+            cpu = [r[name]["cpu_s"] / r[f"{group}-bare"]["cpu_s"] for r in rounds
+                   if name in r and f"{group}-bare" in r and r[f"{group}-bare"]["cpu_s"]]
+            wall = [r[name]["generate_s"] / r[f"{group}-bare"]["generate_s"] for r in rounds
+                    if name in r and f"{group}-bare" in r and r[f"{group}-bare"]["generate_s"]]
+            if cpu:
+                print(f"{group:18} {level:6} CPU x bare {' '.join(f'{x:.2f}' for x in cpu)}: median "
+                      f"{statistics.median(cpu):.2f}; wall x bare {' '.join(f'{x:.2f}' for x in wall)}: "
+                      f"median {statistics.median(wall):.2f}")
     first = next(iter(results.values()), None)
     if first:
         print(f"\nvLLM {first['vllm']}; greedy tokens of prompt 0 ({names[0]}): {first['tokens'][0]}")
