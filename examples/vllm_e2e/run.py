@@ -15,7 +15,8 @@ no tokenizer), bare and under HAZSAN=1, and checks:
   * `hazsan check` on the folder: no findings, and the capture complete (every process's file
     ends with its end record);
   * and it prints the cost per configuration and level against bare (overhead): start-up, and one
-    batch's wall time (the fastest of REPEAT) and CPU time (every vLLM process, mean of REPEAT).
+    batch's wall time (the fastest of REPEAT) and CPU time (every vLLM process, mean of REPEAT);
+    REPEAT is 5, or VLLM_E2E_REPEAT (more batches settle the ratios on a loaded machine).
 
 Configurations (`--only NAME,...` picks some): eager bare / alloc / full / native (level alloc
 recorded by the native recorder), compiled (torch.compile,
@@ -48,7 +49,7 @@ from tiny_llama import MODEL, make_model  # noqa: E402
 
 MAX_TOKENS = 64
 N_PROMPTS = 16
-REPEAT = 5
+REPEAT = int(os.environ.get("VLLM_E2E_REPEAT", "5"))   # batches timed per run
 # name -> (enforce_eager, capture level or None, speculative, kernels)
 CONFIGS = {
     "eager-bare": (True, None, False, "native"),
