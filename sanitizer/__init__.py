@@ -34,8 +34,8 @@ def step(n: int, phase: str | None = None, tokens: int | None = None) -> "_StepE
     """Mark the start of decode step `n` (optionally its phase and token count) and flush the trace.
 
     Used as a context manager (`with sanitizer.step(n): ...`) it also marks where the step ends:
-    then a process killed between steps is reported as such, with nothing recorded during a step
-    missing (docs/capture.md, "Files")."""
+    the trace is flushed there instead of at the next start, and a process killed between steps is
+    reported as such, with nothing recorded during a step missing (docs/capture.md, "Files")."""
     cap = _capture()
     if cap is None:
         return _NO_STEP
