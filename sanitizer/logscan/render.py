@@ -257,7 +257,13 @@ def to_dict(r: ScanResult) -> dict:
 
 
 def render_json(r: ScanResult) -> str:
-    return orjson.dumps(to_dict(r), option=orjson.OPT_INDENT_2).decode() + "\n"
+    d = to_dict(r)
+    try:
+        return orjson.dumps(d, option=orjson.OPT_INDENT_2).decode() + "\n"
+    except TypeError:
+        # a number in the log beyond 64 bits (orjson's limit): the standard library writes it
+        import json
+        return json.dumps(d, indent=2, ensure_ascii=False) + "\n"
 
 
 # ------------------------------------------------------------------------------ markdown

@@ -115,6 +115,15 @@ def _decode_lines(draw):
     return f"{prefix}Decode batch{sep} {body}" + draw(st.sampled_from(["", "\n", "\r\n", ",,"]))
 
 
+def test_a_count_beyond_64_bits_renders_as_json(tmp_path):
+    """Found by the fuzz below: orjson refuses integers beyond 64 bits; the report still renders."""
+    import json
+    log = tmp_path / "big.log"
+    log.write_text("Decode batch, \nDecode batch, #running-req: 18446744073709551616, accept len: 0.0\n")
+    doc = json.loads(render_json(scan([log], threshold=0.0)))
+    assert "18446744073709551616" in json.dumps(doc)
+
+
 @given(lines=st.lists(st.one_of(_decode_lines(), st.text(max_size=60)), max_size=20),
        threshold=st.floats(min_value=0, max_value=1e6))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
