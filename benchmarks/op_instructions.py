@@ -6,7 +6,8 @@ interpreter under `valgrind --tool=callgrind`, once with 0 ops and once with --o
 difference divided by --ops is the cost of one op, interpreter start-up and torch's import
 cancelled out (what capture writes at exit is counted: the trace is flushed then). Variants: bare,
 a no-op TorchDispatchMode, HAZSAN=1 at alloc (the native recorder: `hazsan native build` first),
-at alloc with the dispatch mode (HAZSAN_NATIVE=0), and at full.
+at alloc with the dispatch mode (HAZSAN_NATIVE=0), at full (native: launches from its RecordFunction
+observer) and at full with the dispatch mode.
 Issue 30's per-op goal: alloc within 2x the no-op mode.
 
     .venv/bin/python benchmarks/op_instructions.py                # about 10 minutes on 2 cores
@@ -38,7 +39,9 @@ VARIANTS = {"bare": {}, "noop": {"HAZSAN_BENCH_NOOP": "1"},
             # alloc: the native recorder (`hazsan native build` first); alloc-dispatch: the dispatch mode
             "alloc": {"HAZSAN": "1", "HAZSAN_LEVEL": "alloc", "HAZSAN_NATIVE": "1"},
             "alloc-dispatch": {"HAZSAN": "1", "HAZSAN_LEVEL": "alloc", "HAZSAN_NATIVE": "0"},
-            "full": {"HAZSAN": "1", "HAZSAN_LEVEL": "full"}}
+            # full: launches from the recorder's RecordFunction observer; full-dispatch: the dispatch mode
+            "full": {"HAZSAN": "1", "HAZSAN_LEVEL": "full", "HAZSAN_NATIVE": "1"},
+            "full-dispatch": {"HAZSAN": "1", "HAZSAN_LEVEL": "full", "HAZSAN_NATIVE": "0"}}
 
 
 def instructions(script: str, n: int, extra: dict, trace_dir: str) -> int:
@@ -69,7 +72,7 @@ def main() -> None:
         per[v] = (instructions(script, args.ops, VARIANTS[v], d) - instructions(script, 0, VARIANTS[v], d)) / args.ops
         print(f"{v:>14}: {per[v]:10,.0f} instructions per op", flush=True)
     if "noop" in per:
-        for v in ("alloc", "alloc-dispatch", "full"):
+        for v in ("alloc", "alloc-dispatch", "full", "full-dispatch"):
             if v in per:
                 print(f"{v} / no-op mode: {per[v] / per['noop']:.2f}x (goal for alloc: 2x)")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -59,6 +59,7 @@ CONFIGS = {
     "engine-tp1-alloc": ("engine", 1, False, "alloc", False),
     "engine-tp1-full": ("engine", 1, False, "full", False),
     "engine-tp1-native": ("engine", 1, False, "alloc-native", False),
+    "engine-tp1-full-native": ("engine", 1, False, "full-native", False),
     "engine-tp2-ngram-bare": ("engine", 2, True, None, False),
     "engine-tp2-ngram-alloc": ("engine", 2, True, "alloc", False),
     "engine-tp2-ngram-native": ("engine", 2, True, "alloc-native", False),
@@ -67,9 +68,11 @@ CONFIGS = {
     "server-tp1-ngram-bare": ("server", 1, True, None, False),
     "server-tp1-ngram-alloc": ("server", 1, True, "alloc", False),
     "engine-tp2-seeded-full": ("engine", 2, False, "full", True),
+    "engine-tp2-seeded-full-native": ("engine", 2, False, "full-native", True),
 }
 # `alloc-native`: level alloc recorded by the native recorder (HAZSAN_NATIVE=1, `hazsan native build`
-# first); the other levels pin the dispatch mode (HAZSAN_NATIVE=0).
+# first); `full-native`: level full, launches from the recorder's RecordFunction observer; the other
+# levels pin the dispatch mode (HAZSAN_NATIVE=0).
 # what `make test-sglang` runs (about 10 minutes on 2 cores): every dimension at least once, bare
 # and captured; the server's bare runs are left to --all (every run's tokens are checked against
 # every other's, so the captured server is checked against the bare Engine)
@@ -163,7 +166,7 @@ def sglang_env(tp: int, level: str | None, seeded: bool, traces: Path) -> dict:
         env["SGLANG_E2E_SEED"] = "early-read"
     if level is not None:
         env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level.split("-")[0],
-                   HAZSAN_NATIVE="1" if level == "alloc-native" else "0")
+                   HAZSAN_NATIVE="1" if level.endswith("-native") else "0")
     return env
 
 
@@ -317,7 +320,7 @@ def check_capture(name: str, work: Path, result: dict, problems: list) -> dict:
             fail(f"rank {r}: header versions {versions} do not name SGLang {result['sglang']} and torch")
         installed = header["hooks"]["installed"]
         source = header["hooks"].get("alloc", {}).get("source")
-        if source != ("native" if level == "alloc-native" else "dispatch-mode"):
+        if source != ("native" if level.endswith("-native") else "dispatch-mode"):
             fail(f"rank {r}: allocations recorded by {source} ({header['hooks'].get('alloc')})")
         if "sglang.Scheduler.run_batch" not in installed:
             fail(f"rank {r}: the Scheduler step hook is not installed: {installed}")

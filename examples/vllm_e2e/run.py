@@ -56,9 +56,11 @@ CONFIGS = {
     "eager-alloc": (True, "alloc", False, "native"),
     "eager-full": (True, "full", False, "native"),
     "eager-native": (True, "alloc-native", False, "native"),
+    "eager-full-native": (True, "full-native", False, "native"),
     "compiled-bare": (False, None, False, "native"),
     "compiled-alloc": (False, "alloc", False, "native"),
     "compiled-full": (False, "full", False, "native"),
+    "compiled-full-native": (False, "full-native", False, "native"),
     "ngram-bare": (True, None, True, "native"),
     "ngram-alloc": (True, "alloc", True, "native"),
     "ngram-native": (True, "alloc-native", True, "native"),
@@ -67,7 +69,8 @@ CONFIGS = {
     "gloo-native": (True, "alloc-native", False, "avx2"),
 }
 # `alloc-native`: level alloc, allocations from the native recorder (HAZSAN_NATIVE=1,
-# sanitizer/capture/native; `hazsan native build` first); the other levels pin the dispatch mode.
+# sanitizer/capture/native; `hazsan native build` first); `full-native`: level full, launches from
+# the recorder's RecordFunction observer; the other levels pin the dispatch mode.
 # TP collectives as the two paths record them (collectives.py: the dispatcher's op names)
 ALL_REDUCE = {"_C.shm_allreduce", "c10d.allreduce_"}
 ALL_GATHER = {"_C.shm_all_gather", "c10d._allgather_base_", "c10d.allgather_"}
@@ -149,7 +152,7 @@ def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
     if level is not None:
         env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level.split("-")[0],
-                   HAZSAN_NATIVE="1" if level == "alloc-native" else "0")
+                   HAZSAN_NATIVE="1" if level.endswith("-native") else "0")
     if kernels == "avx2":
         env["PYTHONPATH"] = os.pathsep.join([str(HERE / "avx2")] + [p for p in [env.get("PYTHONPATH")] if p])
         env["VLLM_E2E_KERNELS"] = "avx2"
@@ -210,7 +213,7 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
             fail(f"rank {r}: header versions {header.get('versions')} do not name vLLM {version}")
         installed = header["hooks"]["installed"]
         source = header["hooks"].get("alloc", {}).get("source")
-        if source != ("native" if level == "alloc-native" else "dispatch-mode"):
+        if source != ("native" if level.endswith("-native") else "dispatch-mode"):
             fail(f"rank {r}: allocations recorded by {source} ({header['hooks'].get('alloc')})")
         if "vllm.GPUModelRunner.execute_model" not in installed:
             fail(f"rank {r}: step hook not installed: {installed}")

@@ -257,7 +257,7 @@ class BlockTable:
         """Append the trace ranges of tensor(s) v to acc; return the device of the work (a CUDA
         device wins over cpu: a CPU scalar tensor passed to a CUDA kernel is read by the host)."""
         t = type(v)
-        if t in _PLAIN:
+        if t in _PLAIN or (t is not list and t is not tuple and _storage_subclass(t)):
             if v.layout != _STRIDED:
                 return device
             b = self.live.get(_STORAGE_KEY(v))
@@ -499,6 +499,20 @@ _NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "ne
 # collective itself is using.
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_c10d_functional_autograd", "symm_mem"})
+
+
+_SUBCLASS_HAS_STORAGE: dict = {}
+
+
+def _storage_subclass(t) -> bool:
+    """A tensor subclass that is its own memory (one with only __torch_function__, as_subclass):
+    an op reads and writes it like a plain tensor. A wrapper subclass (__tensor_flatten__) holds
+    none of its own: its plain tensors are seen by the ops they reach."""
+    known = _SUBCLASS_HAS_STORAGE.get(t)
+    if known is None:
+        known = _SUBCLASS_HAS_STORAGE[t] = isinstance(t, type) and issubclass(t, torch.Tensor) and \
+            not hasattr(t, "__tensor_flatten__") and "__torch_dispatch__" not in t.__dict__
+    return known
 
 
 def _launch_plan(func):

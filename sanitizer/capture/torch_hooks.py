@@ -53,8 +53,8 @@ def _install_native(capture):
     why = None
     if wanted == "off":
         why = "HAZSAN_NATIVE=0"
-    elif settings.level != "alloc":
-        why = f"level {settings.level}: launches come from the dispatch mode"
+    elif settings.level not in ("alloc", "full"):
+        why = f"level {settings.level}"
     elif settings.alloc_source != "dispatch":
         why = f"HAZSAN_ALLOC_SOURCE={settings.alloc_source}"
     elif settings.stacks == "full":
@@ -71,6 +71,8 @@ def _install_native(capture):
                 capture.failed("install.native", exc)
     if table is not None:
         capture.alloc_path = {"source": "native"}
+        if settings.level == "full":
+            capture.alloc_path["launches"] = "record-function"
         capture.installed.append("native-recorder")
         return table
     capture.alloc_path = {"source": "dispatch-mode", "native": why}
@@ -91,6 +93,10 @@ def on_distributed(capture) -> None:
         try:
             from sanitizer.capture.native.backend_select import BackendSelectKernels
             kernels = capture.backend_select = BackendSelectKernels(capture, colls)
+            if capture.settings.level == "full":
+                lib = capture.blocks.lib
+                kernels.on_covered = lambda qualified, handler: lib.mark_op(
+                    qualified, handler == colls._transparent)
             kernels.scan()
             kernels.watch_definitions()
             capture.installed.append("backend-select-collectives")

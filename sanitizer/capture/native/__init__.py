@@ -1,15 +1,17 @@
-"""The native allocation recorder: capture's allocation source at level `alloc` without a dispatch mode.
+"""The native recorder: capture's allocation source (and at level `full` its launch source) without a
+dispatch mode.
 
 Why: a Python TorchDispatchMode costs every op of the program its toll (2.5x a bare tiny op before
 capture records anything), and a decode of small ops is host-bound, so capture at `alloc` cost a
 real server 2-3x its CPU (issue 30, benchmarks/README.md). This recorder wraps torch's CPU
 allocator in C++ (alloc_recorder.cpp) and records each allocation and free where it happens;
 Python only turns the records into trace events, in batches, in order with its own events
-(native_table.py). Collectives, which the mode also caught, come from kernels registered at
+(native_table.py). At level `full` a RecordFunction observer in the same extension records each op
+the dispatch mode would have seen as a `launch` (docs/capture.md, "The native recorder"). Collectives, which the mode also caught, come from kernels registered at
 torch's BackendSelect key for the collective ops (backend_select.py): a few per step.
 
 When it is used (HAZSAN_NATIVE, docs/capture.md "The native recorder"): `auto` (the default) uses
-it at level `alloc` when it can be (a CPU build of torch, CPython 3.11, call sites at most `site`,
+it at levels `alloc` and `full` when it can be (a CPU build of torch, CPython 3.11, call sites at most `site`,
 and the extension already built for this torch and source: `hazsan native build`), else the
 dispatch mode, and the trace header says which path ran and why (`alloc_path`). `1` also builds it
 at start if it is not built. `0` never uses it. A build that fails, or a module that will not load,

@@ -21,7 +21,10 @@
 // path. A site is made into text the first time it is seen, while its frame is alive: a record
 // keeps the site's index, never a code object.
 #include <torch/extension.h>
+#include <ATen/record_function.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <Python.h>
 #if !(PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000)
 #error "hazsan's native recorder reads CPython 3.11's frames; this Python is another version"
@@ -43,8 +46,9 @@ namespace {
 constexpr uint64_t NO_SITE = UINT64_MAX;
 constexpr uint32_t FREED = 1;   // a free (else an allocation)
 constexpr uint32_t QUIET = 2;   // freed on a thread inside a collective's wait
+constexpr uint32_t LAUNCH = 4;  // an op's launch (addr: its index in `launches`)
 
-struct Record {        // 48 bytes
+struct Record {        // 48 bytes (a launch: addr is its index in `launches`, size unused)
   uint64_t addr;
   uint64_t size;
   uint64_t site;       // index into site_texts, NO_SITE: none
@@ -59,6 +63,21 @@ std::mutex mu;
 std::vector<Record> records;
 std::atomic<uint64_t> n_pending{0};
 uint64_t max_records = 0;
+// Launches (level full): the ranges of each, and the tensors of storages the allocator did not
+// make (Python adopts them at the drain, as the dispatch mode adopts a storage it never saw; held
+// until then so that their storage is alive when it is adopted)
+struct LaunchRange {
+  uint64_t base;      // the storage's memory (the allocation's address)
+  uint64_t ptr;       // the first element's address
+  uint64_t size;      // bytes spanned
+  uint32_t foreign;   // index in launch_tensors, or NONE
+  uint32_t write;
+};
+struct LaunchRec { uint32_t op; uint32_t first; uint32_t n; };
+constexpr uint32_t NONE = UINT32_MAX;
+std::vector<LaunchRange> launch_ranges;
+std::vector<LaunchRec> launches;
+std::vector<at::Tensor> launch_tensors;
 uint64_t dropped = 0;          // records lost (buffer at max_records): counted, never silent
 uint64_t passed_through = 0;   // allocations of another shape, handed out unrecorded
 bool sites_on = true;
@@ -227,11 +246,290 @@ void after_fork_parent() { mu.unlock(); }
 // The child's records are its parent's (drained by the parent's trace): the child starts empty.
 void after_fork_child() {
   records.clear();
+  launches.clear();
+  launch_ranges.clear();
+  launch_tensors.clear();
   n_pending.store(0);
   mu.unlock();
 }
 
+// ---- launches (level full): a RecordFunction observer on every dispatched op
+//
+// The dispatch mode (sanitizer/capture/memory.py) sees an op after autograd, where composite
+// ops have been decomposed, and not the ops its kernel calls: the mode is off inside
+// __torch_dispatch__. A RecordFunction fires at every Dispatcher::call, nested ones included. So the
+// observer keeps, per thread, whether it is inside an op the mode would have seen, and records
+// only those outermost ops:
+//   * TRANSPARENT: not an op the mode sees, its inner calls are (a CompositeImplicitAutograd op
+//     without a kernel of its own for CPU, a string-named RecordFunction, an op with a tensor
+//     subclass argument: the mode hands those back to the subclass, whose plain ops it sees, and
+//     the ops capture marks so: vLLM's all_reduce, whose kernel issues the collectives);
+//   * OPAQUE: seen, nothing launched, nothing inside seen (collectives: their `coll`; allocating
+//     ops without a kernel; ops whose schema names no tensor to read or write);
+//   * LAUNCH: seen and launched with its reads and writes (block_table._launch_plan's rules).
+// On the threads the mode would be on only (launches_here: the importing thread and the Python
+// threads started after it), never inside a collective's wait (quiet_depth), never for an op that
+// raised.
+enum OpKind : uint8_t { TRANSPARENT_OP = 0, OPAQUE_OP = 1, LAUNCH_OP = 2 };
+struct OpPlan {
+  std::string name, overload;
+  OpKind kind;
+  std::vector<uint32_t> reads, writes;
+  bool fresh;
+  uint32_t label;     // index in op_labels
+  bool composite;     // done above the Python key where autograd runs (then TRANSPARENT)
+};
+std::mutex plans_mu;
+// by the schema's name pointer (stable while the op is registered; the strings are compared too)
+std::unordered_map<const char*, std::vector<OpPlan*>> plans;   // plans are never freed
+std::vector<std::string> op_labels;                             // "aten.add.Tensor" (str(OpOverload))
+size_t labels_handed = 0;
+std::atomic<uint64_t> plans_generation{0};
+std::vector<std::string> opaque_namespaces, no_kernel_names;
+std::unordered_map<std::string, OpKind> marked;                // "ns::name.overload" -> kind
+uint64_t launch_kind = 9;                                      // binary.ORDER["launch"][0]
+bool observer_on = false;
+
+thread_local bool launches_here = false;
+thread_local int32_t hidden_depth = 0;          // inside an op the mode would see
+thread_local std::vector<uint8_t> open_ops;     // per open RecordFunction: whether it deepened
+thread_local std::unordered_map<const char*, OpPlan*> plan_cache;
+thread_local uint64_t plan_cache_generation = 0;
+
+// Decomposed where autograd dispatches it (its CompositeImplicitAutograd kernel, no kernel of its
+// own for CPU): above the Python key, unless autograd is off for the call (inference mode,
+// inference tensors), where the dispatch mode sees the composite op itself.
+bool composite_implicit(const c10::OperatorHandle& h) {
+  using K = c10::DispatchKey;
+  return h.hasKernelForDispatchKey(K::CompositeImplicitAutograd) && !h.hasKernelForDispatchKey(K::CPU) &&
+         !h.hasKernelForDispatchKey(K::CompositeExplicitAutograd) &&
+         !h.hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
+}
+
+bool names_tensor(const c10::TypePtr& t) { return t->str().find("Tensor") != std::string::npos; }
+
+// plans_mu held
+OpPlan* build_plan(const char* name, const char* overload, const c10::OperatorName& on) {
+  auto* p = new OpPlan{name, overload, OPAQUE_OP, {}, {}, false, 0, false};
+  std::string ns = p->name.substr(0, p->name.find("::"));
+  std::string base = p->name.find("::") == std::string::npos ? p->name : p->name.substr(p->name.find("::") + 2);
+  std::string ov = p->overload.empty() ? "default" : p->overload;
+  op_labels.push_back(ns + "." + base + "." + ov);
+  p->label = static_cast<uint32_t>(op_labels.size() - 1);
+  auto m = marked.find(p->name + "." + ov);
+  if (m != marked.end()) { p->kind = m->second; return p; }
+  for (const auto& n : opaque_namespaces) if (n == ns) return p;
+  for (const auto& n : no_kernel_names) if (n == base) return p;
+  auto h = c10::Dispatcher::singleton().findOp(on);
+  if (!h || !h->hasSchema()) { p->kind = TRANSPARENT_OP; return p; }
+  // detach_'s autograd kernel (VariableTypeManual.cpp) does its work without redispatching
+  p->composite = composite_implicit(*h) || p->name == "aten::detach_";
+  const c10::FunctionSchema& schema = h->schema();
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!names_tensor(args[i].type())) continue;
+    const auto* alias = args[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) p->writes.push_back(static_cast<uint32_t>(i));
+    else if (alias == nullptr) p->reads.push_back(static_cast<uint32_t>(i));
+  }
+  const auto& rets = schema.returns();
+  bool any_tensor = false, all_fresh = true;
+  for (const auto& r : rets) {
+    if (r.alias_info() != nullptr) all_fresh = false;
+    if (names_tensor(r.type())) any_tensor = true;
+  }
+  p->fresh = !rets.empty() && all_fresh && any_tensor;
+  p->kind = (p->reads.empty() && p->writes.empty() && !p->fresh) ? OPAQUE_OP : LAUNCH_OP;
+  return p;
+}
+
+// The plan of the op fn records, or nullptr for a RecordFunction that is not an op's.
+const OpPlan* plan_of(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  const char* overload = fn.overload_name();
+  uint64_t gen = plans_generation.load(std::memory_order_acquire);
+  if (plan_cache_generation != gen) { plan_cache.clear(); plan_cache_generation = gen; }
+  auto it = plan_cache.find(name);
+  if (it != plan_cache.end() && it->second->name == name && it->second->overload == overload) return it->second;
+  auto on = fn.operator_name();          // none for a string-named RecordFunction: not cached
+  if (!on) return nullptr;
+  OpPlan* found = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(plans_mu);
+    for (OpPlan* p : plans[name]) if (p->name == name && p->overload == overload) { found = p; break; }
+    if (found == nullptr) {
+      found = build_plan(name, overload, *on);
+      plans[name].push_back(found);
+    }
+  }
+  plan_cache[name] = found;
+  return found;
+}
+
+// What a call's tensor arguments say: a subclass among them (the Python key), autograd on for any.
+struct CallKeys { bool subclass = false; bool autograd = false; bool tensors = false; };
+void look_at(const at::Tensor& t, CallKeys& k) {
+  if (!t.defined()) return;
+  c10::DispatchKeySet ks = t.key_set();
+  k.tensors = true;
+  if (ks.has(c10::DispatchKey::Python)) k.subclass = true;
+  if (ks.has_any(c10::autograd_dispatch_keyset)) k.autograd = true;
+}
+void look_at(const c10::IValue& v, CallKeys& k) {
+  if (v.isTensor()) {
+    look_at(v.toTensor(), k);
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) look_at(t, k);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) if (e.isTensor()) look_at(e.toTensor(), k);
+  }
+}
+
+void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
+  if (v.isTensor()) { out.push_back(v.toTensor()); return; }
+  if (v.isTensorList()) { for (const at::Tensor& t : v.toTensorList()) out.push_back(t); return; }
+  if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) if (e.isTensor()) out.push_back(e.toTensor());
+  } else if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) if (e.isTensor()) out.push_back(e.toTensor());
+  }
+}
+
+struct LaunchCtx : at::ObserverContext {
+  const OpPlan* plan = nullptr;
+  int uncaught = 0;
+  std::vector<at::Tensor> reads, writes;
+};
+
+std::unique_ptr<at::ObserverContext> on_op_enter(const at::RecordFunction& fn) {
+  if (!launches_here) return nullptr;
+  // a call made with the Python key excluded never reaches a dispatch mode, nor do the calls
+  // inside it (torch.tensor()'s own detach_, ...)
+  const OpPlan* p = c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python) ? nullptr : plan_of(fn);
+  uint8_t deepened = 0;
+  std::unique_ptr<LaunchCtx> ctx;
+  if (p != nullptr && p->kind != TRANSPARENT_OP) {
+    auto inputs = fn.inputs();
+    CallKeys keys;
+    for (const c10::IValue& v : inputs) look_at(v, keys);
+    bool decomposed = p->composite && !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradCPU) &&
+                      (keys.autograd || !keys.tensors);
+    if (!keys.subclass && !decomposed) {
+      deepened = 1;
+      if (hidden_depth == 0 && p->kind == LAUNCH_OP) {
+        ctx = std::make_unique<LaunchCtx>();
+        ctx->plan = p;
+        ctx->uncaught = std::uncaught_exceptions();
+        // the arguments' tensors now: the boxed inputs live only while the start callbacks run
+        for (uint32_t i : p->reads) if (i < inputs.size()) collect(inputs[i], ctx->reads);
+        for (uint32_t i : p->writes) if (i < inputs.size()) collect(inputs[i], ctx->writes);
+      }
+      ++hidden_depth;
+    }
+  }
+  open_ops.push_back(deepened);
+  return ctx;
+}
+
+// The span of t's elements (BlockTable._ranges), appended to rs; a storage the allocator did not
+// make keeps its tensor for Python to adopt.
+void add_range(const at::Tensor& t, bool write, std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign) {
+  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu()) return;
+  // a Python number the binding made a tensor: a dispatch mode is handed the number back
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
+  int64_t n = t.numel();
+  if (n == 0) return;
+  const c10::Storage& st = t.storage();
+  const c10::DataPtr& dp = st.data_ptr();
+  uint64_t base = reinterpret_cast<uint64_t>(dp.get());
+  if (base == 0) return;
+  uint64_t item = static_cast<uint64_t>(t.itemsize());
+  uint64_t ptr = base + static_cast<uint64_t>(t.storage_offset()) * item;
+  uint64_t size;
+  if (t.is_contiguous()) {
+    size = static_cast<uint64_t>(n) * item;
+  } else {
+    int64_t span = 1;
+    auto sizes = t.sizes();
+    auto strides = t.strides();
+    for (size_t d = 0; d < sizes.size(); ++d) if (sizes[d] > 1) span += (sizes[d] - 1) * strides[d];
+    size = static_cast<uint64_t>(span) * item;
+  }
+  uint32_t f = NONE;
+  if (dp.get_deleter() != &free_and_record) {
+    f = static_cast<uint32_t>(foreign.size());
+    foreign.push_back(t);
+  }
+  rs.push_back(LaunchRange{base, ptr, size, f, write ? 1u : 0u});
+}
+
+void on_op_exit(const at::RecordFunction& fn, at::ObserverContext* c) {
+  if (!launches_here || open_ops.empty()) return;
+  if (open_ops.back()) --hidden_depth;
+  open_ops.pop_back();
+  if (c == nullptr) return;
+  auto* ctx = static_cast<LaunchCtx*>(c);
+  if (std::uncaught_exceptions() > ctx->uncaught || quiet_depth > 0) return;
+  std::vector<LaunchRange> rs;
+  std::vector<at::Tensor> foreign;
+  for (const at::Tensor& t : ctx->reads) add_range(t, false, rs, foreign);
+  for (const at::Tensor& t : ctx->writes) add_range(t, true, rs, foreign);
+  if (ctx->plan->fresh) {
+    std::vector<at::Tensor> outs;
+    for (const c10::IValue& v : fn.outputs()) collect(v, outs);
+    for (const at::Tensor& t : outs) add_range(t, true, rs, foreign);
+  }
+  if (rs.empty()) return;
+  Record r{0, 0, NO_SITE, static_cast<uint64_t>(pthread_self()), now_ns(), LAUNCH, 0};
+  std::lock_guard<std::mutex> lock(mu);
+  if (records.size() >= max_records) { ++dropped; return; }
+  uint32_t shift = static_cast<uint32_t>(launch_tensors.size());
+  r.addr = launches.size();
+  launches.push_back(LaunchRec{ctx->plan->label, static_cast<uint32_t>(launch_ranges.size()), static_cast<uint32_t>(rs.size())});
+  for (LaunchRange& x : rs) {
+    if (x.foreign != NONE) x.foreign += shift;
+    launch_ranges.push_back(x);
+  }
+  for (at::Tensor& t : foreign) launch_tensors.push_back(std::move(t));
+  r.site = site_now();
+  push_locked(r);
+}
+
 }  // namespace
+
+// Level full: record launches from now on (the observer is registered once per process).
+// `opaque_ns`: namespaces whose ops launch nothing (the collective ones); `no_kernel`: op names
+// that launch nothing (empty, set_, ...); `kind`: the launch event's number in the binary layout.
+void enable_launches(std::vector<std::string> opaque_ns, std::vector<std::string> no_kernel, int64_t kind) {
+  {
+    std::lock_guard<std::mutex> lock(plans_mu);
+    opaque_namespaces = std::move(opaque_ns);
+    no_kernel_names = std::move(no_kernel);
+    launch_kind = static_cast<uint64_t>(kind);
+    plans.clear();
+    plans_generation.fetch_add(1, std::memory_order_release);
+  }
+  if (!observer_on) {
+    at::addGlobalCallback(at::RecordFunctionCallback(&on_op_enter, &on_op_exit)
+                              .needsInputs(true)
+                              .needsOutputs(true)
+                              .scopes({at::RecordScope::FUNCTION}));
+    observer_on = true;
+  }
+}
+
+// "ns::name.overload" is a collective capture handles (transparent: its inner ops are the
+// program's, as the dispatch mode's `_transparent` handler sees them).
+void mark_op(const std::string& qualified, bool transparent) {
+  std::lock_guard<std::mutex> lock(plans_mu);
+  marked[qualified] = transparent ? TRANSPARENT_OP : OPAQUE_OP;
+  plans.clear();
+  plans_generation.fetch_add(1, std::memory_order_release);
+}
+
+// The calling thread's ops are launches (the dispatch mode's threads: capture calls it where it
+// would push the mode).
+void launches_on_this_thread() { launches_here = true; }
 
 // Idempotent: a second call would take the recording allocator as its own inner one and recurse
 // until the stack overflows (site.py reads a venv's .pth files twice). Returns whether it installed.
@@ -278,6 +576,7 @@ uint64_t next_block_id = 1;
 // Python objects made once and kept for the process's life (never released: no destructor may
 // run after the interpreter is gone)
 std::vector<PyObject*> site_objs;
+std::vector<PyObject*> label_objs;     // op labels, by plan label index
 PyObject* s_cpu = nullptr;
 PyObject* s_default = nullptr;
 
@@ -317,11 +616,22 @@ py::list alive() {
 // `all_frees` (Python has Work-held or stashed blocks to look at on every free).
 py::tuple drain_events(bool all_frees) {
   std::vector<Record> out;
-  std::vector<std::string> texts;
+  std::vector<std::string> texts, labels;
+  std::vector<LaunchRec> lrecs;
+  std::vector<LaunchRange> lranges;
+  std::vector<at::Tensor> ltensors;
   uint64_t lost, passed;
+  {
+    std::lock_guard<std::mutex> lock(plans_mu);
+    labels.assign(op_labels.begin() + labels_handed, op_labels.end());
+    labels_handed = op_labels.size();
+  }
   {
     std::lock_guard<std::mutex> lock(mu);
     out.swap(records);
+    lrecs.swap(launches);
+    lranges.swap(launch_ranges);
+    ltensors.swap(launch_tensors);
     n_pending.store(0);
     texts.assign(site_texts.begin() + texts_handed, site_texts.end());
     texts_handed = site_texts.size();
@@ -337,8 +647,75 @@ py::tuple drain_events(bool all_frees) {
     if (!o) throw py::error_already_set();
     site_objs.push_back(o);
   }
+  for (const std::string& t : labels) {
+    PyObject* o = PyUnicode_InternFromString(t.c_str());
+    if (!o) throw py::error_already_set();
+    label_objs.push_back(o);
+  }
   py::list events, specials;
+  int64_t n_launches = 0;
   for (const Record& r : out) {
+    if (r.flags & LAUNCH) {
+      const LaunchRec& l = lrecs[r.addr];
+      PyObject* label = l.op < label_objs.size() ? label_objs[l.op] : Py_None;
+      ++n_launches;
+      // plain: every range in a block the recorder made and Python did not place
+      bool plain = true;
+      for (uint32_t i = l.first; i < l.first + l.n && plain; ++i) {
+        const LaunchRange& x = lranges[i];
+        if (x.foreign != NONE) { plain = false; break; }
+        auto it = blocks.find(x.base);
+        if (it == blocks.end() || (it->second.flags & MODELLED)) plain = false;
+      }
+      if (!plain) {
+        py::list rs;
+        for (uint32_t i = l.first; i < l.first + l.n; ++i) {
+          const LaunchRange& x = lranges[i];
+          py::object t = py::none();
+          if (x.foreign != NONE) t = py::reinterpret_steal<py::object>(THPVariable_Wrap(ltensors[x.foreign]));
+          // resolved here, where `blocks` is as it was at the launch (Python handles the specials
+          // after every record of the batch went through it: a later free is gone from it)
+          bool resolved = false;
+          if (x.foreign == NONE) {
+            auto it = blocks.find(x.base);
+            resolved = it != blocks.end() && !(it->second.flags & MODELLED);
+          }
+          rs.append(py::make_tuple(static_cast<bool>(x.write), x.base, x.ptr, x.size, t, resolved));
+        }
+        specials.append(py::make_tuple(events.size(), py::make_tuple(2, py::reinterpret_borrow<py::object>(label),
+            py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, rs)));
+        continue;
+      }
+      uint32_t nr = 0, nw = 0;
+      for (uint32_t i = l.first; i < l.first + l.n; ++i) (lranges[i].write ? nw : nr)++;
+      PyObject* reads = nr ? PyTuple_New(nr) : nullptr;
+      PyObject* writes = nw ? PyTuple_New(nw) : nullptr;
+      uint32_t ir = 0, iw = 0;
+      for (uint32_t i = l.first; i < l.first + l.n; ++i) {
+        const LaunchRange& x = lranges[i];
+        PyObject* pair = PyTuple_New(2);
+        PyTuple_SET_ITEM(pair, 0, PyLong_FromUnsignedLongLong(x.ptr));
+        PyTuple_SET_ITEM(pair, 1, PyLong_FromUnsignedLongLong(x.size));
+        if (x.write) PyTuple_SET_ITEM(writes, iw++, pair);
+        else PyTuple_SET_ITEM(reads, ir++, pair);
+      }
+      PyObject* ev = PyTuple_New(9);       // block_table.LAUNCH_FIELDS
+      if (!ev) throw py::error_already_set();
+      PyTuple_SET_ITEM(ev, 0, PyLong_FromUnsignedLongLong(launch_kind));
+      Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 1, s_cpu);
+      if (!reads) { Py_INCREF(Py_None); reads = Py_None; }
+      if (!writes) { Py_INCREF(Py_None); writes = Py_None; }
+      PyTuple_SET_ITEM(ev, 2, reads);
+      PyTuple_SET_ITEM(ev, 3, writes);
+      PyTuple_SET_ITEM(ev, 4, PyLong_FromUnsignedLongLong(r.t));
+      Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 5, Py_None);
+      PyObject* so = site_obj(r.site);
+      Py_INCREF(so); PyTuple_SET_ITEM(ev, 6, so);
+      Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 7, Py_None);
+      Py_INCREF(label); PyTuple_SET_ITEM(ev, 8, label);
+      events.append(py::reinterpret_steal<py::object>(ev));
+      continue;
+    }
     if (r.flags & FREED) {
       auto it = blocks.find(r.addr);
       if (it == blocks.end()) continue;    // allocated before the recorder, of 0 bytes, or forgotten
@@ -378,7 +755,7 @@ py::tuple drain_events(bool all_frees) {
     Py_INCREF(so); PyTuple_SET_ITEM(ev, 11, so);
     events.append(py::reinterpret_steal<py::object>(ev));
   }
-  return py::make_tuple(events, specials, lost, passed);
+  return py::make_tuple(events, specials, lost, passed, n_launches);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -394,4 +771,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("claim", &claim);
   m.def("forget", &forget);
   m.def("alive", &alive);
+  m.def("enable_launches", &enable_launches);
+  m.def("mark_op", &mark_op);
+  m.def("launches_on_this_thread", &launches_on_this_thread);
 }

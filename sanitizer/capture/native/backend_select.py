@@ -62,6 +62,9 @@ class BackendSelectKernels:
         self.libs: dict = {}
         self.covered: set = set()     # qualified names of the overloads with a kernel
         self.failed: list = []
+        # told of each op given a kernel, with its handler: the recorder's launch observer
+        # (level full) launches nothing for a collective
+        self.on_covered = None
 
     def scan(self) -> int:
         """Register a kernel for every collective overload not covered yet (ops registered later,
@@ -90,6 +93,8 @@ class BackendSelectKernels:
                         lib = self.libs[ns] = torch.library.Library(ns, "IMPL")
                     lib.impl(qualified, self._kernel(op), "BackendSelect", with_keyset=True)
                     self.covered.add(label)
+                    if self.on_covered is not None:
+                        self.on_covered(f"{ns}::{name}.{overload}", self.collectives.handler(op))
                     added += 1
                 except Exception as exc:
                     self.failed.append(f"{label}: {exc}")

@@ -112,7 +112,9 @@ class NativeBlockTable(BlockTable):
             return        # a collection inside this drain freed an adopted storage: next time
         self._draining = me
         try:
-            events, specials, dropped, passed = self.lib.drain_events(bool(self.held_by_work or self.stashed))
+            events, specials, dropped, passed, launched = self.lib.drain_events(bool(self.held_by_work or self.stashed))
+            if launched:
+                self.capture.host_work_unsynced = True     # (BlockTable.on_op_full: a `cpu` launch)
             if dropped != self._dropped:
                 self.writer.count_drop(dropped - self._dropped, "native-buffer-full")
                 self._dropped = dropped
@@ -144,6 +146,9 @@ class NativeBlockTable(BlockTable):
             self._draining = None
 
     def _special(self, rec) -> None:
+        if rec[0] == 2:
+            self._launch(rec)
+            return
         if rec[0] == 0:                        # an allocation inside a scope: placed in its window
             _, addr, size, site, t, scope, bid = rec
             pool, comm = self.scope_of[scope]
@@ -170,6 +175,34 @@ class NativeBlockTable(BlockTable):
             self.deferred_by_thread.setdefault(tid, []).append((b, t))
         else:
             self._release_native(b, t)
+
+    def _launch(self, rec) -> None:
+        """A launch with a range Python must translate: in a block placed in a modelled window
+        (`named`, which is as it was at the launch: the specials are handled in order), or in a
+        storage the recorder never saw (adopted here, as BlockTable._ranges adopts it: its tensor
+        came with the record). The recorder resolved the others at the launch's place."""
+        _, op, site, t, ranges = rec
+        reads, writes = [], []
+        for write, base, ptr, size, tensor, resolved in ranges:
+            if resolved:                       # a plain block of the recorder's: its own address
+                (writes if write else reads).append((ptr, size))
+                continue
+            if tensor is not None:
+                b = self.block_of(tensor)
+            else:
+                b = self.named.get(base)
+                if b is None:
+                    claimed = self.lib.claim(base)
+                    if claimed is not None:
+                        bid, n, _ = claimed
+                        b = self.named[base] = NativeBlock(bid, base, n, base, n, None)
+            if b is None:
+                self.capture.failed("native.launch", RuntimeError(f"{op}: a range in no known block"))
+                continue
+            (writes if write else reads).append((b.addr + (ptr - b.real), size))
+        if reads or writes:
+            self.writer.emit((_bt._LAUNCH, "cpu", tuple(reads) or None, tuple(writes) or None, t, None, site,
+                              None, op))
 
     def _release_native(self, b: NativeBlock, t: int) -> None:
         if self.stashed:
@@ -276,4 +309,31 @@ def install(capture, lib) -> NativeBlockTable:
     capture.on_scope_change = table.scope_changed
     _bt.NATIVE_QUIET = lib.quiet_add
     os.register_at_fork(before=lambda: table.drain_before_flush(timeout=1.0))
+    if capture.settings.level == "full":
+        enable_launches(table, lib)
     return table
+
+
+def enable_launches(table: NativeBlockTable, lib) -> None:
+    """Level full: launches from the recorder's RecordFunction observer (alloc_recorder.cpp), on
+    the threads the dispatch mode would be on: this one and every Python thread started later."""
+    import threading
+
+    lib.enable_launches(sorted(_bt._COLLECTIVE_NAMESPACES), sorted(_bt._NO_KERNEL), _bt._LAUNCH)
+    lib.launches_on_this_thread()
+    original = getattr(threading.Thread, "_bootstrap_inner", None)
+    if original is None or getattr(original, "_hazsan", False):
+        if original is None:
+            table.capture.failed("threads", RuntimeError("threading.Thread._bootstrap_inner not found: "
+                                                         "new threads' ops launch nothing"))
+        return
+
+    def _bootstrap_inner(self):
+        try:
+            lib.launches_on_this_thread()
+        except Exception as exc:
+            table.capture.failed("threads", exc)
+        return original(self)
+
+    _bootstrap_inner._hazsan = True
+    threading.Thread._bootstrap_inner = _bootstrap_inner
