@@ -405,6 +405,9 @@ class BlockTable:
         if b.recorded and self.on_free is not None:
             self.on_free(b)             # its free_done comes when those streams are seen finished
 
+    def drain_pending(self) -> None:
+        """(The native table drains its recorder's records here: this table has none.)"""
+
     def block_of(self, t) -> StorageBlock | None:
         """The live block of tensor t's storage (adopting an unknown one), or None."""
         if type(t) not in _PLAIN or t.layout != _STRIDED:

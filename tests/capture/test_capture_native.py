@@ -248,6 +248,43 @@ def test_launches_from_the_recorder_are_the_dispatch_modes(tmp_path):
     assert len(adopted) == 1
 
 
+BROADCASTS = """
+    import os, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + os.path.abspath("store"), rank=0, world_size=1)
+    def broadcast_size(i):              # SGLang's broadcast_pyobj: a new size tensor per call
+        size = torch.tensor([i], dtype=torch.long)
+        dist.broadcast(size, src=0)
+        return size.item()
+    total = sum(broadcast_size(i) for i in range(40))
+    dist.destroy_process_group()
+    print(total)
+"""
+
+
+def test_a_collective_names_the_storage_it_was_given_not_a_dead_one_at_its_key(tmp_path):
+    """Each new tensor's StorageImpl may sit where the last one's was, whose free is still pending
+    in the recorder: a collective's buffer is the new block (drained before the lookup), and the
+    read after it comes after its completion, on both levels."""
+    for level in ("alloc", "full"):
+        traces = tmp_path / level
+        out = _run(tmp_path, BROADCASTS, _env(traces, HAZSAN_LEVEL=level))
+        assert out.returncode == 0 and out.stdout.strip() == str(sum(range(40))), out.stderr
+        ((_, events),) = _trace(traces).items()
+        live, colls = {}, 0
+        for e in events[1:]:
+            if e["ev"] == "alloc":
+                live[e["id"]] = (e["addr"], e["size"])
+            elif e["ev"] == "free":
+                live.pop(e["id"])
+            elif e["ev"] == "coll":
+                colls += 1
+                for b in e["bufs"]:
+                    assert any(a <= b["addr"] and b["addr"] + b["size"] <= a + n for a, n in live.values()), (level, e)
+        assert colls == 40
+        doc = _check(traces)
+        assert doc["findings"] == [] and doc["summary"]["complete"], (level, doc["findings"][:2])
+
+
 def test_a_build_that_fails_falls_back_and_the_program_runs(tmp_path):
     """HAZSAN_NATIVE=1 with nothing built and no working compiler: the program starts and runs,
     recorded by the dispatch mode; stderr and the header say why."""

@@ -150,8 +150,11 @@ class BackendSelectKernels:
                 depth.n = 1
             try:
                 table = capture.blocks
-                if table is not None and table.unowned:
-                    colls.poll()
+                if table is not None:
+                    # the frees made before the call first: the handlers look storages up by key
+                    table.drain_pending()
+                    if table.unowned:
+                        colls.poll()
                 return handler(Redispatch(op, keys), args, kwargs, None)
             finally:
                 if not nested_ok:

@@ -104,6 +104,22 @@ class NativeBlockTable(BlockTable):
     def pending(self) -> int:
         return self.lib.pending()
 
+    def drain_pending(self) -> None:
+        """Drain what is pending now. Before a lookup in `live` by storage key: a free still
+        pending leaves its block there, and a storage made since may have the dead one's
+        StorageImpl address (SGLang's broadcast_pyobj: a new size tensor per call)."""
+        if self.lib.pending():
+            with self._lock:
+                self.drain()
+
+    def buffer(self, t):
+        self.drain_pending()
+        return super().buffer(t)
+
+    def block_of(self, t):
+        self.drain_pending()
+        return super().block_of(t)
+
     def drain(self) -> None:
         """Turn the recorder's records into events (callers hold self._lock). The plain ones come
         back from C++ as the events themselves; Python handles the rest, in their place."""
