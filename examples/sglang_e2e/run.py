@@ -18,7 +18,8 @@ set-up, not hazsan, and outside what capture hooks: see cpu_setup/sitecustomize.
     engine-tp1-full, one `launch` per op);
   * a seeded early read in SGLang's real all-reduce path (cpu_setup/seed_early_read.py: the
     all-reduce of GroupCoordinator.all_reduce issued asynchronously and its buffer read before
-    the wait) flagged at level `full` as `unordered-access`.
+    the wait) flagged at level `full` as `unordered-access` and nothing else, launches from the
+    dispatch mode and from the native recorder's op observer (`full-native`) alike.
   and prints the cost of each run: wall time, start-up, one batch (wall: the fastest of REPEAT;
   CPU time of every SGLang process: the mean), event counts and findings.
 

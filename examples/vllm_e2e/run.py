@@ -19,8 +19,8 @@ no tokenizer), bare and under HAZSAN=1, and checks:
     REPEAT is 5, or VLLM_E2E_REPEAT (more batches settle the ratios on a loaded machine).
 
 Configurations (`--only NAME,...` picks some): eager bare / alloc / full / native (level alloc
-recorded by the native recorder), compiled (torch.compile,
-vLLM's default) bare / alloc / full, eager with ngram speculative decoding bare / alloc / native, and eager
+recorded by the native recorder) / full-native (level full, launches from the native recorder's op
+observer), compiled (torch.compile, vLLM's default) bare / alloc / full / full-native, eager with ngram speculative decoding bare / alloc / native, and eager
 on the gloo path (vLLM's AVX2 kernel library, which registers no shared-memory ops, so its CPU
 communicator falls back to torch.distributed: what a CPU without AVX-512 runs) bare / alloc / native. The
 others take the build's own path: on a CPU with AVX-512 the shared-memory ops `_C::shm_*`.
