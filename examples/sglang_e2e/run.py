@@ -82,6 +82,13 @@ ALL_REDUCE = {"c10d.allreduce_"}
 ALL_GATHER = {"c10d._allgather_base_", "c10d.allgather_"}
 
 
+def group_level(name: str) -> tuple[str, str]:
+    """A configuration's name as (what runs, how it is captured): eager-full-native -> eager, full-native."""
+    if name.endswith("-full-native"):
+        return name[: -len("-full-native")], "full-native"
+    return tuple(name.rsplit("-", 1))
+
+
 def prompts() -> list[list[int]]:
     return tiny_llama.prompts(N_PROMPTS)
 
@@ -466,12 +473,12 @@ def main(argv=None) -> int:
     # the tokens: every run against its bare run, and every run against plain decoding
     reference = None
     print(f"\none batch of {N_PROMPTS} x {MAX_TOKENS} tokens: wall the fastest of {REPEAT}, CPU (every SGLang process) the mean")
-    print("configuration            level  tokens-vs-bare  start-up s  batch wall s  x bare  batch CPU s  x bare")
+    print("configuration            level       tokens-vs-bare  start-up s  batch wall s  x bare  batch CPU s  x bare")
     for name in names:
         r = results.get(name)
         if r is None:
             continue
-        group, level = name.rsplit("-", 1)
+        group, level = group_level(name)
         bare = results.get(f"{group}-bare")
         same = "-" if bare is None or name == f"{group}-bare" else (
             "identical" if r["tokens"] == bare["tokens"] else "DIFFERENT")
@@ -483,7 +490,7 @@ def main(argv=None) -> int:
             problems.append(f"{name}: greedy tokens differ from {reference[0]}'s")
         ratio = f"{r['generate_s'] / bare['generate_s']:.2f}" if bare and bare["generate_s"] else "-"
         cratio = f"{r['cpu_s'] / bare['cpu_s']:.2f}" if bare and bare["cpu_s"] else "-"
-        print(f"{group:24} {level:6} {same:15} {r['startup_s']:10.1f} {r['generate_s']:13.3f} {ratio:>7}"
+        print(f"{group:24} {level:11} {same:15} {r['startup_s']:10.1f} {r['generate_s']:13.3f} {ratio:>7}"
               f" {r['cpu_s']:12.2f} {cratio:>7}")
     if reference:
         print(f"\nSGLang {next(iter(results.values()))['sglang']}; greedy tokens of prompt 0: {reference[1][0]}")

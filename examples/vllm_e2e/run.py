@@ -76,6 +76,13 @@ ALL_REDUCE = {"_C.shm_allreduce", "c10d.allreduce_"}
 ALL_GATHER = {"_C.shm_all_gather", "c10d._allgather_base_", "c10d.allgather_"}
 
 
+def group_level(name: str) -> tuple[str, str]:
+    """A configuration's name as (what runs, how it is captured): eager-full-native -> eager, full-native."""
+    if name.endswith("-full-native"):
+        return name[: -len("-full-native")], "full-native"
+    return tuple(name.rsplit("-", 1))
+
+
 def prompts() -> list[list[int]]:
     return tiny_llama.prompts(N_PROMPTS)
 
@@ -333,12 +340,12 @@ def main(argv=None) -> int:
     # tokens and overhead against the bare run of the same configuration
     print("\nper configuration and level: the greedy tokens against bare, start-up, and one batch of "
           f"{N_PROMPTS} x {MAX_TOKENS} tokens (wall: fastest of {REPEAT}; CPU: all vLLM processes, mean)")
-    print("configuration      level  tokens-vs-bare  start-up s  wall s  x bare   CPU s  x bare")
+    print("configuration      level       tokens-vs-bare  start-up s  wall s  x bare   CPU s  x bare")
     for name in names:
         r = results.get(name)
         if r is None:
             continue
-        group, level = name.rsplit("-", 1)
+        group, level = group_level(name)
         bare = results.get(f"{group}-bare")
         same = "-" if bare is None or name == f"{group}-bare" else (
             "identical" if r["tokens"] == bare["tokens"] else "DIFFERENT")
@@ -348,13 +355,13 @@ def main(argv=None) -> int:
             problems.append(f"{name}: the {REPEAT} identical batches gave different tokens")
         ratio = f"{r['generate_s'] / bare['generate_s']:.2f}" if bare and bare["generate_s"] else "-"
         cratio = f"{r['cpu_s'] / bare['cpu_s']:.2f}" if bare and bare["cpu_s"] else "-"
-        print(f"{group:18} {level:6} {same:15} {r['startup_s']:10.1f} {r['generate_s']:7.3f} {ratio:>7}"
+        print(f"{group:18} {level:11} {same:15} {r['startup_s']:10.1f} {r['generate_s']:7.3f} {ratio:>7}"
               f" {r['cpu_s']:7.2f} {cratio:>7}")
     if len(rounds) > 1:
         print(f"\nper round (CPU, all vLLM processes, mean of {REPEAT} batches; wall, fastest), against "
               "the same round's bare run; the median of the rounds")
         for name in names:
-            group, level = name.rsplit("-", 1)
+            group, level = group_level(name)
             if name == f"{group}-bare":
                 continue
             cpu = [r[name]["cpu_s"] / r[f"{group}-bare"]["cpu_s"] for r in rounds
@@ -362,7 +369,7 @@ def main(argv=None) -> int:
             wall = [r[name]["generate_s"] / r[f"{group}-bare"]["generate_s"] for r in rounds
                     if name in r and f"{group}-bare" in r and r[f"{group}-bare"]["generate_s"]]
             if cpu:
-                print(f"{group:18} {level:6} CPU x bare {' '.join(f'{x:.2f}' for x in cpu)}: median "
+                print(f"{group:18} {level:11} CPU x bare {' '.join(f'{x:.2f}' for x in cpu)}: median "
                       f"{statistics.median(cpu):.2f}; wall x bare {' '.join(f'{x:.2f}' for x in wall)}: "
                       f"median {statistics.median(wall):.2f}")
     first = next(iter(results.values()), None)

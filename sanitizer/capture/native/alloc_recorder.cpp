@@ -401,8 +401,9 @@ struct LaunchCtx : at::ObserverContext {
   std::vector<at::Tensor> reads, writes;
 };
 
-std::unique_ptr<at::ObserverContext> on_op_enter(const at::RecordFunction& fn) {
-  if (!launches_here) return nullptr;
+std::atomic<uint64_t> observer_errors{0};   // exceptions caught in the callbacks (counted, never raised)
+
+std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
   // a call made with the Python key excluded never reaches a dispatch mode, nor do the calls
   // inside it (torch.tensor()'s own detach_, ...)
   const OpPlan* p = c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python) ? nullptr : plan_of(fn);
@@ -424,10 +425,10 @@ std::unique_ptr<at::ObserverContext> on_op_enter(const at::RecordFunction& fn) {
         for (uint32_t i : p->reads) if (i < inputs.size()) collect(inputs[i], ctx->reads);
         for (uint32_t i : p->writes) if (i < inputs.size()) collect(inputs[i], ctx->writes);
       }
-      ++hidden_depth;
     }
   }
-  open_ops.push_back(deepened);
+  open_ops.push_back(deepened);     // (last: a failure before it leaves the nesting as it was)
+  hidden_depth += deepened;
   return ctx;
 }
 
@@ -463,12 +464,7 @@ void add_range(const at::Tensor& t, bool write, std::vector<LaunchRange>& rs, st
   rs.push_back(LaunchRange{base, ptr, size, f, write ? 1u : 0u});
 }
 
-void on_op_exit(const at::RecordFunction& fn, at::ObserverContext* c) {
-  if (!launches_here || open_ops.empty()) return;
-  if (open_ops.back()) --hidden_depth;
-  open_ops.pop_back();
-  if (c == nullptr) return;
-  auto* ctx = static_cast<LaunchCtx*>(c);
+void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
   if (std::uncaught_exceptions() > ctx->uncaught || quiet_depth > 0) return;
   std::vector<LaunchRange> rs;
   std::vector<at::Tensor> foreign;
@@ -493,6 +489,31 @@ void on_op_exit(const at::RecordFunction& fn, at::ObserverContext* c) {
   for (at::Tensor& t : foreign) launch_tensors.push_back(std::move(t));
   r.site = site_now();
   push_locked(r);
+}
+
+// The callbacks: a failure is counted (the header's hook errors), never raised into the op, and
+// the per-thread nesting stays paired whatever happened inside.
+std::unique_ptr<at::ObserverContext> on_op_enter(const at::RecordFunction& fn) {
+  if (!launches_here) return nullptr;
+  try {
+    return enter_op(fn);
+  } catch (...) {
+    observer_errors.fetch_add(1, std::memory_order_relaxed);
+    open_ops.push_back(0);
+    return nullptr;
+  }
+}
+
+void on_op_exit(const at::RecordFunction& fn, at::ObserverContext* c) {
+  if (!launches_here || open_ops.empty()) return;
+  if (open_ops.back()) --hidden_depth;
+  open_ops.pop_back();
+  if (c == nullptr) return;
+  try {
+    exit_op(fn, static_cast<LaunchCtx*>(c));
+  } catch (...) {
+    observer_errors.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 }  // namespace
@@ -755,7 +776,8 @@ py::tuple drain_events(bool all_frees) {
     Py_INCREF(so); PyTuple_SET_ITEM(ev, 11, so);
     events.append(py::reinterpret_steal<py::object>(ev));
   }
-  return py::make_tuple(events, specials, lost, passed, n_launches);
+  return py::make_tuple(events, specials, lost, passed, n_launches,
+                        static_cast<int64_t>(observer_errors.load(std::memory_order_relaxed)));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

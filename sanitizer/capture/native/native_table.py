@@ -72,6 +72,7 @@ class NativeBlockTable(BlockTable):
         self._draining = None                      # the thread inside drain() (a GC free re-enters)
         self._dropped = 0
         self._passed = 0
+        self._observer_errors = 0
         self.records_seen = 0
 
     # ------------------------------------------------------------------ ordering with Python's events
@@ -128,9 +129,15 @@ class NativeBlockTable(BlockTable):
             return        # a collection inside this drain freed an adopted storage: next time
         self._draining = me
         try:
-            events, specials, dropped, passed, launched = self.lib.drain_events(bool(self.held_by_work or self.stashed))
+            events, specials, dropped, passed, launched, observer_errors = \
+                self.lib.drain_events(bool(self.held_by_work or self.stashed))
             if launched:
                 self.capture.host_work_unsynced = True     # (BlockTable.on_op_full: a `cpu` launch)
+            if observer_errors != self._observer_errors:
+                self.capture.failed("native.launch_observer",
+                                    RuntimeError(f"{observer_errors - self._observer_errors} op callback(s) failed: "
+                                                 f"their launches are not recorded"))
+                self._observer_errors = observer_errors
             if dropped != self._dropped:
                 self.writer.count_drop(dropped - self._dropped, "native-buffer-full")
                 self._dropped = dropped
