@@ -35,8 +35,10 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("bare", "noop-mode", "alloc", "alloc-native", "full")
-CAPTURED = ("alloc", "alloc-native", "full")   # alloc-native: level alloc, the native recorder (HAZSAN_NATIVE=1)
+VARIANTS = ("bare", "noop-mode", "alloc", "alloc-native", "full", "full-native")
+# alloc-native / full-native: the native recorder (HAZSAN_NATIVE=1; at full, launches from its op
+# observer); alloc and full: the dispatch mode (HAZSAN_NATIVE=0)
+CAPTURED = ("alloc", "alloc-native", "full", "full-native")
 TARGETS = {"alloc": 1.15, "full": 1.5}
 
 
@@ -128,7 +130,7 @@ def run_variant(variant, args, trace_dir) -> dict:
     env.pop("HAZSAN_LEVEL", None)
     if variant in CAPTURED:
         env.update(HAZSAN="1", HAZSAN_LEVEL=variant.split("-")[0],
-                   HAZSAN_NATIVE="1" if variant == "alloc-native" else "0",
+                   HAZSAN_NATIVE="1" if variant.endswith("-native") else "0",
                    HAZSAN_DIR=os.path.join(trace_dir, variant, f"run{time.monotonic_ns()}"))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant,
            *[f"--{k}={getattr(args, k)}" for k in ("hidden", "tokens", "layers", "streams", "inter",
@@ -151,11 +153,11 @@ def measure(args, label) -> dict:
                 per_cpu[v].extend(r["cpu"])
                 per_op[v].append(r["per_op"])
         events = {v: 0 for v in CAPTURED}
+        from sanitizer.trace.reader import open_trace
         for v in CAPTURED:
             for root, _, files in os.walk(os.path.join(d, v)):
                 for f in files:
-                    with open(os.path.join(root, f), "rb") as fh:
-                        events[v] += sum(1 for _ in fh) - 1
+                    events[v] += sum(1 for _ in open_trace(os.path.join(root, f)).events())
     wall = {v: statistics.median(ts) for v, ts in per.items()}
     med = {v: statistics.median(ts) for v, ts in per_cpu.items()}
     print(f"\n{label}: hidden {args.hidden}, tokens {args.tokens}, layers {args.layers}, "
@@ -259,8 +261,8 @@ def main() -> None:
 def verdict(med) -> None:
     for v in CAPTURED:
         r = med[v] / med["bare"]
-        print(f"  target: {v} at most {TARGETS[v]}x bare (CPU time) -> "
-              f"{'meets' if r <= TARGETS[v] else 'MISSES'} ({r:.3f}x)")
+        print(f"  target: {v} at most {TARGETS[v.split('-')[0]]}x bare (CPU time) -> "
+              f"{'meets' if r <= TARGETS[v.split('-')[0]] else 'MISSES'} ({r:.3f}x)")
 
 
 if __name__ == "__main__":
