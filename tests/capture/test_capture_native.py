@@ -155,7 +155,7 @@ def test_level_off_uses_the_dispatch_mode_and_full_says_where_launches_come_from
 # decomposed where autograd runs, whole in inference mode), out= and in-place writes, Python
 # numbers made tensors, list arguments, torch.tensor()'s own calls, an op that raises, a thread
 # started later, a tensor subclass, storages of another allocator (numpy: a launch reading one, into
-# a block freed before the records are drained) and a resize.
+# a block freed before the records are drained), a resize, and torch.compile tracing.
 LAUNCHES = """
     import threading, torch, numpy as np, sanitizer
     torch.manual_seed(0)
@@ -192,7 +192,11 @@ LAUNCHES = """
         w = torch.ones(64)
         w2 = w + w
     w3 = w2 + w
-    print("ok", round(float(loss), 6), float(w3.sum()))
+    def scaled(v):                      # traced by Dynamo with dynamic shapes: a factory op on a
+        return v * torch.full((v.shape[0],), 2.0) + 1     # FakeTensor with symbolic sizes
+    compiled = torch.compile(scaled, backend="eager", dynamic=True)
+    cs = [float(compiled(torch.ones(n)).sum()) for n in (4, 8, 16)]
+    print("ok", round(float(loss), 6), float(w3.sum()), cs)
 """
 
 

@@ -402,6 +402,14 @@ struct LaunchCtx : at::ObserverContext {
 };
 
 std::atomic<uint64_t> observer_errors{0};   // exceptions caught in the callbacks (counted, never raised)
+std::mutex observer_error_mu;
+std::string last_observer_error;            // the latest one's message, for the hook error
+
+void observer_failed(const char* where, const char* what) {
+  observer_errors.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(observer_error_mu);
+  last_observer_error = std::string(where) + ": " + what;
+}
 
 std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
   // a call made with the Python key excluded never reaches a dispatch mode, nor do the calls
@@ -436,6 +444,9 @@ std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
 // make keeps its tensor for Python to adopt.
 void add_range(const at::Tensor& t, bool write, std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign) {
   if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu()) return;
+  // a subclass's memory is not its own (a FakeTensor while torch.compile traces, with symbolic
+  // sizes: the dispatch mode steps aside then), nor a symbolic shape's
+  if (t.key_set().has(c10::DispatchKey::Python) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
   // a Python number the binding made a tensor: a dispatch mode is handed the number back
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
   int64_t n = t.numel();
@@ -497,11 +508,13 @@ std::unique_ptr<at::ObserverContext> on_op_enter(const at::RecordFunction& fn) {
   if (!launches_here) return nullptr;
   try {
     return enter_op(fn);
+  } catch (const std::exception& e) {
+    observer_failed(fn.name(), e.what());
   } catch (...) {
-    observer_errors.fetch_add(1, std::memory_order_relaxed);
-    open_ops.push_back(0);
-    return nullptr;
+    observer_failed(fn.name(), "unknown exception");
   }
+  open_ops.push_back(0);
+  return nullptr;
 }
 
 void on_op_exit(const at::RecordFunction& fn, at::ObserverContext* c) {
@@ -511,8 +524,10 @@ void on_op_exit(const at::RecordFunction& fn, at::ObserverContext* c) {
   if (c == nullptr) return;
   try {
     exit_op(fn, static_cast<LaunchCtx*>(c));
+  } catch (const std::exception& e) {
+    observer_failed(fn.name(), e.what());
   } catch (...) {
-    observer_errors.fetch_add(1, std::memory_order_relaxed);
+    observer_failed(fn.name(), "unknown exception");
   }
 }
 
@@ -546,6 +561,11 @@ void mark_op(const std::string& qualified, bool transparent) {
   marked[qualified] = transparent ? TRANSPARENT_OP : OPAQUE_OP;
   plans.clear();
   plans_generation.fetch_add(1, std::memory_order_release);
+}
+
+std::string observer_error() {
+  std::lock_guard<std::mutex> lock(observer_error_mu);
+  return last_observer_error;
 }
 
 // The calling thread's ops are launches (the dispatch mode's threads: capture calls it where it
@@ -796,4 +816,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable_launches", &enable_launches);
   m.def("mark_op", &mark_op);
   m.def("launches_on_this_thread", &launches_on_this_thread);
+  m.def("observer_error", &observer_error);
 }

@@ -135,8 +135,9 @@ class NativeBlockTable(BlockTable):
                 self.capture.host_work_unsynced = True     # (BlockTable.on_op_full: a `cpu` launch)
             if observer_errors != self._observer_errors:
                 self.capture.failed("native.launch_observer",
-                                    RuntimeError(f"{observer_errors - self._observer_errors} op callback(s) failed: "
-                                                 f"their launches are not recorded"))
+                                    RuntimeError(f"{observer_errors - self._observer_errors} op callback(s) failed, "
+                                                 f"their launches not recorded; the latest: "
+                                                 f"{self.lib.observer_error()[:300]}"))
                 self._observer_errors = observer_errors
             if dropped != self._dropped:
                 self.writer.count_drop(dropped - self._dropped, "native-buffer-full")
