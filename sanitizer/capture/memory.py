@@ -142,18 +142,25 @@ def _wrap_compiled_allocators(table: BlockTable) -> None:
 
 
 def _wrap_thread_start(table: BlockTable) -> None:
+    on_every_new_thread(table.capture, lambda: mode_for(table).__enter__(),
+                        "new threads run without the dispatch mode")
+
+
+def on_every_new_thread(capture, start, unhooked: str) -> None:
+    """Call start() first thing on every Python thread started from now on (capture's per-thread
+    set-up: the dispatch mode pushed, or the native recorder told the thread's ops are launches).
+    `unhooked`: what is lost where the hook cannot be placed (said as a hook failure)."""
     original = getattr(threading.Thread, "_bootstrap_inner", None)
     if original is None or getattr(original, "_hazsan", False):
         if original is None:
-            table.capture.failed("threads", RuntimeError("threading.Thread._bootstrap_inner not found: "
-                                                         "new threads run without the dispatch mode"))
+            capture.failed("threads", RuntimeError(f"threading.Thread._bootstrap_inner not found: {unhooked}"))
         return
 
     def _bootstrap_inner(self):
         try:
-            mode_for(table).__enter__()
+            start()
         except Exception as exc:
-            table.capture.failed("threads", exc)
+            capture.failed("threads", exc)
         return original(self)
 
     _bootstrap_inner._hazsan = True

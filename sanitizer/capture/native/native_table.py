@@ -211,15 +211,7 @@ class NativeBlockTable(BlockTable):
             if resolved:                       # a plain block of the recorder's: its own address
                 (writes if write else reads).append((ptr, size))
                 continue
-            if tensor is not None:
-                b = self.block_of(tensor)
-            else:
-                b = self.named.get(base)
-                if b is None:
-                    claimed = self.lib.claim(base)
-                    if claimed is not None:
-                        bid, n, _ = claimed
-                        b = self.named[base] = NativeBlock(bid, base, n, base, n, None)
+            b = self.block_of(tensor) if tensor is not None else self._named_block(base)
             if b is None:
                 self.capture.failed("native.launch", RuntimeError(f"{op}: a range in no known block"))
                 continue
@@ -243,13 +235,7 @@ class NativeBlockTable(BlockTable):
             with self._lock:
                 if self.lib.pending():
                     self.drain()
-                real = s.data_ptr()
-                b = self.named.get(real)
-                if b is None:
-                    claimed = self.lib.claim(real)
-                    if claimed is not None:
-                        bid, size, _ = claimed
-                        b = self.named[real] = NativeBlock(bid, real, size, real, size, None)
+                b = self._named_block(s.data_ptr())
                 if b is not None and b.nbytes >= s.nbytes():
                     b.key = key if key is not None else s._cdata
                     live[b.key] = b
@@ -257,6 +243,17 @@ class NativeBlockTable(BlockTable):
         except Exception as exc:
             self.capture.failed("native.lookup", exc)
         return super()._new(t, s, opname, live, placed_by_scope, where, key)
+
+    def _named_block(self, real: int) -> NativeBlock | None:
+        """The block object Python holds for the recorder's block at `real`, taken now if the
+        recorder has one there (`claim`: from now on its free comes to Python), else None."""
+        b = self.named.get(real)
+        if b is None:
+            claimed = self.lib.claim(real)
+            if claimed is not None:
+                bid, size, _ = claimed
+                b = self.named[real] = NativeBlock(bid, real, size, real, size, None)
+        return b
 
     def _release(self, b) -> None:
         if type(b) is NativeBlock:      # released by a resize: its memory's free is not written again
@@ -341,23 +338,8 @@ def install(capture, lib) -> NativeBlockTable:
 def enable_launches(table: NativeBlockTable, lib) -> None:
     """Level full: launches from the recorder's RecordFunction observer (alloc_recorder.cpp), on
     the threads the dispatch mode would be on: this one and every Python thread started later."""
-    import threading
+    from sanitizer.capture.memory import on_every_new_thread
 
     lib.enable_launches(sorted(_bt._COLLECTIVE_NAMESPACES), sorted(_bt._NO_KERNEL), _bt._LAUNCH)
     lib.launches_on_this_thread()
-    original = getattr(threading.Thread, "_bootstrap_inner", None)
-    if original is None or getattr(original, "_hazsan", False):
-        if original is None:
-            table.capture.failed("threads", RuntimeError("threading.Thread._bootstrap_inner not found: "
-                                                         "new threads' ops launch nothing"))
-        return
-
-    def _bootstrap_inner(self):
-        try:
-            lib.launches_on_this_thread()
-        except Exception as exc:
-            table.capture.failed("threads", exc)
-        return original(self)
-
-    _bootstrap_inner._hazsan = True
-    threading.Thread._bootstrap_inner = _bootstrap_inner
+    on_every_new_thread(table.capture, lib.launches_on_this_thread, "new threads' ops launch nothing")
