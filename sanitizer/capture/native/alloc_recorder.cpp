@@ -502,10 +502,32 @@ void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
   push_locked(r);
 }
 
+// Collectives only C++ waits for (DDP's verification and reducer): while Python has any, each op
+// the mode would see first runs Python's poll, which writes the completions it finds, as the
+// dispatch mode polled before each op; so a read after a wait in C++ comes after its `coll_done`.
+std::atomic<bool> poll_wanted{false};
+PyObject* poll_fn = nullptr;              // a strong reference, kept for the process's life
+thread_local bool in_poll = false;
+
+void poll_collectives() {
+  if (in_poll || poll_fn == nullptr || !Py_IsInitialized() || _Py_IsFinalizing()) return;
+  in_poll = true;
+  PyGILState_STATE g = PyGILState_Ensure();
+  PyObject* r = PyObject_CallNoArgs(poll_fn);
+  if (r == nullptr) {
+    PyErr_Clear();                          // (the poll counts its own failures)
+  } else {
+    Py_DECREF(r);
+  }
+  PyGILState_Release(g);
+  in_poll = false;
+}
+
 // The callbacks: a failure is counted (the header's hook errors), never raised into the op, and
 // the per-thread nesting stays paired whatever happened inside.
 std::unique_ptr<at::ObserverContext> on_op_enter(const at::RecordFunction& fn) {
   if (!launches_here) return nullptr;
+  if (poll_wanted.load(std::memory_order_relaxed) && hidden_depth == 0) poll_collectives();
   try {
     return enter_op(fn);
   } catch (const std::exception& e) {
@@ -562,6 +584,14 @@ void mark_op(const std::string& qualified, bool transparent) {
   plans.clear();
   plans_generation.fetch_add(1, std::memory_order_release);
 }
+
+// Python's poll of the collectives only C++ waits for (called with the GIL), and whether it has any.
+void set_poll(py::object fn) {
+  PyObject* f = fn.ptr();
+  Py_INCREF(f);
+  poll_fn = f;                            // (an earlier one is kept: a thread may be calling it)
+}
+void want_poll(bool on) { poll_wanted.store(on, std::memory_order_relaxed); }
 
 std::string observer_error() {
   std::lock_guard<std::mutex> lock(observer_error_mu);
@@ -817,4 +847,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mark_op", &mark_op);
   m.def("launches_on_this_thread", &launches_on_this_thread);
   m.def("observer_error", &observer_error);
+  m.def("set_poll", &set_poll);
+  m.def("want_poll", &want_poll);
 }

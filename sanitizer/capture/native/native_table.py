@@ -54,12 +54,32 @@ class NativeBlock:
         return None              # (StorageBlock: the storage object) not kept: the memory is the record
 
 
+class UnownedCollectives(dict):
+    """BlockTable.unowned (collectives only C++ waits for: cid -> Future) that tells the recorder
+    whether it has any, so that at level full each op first polls them (alloc_recorder.cpp)."""
+
+    def __init__(self, lib):
+        super().__init__()
+        self._lib = lib
+
+    def __setitem__(self, cid, fut):
+        super().__setitem__(cid, fut)
+        self._lib.want_poll(True)
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        if not self:
+            self._lib.want_poll(False)
+        return out
+
+
 class NativeBlockTable(BlockTable):
     """BlockTable whose allocations come from the native recorder instead of the dispatch mode."""
 
     def __init__(self, capture, lib):
         super().__init__(capture)
         self.lib = lib
+        self.unowned = UnownedCollectives(lib)
         self.writer = capture.writer
         self._ids = iter(lib.new_id, None)         # one id sequence with the recorder's blocks
         # real address -> block object, for the recorder's blocks Python holds: named by a
@@ -341,5 +361,11 @@ def enable_launches(table: NativeBlockTable, lib) -> None:
     from sanitizer.capture.memory import on_every_new_thread
 
     lib.enable_launches(sorted(_bt._COLLECTIVE_NAMESPACES), sorted(_bt._NO_KERNEL), _bt._LAUNCH)
+
+    def poll() -> None:
+        colls = table.collectives
+        if colls is not None and table.unowned:
+            colls.poll()
+    lib.set_poll(poll)
     lib.launches_on_this_thread()
     on_every_new_thread(table.capture, lib.launches_on_this_thread, "new threads' ops launch nothing")
