@@ -699,9 +699,16 @@ def test_the_native_recorders_arrays_encode_as_the_generic_path_does():
     def native_alloc(i, site):
         return (5, i, 4096 * i, 64, "cpu", "default", None, None, None, 1000 + i, None, site)
 
+    def native_launch(i, site, op):
+        return (9, "cpu", ((4096 * i, 64),), ((8192 * i, 32), (9000 * i, 8)) if i % 2 else None, 1000 + i,
+                None, site, None, op)
+
     batch = [native_alloc(1, "m.py:1:f"), (6, 1, 2000), native_alloc(2, "m.py:1:f"),
              native_alloc(3, None), native_alloc(4, "m.py:2:g"), (6, 2, 2001), native_alloc(5, 7),
-             dict(ALLOC, id=6), (6, 3, 2002, None, "m.py:3:h"), native_alloc(7, "m.py:2:g")]
+             dict(ALLOC, id=6), (6, 3, 2002, None, "m.py:3:h"), native_alloc(7, "m.py:2:g"),
+             native_launch(1, "m.py:1:f", "aten.add.Tensor"), native_launch(2, "m.py:4:k", "aten.add.Tensor"),
+             native_launch(3, None, "aten.mul.Tensor"), native_launch(4, "m.py:4:k", "aten.mul.Tensor"),
+             native_launch(5, "m.py:1:f", 3)]
 
     def decoded(items_of):
         table = enc.ValueTable()
@@ -723,7 +730,10 @@ def test_the_native_recorders_arrays_encode_as_the_generic_path_does():
     generic = decoded(lambda part, table: [enc.to_item(ev, table) for ev in part])
     assert fast == generic
     values, events = fast
-    assert values["site"] == ["m.py:1:f", "m.py:2:g", "m.py:3:h"]
+    assert values["site"] == ["m.py:1:f", "m.py:2:g", "m.py:3:h", "m.py:4:k"]
+    assert values["op"][-2:] == ["aten.add.Tensor", "aten.mul.Tensor"]
+    launches = [i for i in events[0] if type(i) is list and i[0] == 9]
+    assert len(launches) == 4 and [i[1 + B.ORDER["launch"][1].index("site")] for i in launches] == [0, 3, None, 3]
     site_at = 1 + B.ORDER["alloc"][1].index("site")
     allocs = [i for i in events[0] if type(i) is list and i[0] == 5]
     assert [i[site_at] for i in allocs] == [0, 0, None, 1, 0, 1]   # ALLOC's own site is m.py:1:f

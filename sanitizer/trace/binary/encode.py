@@ -291,16 +291,22 @@ def encode_frames(batch: list, table: ValueTable | None = None) -> bytes:
 _FIRST_INDEXED = {tag: min(pos for pos, _ in at) if at else 1 << 30 for tag, at in _INDEXED_AT_TAG.items()}
 _ALLOC_TAG = LAYOUT["alloc"][0]
 _ALLOC_SITE = 1 + ORDER["alloc"][1].index("site")
+_LAUNCH_TAG = LAYOUT["launch"][0]
+_LAUNCH_SITE = 1 + ORDER["launch"][1].index("site")
+_LAUNCH_STACK = 1 + ORDER["launch"][1].index("stack")
+_LAUNCH_OP = 1 + ORDER["launch"][1].index("op")
 
 
 def _items(batch: list, table: ValueTable | None) -> list:
     """to_item of each event. The native recorder's arrays (`free` without a site, `alloc` whose
-    only INDEXED field is its site: most of a trace at level alloc) are done inline here, a
-    known site one dict lookup; anything else goes through to_item."""
+    only INDEXED field is its site: most of a trace at level alloc; `launch` whose only ones are
+    its site and op: most of one at full) are done inline here, a known value one dict lookup;
+    anything else goes through to_item."""
     if table is None:
         return [to_item(ev) for ev in batch]
     first = _FIRST_INDEXED
     sites = table.index["site"]              # value -> index
+    ops = table.index["op"]
     out = []
     append = out.append
     for ev in batch:
@@ -316,6 +322,18 @@ def _items(batch: list, table: ValueTable | None) -> list:
                 if found is not None:
                     item = list(ev)
                     item[_ALLOC_SITE] = found
+                    append(item)
+                    continue
+            elif tag == _LAUNCH_TAG and n == _LAUNCH_OP + 1 and ev[_LAUNCH_STACK] is None:
+                site = ev[_LAUNCH_SITE]
+                op = ev[_LAUNCH_OP]
+                found_op = ops.get(op) if type(op) is str else None
+                found_site = sites.get(site) if type(site) is str else (-1 if site is None else None)
+                if found_op is not None and found_site is not None:
+                    item = list(ev)
+                    if site is not None:
+                        item[_LAUNCH_SITE] = found_site
+                    item[_LAUNCH_OP] = found_op
                     append(item)
                     continue
         append(to_item(ev, table))
