@@ -88,9 +88,9 @@ def prompts() -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------- child: one vLLM run
-def child(spec: dict) -> None:
-    t0 = time.perf_counter()
-    import vllm
+def make_llm(spec: dict):
+    """The configuration's `vllm.LLM` (TP=2, the mp executor), and the timed batch and its sampling
+    parameters, warmed up with a short batch (first-use costs out of the timed part)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     kwargs = dict(model=spec["model"], skip_tokenizer_init=True, tensor_parallel_size=2,
@@ -100,12 +100,20 @@ def child(spec: dict) -> None:
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     llm = LLM(**kwargs)
-    t1 = time.perf_counter()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
-    llm.generate(batch[:2], warm, use_tqdm=False)         # first-use costs out of the timed part
+    t = time.perf_counter()
+    llm.generate(batch[:2], warm, use_tqdm=False)
+    return llm, batch, greedy, time.perf_counter() - t
+
+
+def child(spec: dict) -> None:
+    t0 = time.perf_counter()
+    import vllm
+    llm, batch, greedy, warmup = make_llm(spec)
     t2 = time.perf_counter()
+    t1 = t2 - warmup
     cpu0 = cpu_seconds()
     times, runs = [], []
     for _ in range(REPEAT):       # the fastest of REPEAT identical batches: less noise from others
@@ -146,7 +154,8 @@ def cpu_seconds() -> float:
 
 
 # --------------------------------------------------------------------------- parent
-def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
+def config_env(name: str, work: Path) -> dict:
+    """The environment a configuration's vLLM run gets (its trace folder and caches emptied)."""
     eager, level, spec, kernels = CONFIGS[name]
     traces = work / "traces" / name
     shutil.rmtree(traces, ignore_errors=True)
@@ -163,6 +172,12 @@ def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
     if kernels == "avx2":
         env["PYTHONPATH"] = os.pathsep.join([str(HERE / "avx2")] + [p for p in [env.get("PYTHONPATH")] if p])
         env["VLLM_E2E_KERNELS"] = "avx2"
+    return env
+
+
+def run_config(name: str, work: Path, model: Path, timeout: float) -> dict:
+    eager, level, spec, kernels = CONFIGS[name]
+    env = config_env(name, work)
     result = work / f"{name}.json"
     result.unlink(missing_ok=True)
     spec_json = json.dumps({"model": str(model), "eager": eager, "spec": spec, "result": str(result)})

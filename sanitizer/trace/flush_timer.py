@@ -5,6 +5,7 @@ while the fork happens) and started again in both processes, the child with a fi
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 
@@ -47,7 +48,7 @@ class TimeFlush:
     def _start_timer(self) -> None:
         if self.closed or (self._timer is not None and self._timer.is_alive()):
             return
-        stop, kick = threading.Event(), threading.Event()
+        stop, kick = threading.Event(), Kick()
         timer = threading.Thread(target=self._run_timer, args=(stop, kick), name="hazsan-flush", daemon=True)
         self._timer, self._timer_stop, self._timer_kick = timer, stop, kick
         timer.start()
@@ -62,46 +63,71 @@ class TimeFlush:
         if join and timer is not None and timer.is_alive() and timer is not threading.current_thread():
             timer.join(join)
 
-    def _run_timer(self, stop: threading.Event, kick: threading.Event) -> None:
+    def _run_timer(self, stop: threading.Event, kick: "Kick") -> None:
         """The time flush: wake every flush_seconds after the last flush, write what is buffered.
 
-        In a program that marks step ends and is not quiet, it also looks every idle_seconds / 2
-        whether the last step ended idle_seconds ago with none started since, and then settles
-        (_settle: everything written, quiet, each later event written as it comes). A fixed
-        cadence while steps run, so a busy server pays a few dozen wake-ups a second whatever its
-        step rate, and the step hook adds nothing; only a step that ends while this thread sleeps
-        long (before the first step end, or quiet since the last) wakes it (`kick`, mark_step)."""
+        In a program that marks step ends and is not quiet, it also finds out whether the last
+        step ended idle_seconds ago with none started since, and then settles (_settle:
+        everything written, quiet, each later event written as it comes); with a source of its
+        own (the native recorder), whether records made outside Python wait while the file is
+        quiet. Where the source can watch for that itself without the GIL (the native recorder's
+        idle watch, which writes to `kick` only when there is something to do), this thread
+        sleeps a flush period; else it looks every idle_seconds / 2 while steps run: a few dozen
+        wake-ups a second, each taking the GIL from the program's thread. Only a step that ends
+        while this thread sleeps long (before the first step end, or quiet since the last)
+        wakes it (`kick`, mark_step)."""
         period = max(self.flush_seconds, MIN_FLUSH_SECONDS)
         look = max(self.idle_seconds / 2, 0.005)
         wait = period
-        while True:
-            self._timer_long = wait > look
-            kick.wait(wait)
-            kick.clear()
-            if stop.is_set():
-                return
-            try:
-                if self.closed:
+        watched = None      # the source watching for idleness (tried once per source)
+        tried = None
+        try:
+            while True:
+                self._timer_long = wait > look and watched is None
+                kick.wait(wait)
+                if stop.is_set():
                     return
-                now = time.monotonic()
-                source = self.source
-                if self._quiet and source is not None and source.pending():
-                    # records made outside Python while the file said it was complete: written
-                    # through while idle between steps (emit_many), else the header takes it back
-                    source.drain_before_flush()
-                if not self._quiet and self._idle_between_steps(now):
-                    self._settle()
-                left = self._last_flush + period - now
-                if left <= 0.001:
-                    if self._buf or self._dropped or self._hook_errors or (source is not None and source.pending()):
-                        self.flush()
-                    self._settle()
-                    left = period
-                wait = left               # flushed meanwhile (a step, a full buffer): the rest
-                if (self.step_ends and not self._quiet) or source is not None:
-                    wait = min(wait, look)
-            except Exception:             # never raise, not even at interpreter exit
-                wait = period
+                try:
+                    if self.closed:
+                        return
+                    now = time.monotonic()
+                    source = self.source
+                    if source is not None and source is not tried:
+                        tried = source
+                        watch = getattr(source, "watch_idle", None)
+                        if watch is not None:
+                            if watched is not None:
+                                watched.watch_stop()
+                                watched = None
+                            try:
+                                if watch(kick.w, look, self.idle_seconds):
+                                    watched = source
+                            except Exception as exc:   # the Python looks below instead
+                                self.hook_failed("writer.idle_watch", exc)
+                    if self._quiet and source is not None and source.pending():
+                        # records made outside Python while the file said it was complete: written
+                        # through while idle between steps (emit_many), else the header takes it back
+                        source.drain_before_flush()
+                    if not self._quiet and self._idle_between_steps(now):
+                        self._settle()
+                    left = self._last_flush + period - now
+                    if left <= 0.001:
+                        if self._buf or self._dropped or self._hook_errors or (source is not None and source.pending()):
+                            self.flush()
+                        self._settle()
+                        left = period
+                    wait = left               # flushed meanwhile (a step, a full buffer): the rest
+                    if watched is None and ((self.step_ends and not self._quiet) or source is not None):
+                        wait = min(wait, look)
+                except Exception:             # never raise, not even at interpreter exit
+                    wait = period
+        finally:
+            try:
+                if watched is not None:
+                    watched.watch_stop()      # its thread joined before the pipe it writes to closes
+            except Exception:
+                pass
+            kick.close()
 
     def _before_fork(self) -> None:
         """No thread of ours may run while the process forks (the child would inherit the
@@ -162,3 +188,48 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         return int(v)
     except ValueError:
         return default
+
+
+class Kick:
+    """What the time flush sleeps on: a pipe, so that a thread without the GIL (the native
+    recorder's idle watch) can wake it as well as Python can (`set`). Closed by the time flush's
+    thread when it ends; a `set` after that does nothing (never a write to a reused descriptor)."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)      # a full pipe wakes the reader already
+        self._lock = threading.Lock()
+        self._poll = select.poll()          # (select.select refuses descriptors past 1023)
+        self._poll.register(self.r, select.POLLIN)
+        self.closed = False
+
+    def set(self) -> None:
+        with self._lock:
+            if not self.closed:
+                try:
+                    os.write(self.w, b"k")
+                except OSError:
+                    pass
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until woken or `timeout` s passed; then forget every wake-up so far."""
+        try:
+            self._poll.poll(max(timeout, 0.0) * 1000.0)
+        except InterruptedError:
+            pass
+        try:
+            while os.read(self.r, 4096):
+                pass
+        except OSError:          # BlockingIOError: drained
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                for fd in (self.r, self.w):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass

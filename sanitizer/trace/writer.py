@@ -161,7 +161,7 @@ class TraceWriter(TraceFile, TimeFlush):
         self._next_suffix: dict = {} # (folder, stem) -> the next n of `stem.<n>.jsonl` to try there
         self._timer = None           # the time-flush thread, once start() ran
         self._timer_stop = None      # its Event
-        self._timer_kick = None      # the Event it sleeps on: set to wake it (stop, a step ended)
+        self._timer_kick = None      # the Kick it sleeps on: set to wake it (stop, a step ended)
         self._timer_long = False     # it sleeps for a flush period, not the idle look (flush_timer)
         self._started = False
         self._fork_hooks = False
@@ -320,6 +320,26 @@ class TraceWriter(TraceFile, TimeFlush):
         its events were flushed). Only a program that marks ends (SGLang's and vLLM's step hooks)
         has the header say which: the start of a step must reach the header before its events,
         so that a kill during it is never read as "after its last step"."""
+        # the native recorder's idle watch times the step ends too: told of a start first, of an
+        # end after _step_end_at is set, so that its idle moment is never before this one's
+        marked = getattr(self.source, "step_marked", None)
+        if marked is not None and not ended:
+            self._tell_source(marked, False)
+        try:
+            self._mark_step(n, ended)
+        finally:
+            if marked is not None and ended:
+                self._tell_source(marked, True)
+        if self._deferred:
+            self._run_deferred()
+
+    def _tell_source(self, marked, ended: bool) -> None:
+        try:
+            marked(ended)
+        except Exception as exc:
+            self.hook_failed("writer.source", exc)
+
+    def _mark_step(self, n: int, ended: bool) -> None:
         with self._lock:
             if ended:
                 self.step_ends = True
@@ -337,8 +357,6 @@ class TraceWriter(TraceFile, TimeFlush):
                     self._quiet = self._through = False
             else:
                 self._write_progress()
-        if self._deferred:
-            self._run_deferred()
 
     def note_signal(self, name: str) -> None:
         """A termination signal arrived and the program handles it: flush, and let the header say

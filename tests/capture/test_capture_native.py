@@ -360,6 +360,64 @@ def test_sigkill_of_an_idle_process_loses_nothing(tmp_path):
     assert sum(1 for e in events[1:] if e["ev"] == "alloc" and e["size"] == 20 and e.get("site") == "prog.py:7:<listcomp>") == 4
 
 
+STEPPING = """
+    import json, sys, time, torch, sanitizer
+    from sanitizer.capture import runtime
+    writer = runtime.active().writer
+    t = torch.ones(32)
+    with sanitizer.step(0, phase="decode"):
+        t = t * 2
+    time.sleep(0.3)                    # the time flush has met its source (the recorder)
+    kick = writer._timer_kick
+    woken = []
+    wait = kick.wait
+    def counted(timeout):
+        wait(timeout)
+        woken.append(time.monotonic())
+    kick.wait = counted
+    start = time.monotonic()
+    n = 1
+    while time.monotonic() - start < 1.0:        # steps back to back, for one second
+        with sanitizer.step(n, phase="decode"):
+            for _ in range(20):
+                t = (t * 1.0001).contiguous()
+        n += 1
+    ended = time.monotonic()
+    during = sum(1 for w in woken if w < ended)
+    while not writer.progress.get("quiet") and time.monotonic() - ended < 5:
+        time.sleep(0.001)
+    print(json.dumps({"steps": n, "woken_during_steps": during, "quiet_after": time.monotonic() - ended,
+                      "quiet": writer.progress.get("quiet"), "timer_long": writer._timer_long}), flush=True)
+"""
+
+
+def test_the_time_flush_sleeps_while_steps_run_and_settles_after_the_last(tmp_path):
+    """With the recorder, the time flush does not wake while steps run back to back (its idle watch
+    looks without the GIL: every wake-up of the Python thread took the GIL from the step's thread),
+    and still makes the file quiet soon after the last step ends (HAZSAN_IDLE_SECONDS)."""
+    traces = tmp_path / "t"
+    out = _run(tmp_path, STEPPING, _env(traces, HAZSAN_IDLE_SECONDS="0.05", HAZSAN_FLUSH_SECONDS="30"))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["steps"] > 50, got
+    assert got["woken_during_steps"] <= 1, got          # the Python looks: 40 a second
+    assert got["quiet"] is True and 0.04 <= got["quiet_after"] < 1.0, got
+    assert got["timer_long"] is False, got              # no kick from the step hook either
+    doc = _check(traces)
+    assert doc["summary"]["complete"] is True and doc["summary"]["findings"] == 0, doc["summary"]
+
+
+def test_without_the_recorder_the_time_flush_looks_for_idleness_itself(tmp_path):
+    """The dispatch-mode path has no idle watch: the Python thread looks every idle/2 s while steps
+    run, and the file is quiet as soon after the last step."""
+    traces = tmp_path / "t"
+    out = _run(tmp_path, STEPPING, _env(traces, native="0", HAZSAN_IDLE_SECONDS="0.05", HAZSAN_FLUSH_SECONDS="30"))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["woken_during_steps"] >= 10, got
+    assert got["quiet"] is True and 0.04 <= got["quiet_after"] < 1.0, got
+
+
 FORK = """
     import multiprocessing as mp, os, torch
     keep = torch.ones(111)

@@ -34,10 +34,16 @@
 #undef Py_BUILD_CORE
 #include <pthread.h>
 #include <time.h>
+#include <unistd.h>
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -830,6 +836,119 @@ py::tuple drain_events(bool all_frees) {
                         static_cast<int64_t>(observer_errors.load(std::memory_order_relaxed)));
 }
 
+// ---- the idle watch: when the writer's time flush has something to do, said without the GIL
+//
+// The time flush (sanitizer/trace/flush_timer.py) must notice soon (HAZSAN_IDLE_SECONDS) that a
+// program which marks step ends is idle after its last one, and that records made here wait
+// while the file says it holds everything. A Python thread looking every idle/2 s takes the GIL
+// from the step's thread 40 times a second, which cost a vLLM TP=2 batch about 9% on a 2-core
+// machine (benchmarks/README.md). This thread looks instead, holding nothing of Python's, and
+// writes one byte to the time flush's pipe only when there is something for it to do:
+//   * a program that marks step ends: its last step ended idle_s ago, none started since, and
+//     the time flush was not yet told of that end, or records are pending;
+//   * any other program: records are pending.
+// It never takes the GIL or touches a Python object, and is joined before its pipe is closed.
+namespace {
+struct WatchSync { std::mutex mu; std::condition_variable cv; };
+WatchSync* watch_sync = new WatchSync();   // never destroyed: the process may exit while it waits
+std::thread* watch_thread = nullptr;       // the running one, joined by watch_stop (heap: never
+                                           // destroyed joinable, which would std::terminate)
+std::mutex watch_control;                  // one start or stop at a time
+std::atomic<uint64_t> watch_gen{0};
+std::atomic<bool> w_step_ends{false};
+std::atomic<bool> w_in_step{false};
+std::atomic<int64_t> w_last_end{0};        // CLOCK_MONOTONIC ns of the last step end, 0: none
+bool watch_fork_handler = false;
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+void watch_loop(uint64_t gen, int fd, int64_t look_ns, int64_t idle_ns) {
+  int64_t told = 0;
+  std::unique_lock<std::mutex> lock(watch_sync->mu);
+  while (true) {
+    watch_sync->cv.wait_for(lock, std::chrono::nanoseconds(look_ns), [&] { return watch_gen.load() != gen; });
+    if (watch_gen.load() != gen) return;
+    bool pending_now = n_pending.load(std::memory_order_relaxed) > 0;
+    bool wake = false;
+    if (!w_step_ends.load(std::memory_order_relaxed)) {
+      wake = pending_now;
+    } else if (!w_in_step.load(std::memory_order_relaxed)) {
+      int64_t end = w_last_end.load(std::memory_order_relaxed);
+      if (end != 0 && monotonic_ns() - end >= idle_ns) {
+        wake = pending_now || end != told;
+        told = end;
+      }
+    }
+    if (wake) {
+      char b = 'w';
+      ssize_t r = write(fd, &b, 1);   // non-blocking: a full pipe already wakes the reader
+      (void)r;
+    }
+  }
+}
+
+// In a forked child the thread does not exist (and the lock may have been held): start afresh.
+void watch_after_fork_child() {
+  watch_sync = new WatchSync();
+  watch_thread = nullptr;                  // the parent's: not ours to join or destroy
+  new (&watch_control) std::mutex();
+  w_step_ends.store(false);
+  w_in_step.store(false);
+  w_last_end.store(0);
+}
+
+void watch_stop_locked() {
+  if (watch_thread == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(watch_sync->mu);
+    ++watch_gen;
+  }
+  watch_sync->cv.notify_all();
+  watch_thread->join();
+  delete watch_thread;
+  watch_thread = nullptr;
+}
+}  // namespace
+
+// Start the watch (stopping one running): it writes to `fd` (the time flush's pipe, non-blocking)
+// every `look_s` at most, when the time flush has something to do (above).
+bool watch_start(int64_t fd, double look_s, double idle_s) {
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> control(watch_control);
+  watch_stop_locked();
+  if (!watch_fork_handler) {
+    pthread_atfork(nullptr, nullptr, &watch_after_fork_child);
+    watch_fork_handler = true;
+  }
+  uint64_t gen = ++watch_gen;
+  int64_t look_ns = static_cast<int64_t>(std::max(look_s, 0.001) * 1e9);
+  int64_t idle_ns = static_cast<int64_t>(std::max(idle_s, 0.0) * 1e9);
+  watch_thread = new std::thread(watch_loop, gen, static_cast<int>(fd), look_ns, idle_ns);
+  return true;
+}
+
+// Stop the watch and wait for its thread (then its pipe may be closed).
+void watch_stop() {
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> control(watch_control);
+  watch_stop_locked();
+}
+
+// The program's step hook: a step starts (`ended` false) or ended.
+void watch_step(bool ended) {
+  if (ended) {
+    w_last_end.store(monotonic_ns());
+    w_in_step.store(false);
+    w_step_ends.store(true);
+  } else {
+    w_in_step.store(true);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install);
   m.def("installed", &installed);
@@ -849,4 +968,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("observer_error", &observer_error);
   m.def("set_poll", &set_poll);
   m.def("want_poll", &want_poll);
+  m.def("watch_start", &watch_start);
+  m.def("watch_stop", &watch_stop);
+  m.def("watch_step", &watch_step);
 }

@@ -125,6 +125,19 @@ class NativeBlockTable(BlockTable):
     def pending(self) -> int:
         return self.lib.pending()
 
+    # ------------------------------------------------------------------ the writer's idle watch
+    def watch_idle(self, fd: int, look: float, idle: float) -> bool:
+        """The time flush's source hook: a thread of the recorder looks every `look` s, without
+        the GIL, and writes a byte to `fd` when the time flush has something to do (the last
+        step ended `idle` s ago, or records wait; alloc_recorder.cpp, "the idle watch")."""
+        return bool(self.lib.watch_start(fd, look, idle))
+
+    def watch_stop(self) -> None:
+        self.lib.watch_stop()
+
+    def step_marked(self, ended: bool) -> None:
+        self.lib.watch_step(ended)
+
     def drain_pending(self) -> None:
         """Drain what is pending now. Before a lookup in `live` by storage key: a free still
         pending leaves its block there, and a storage made since may have the dead one's
