@@ -137,3 +137,36 @@ def test_step_progress_is_written_through_one_kept_descriptor(tmp_path, monkeypa
     assert _open_fds() == during
     w.close()
     assert _open_fds() == before
+
+
+def test_the_time_flush_sleeps_on_a_pipe_that_a_set_after_close_never_writes_to():
+    """The time flush's Kick: a set wakes the sleeper (also written from C++, the native idle
+    watch), a wait forgets every wake-up so far, and once the time flush closed it a late set (a
+    step hook racing the shutdown) neither raises nor writes into a descriptor reused since."""
+    import time
+
+    from sanitizer.trace.flush_timer import Kick
+    kick = Kick()
+    t = time.monotonic()
+    kick.wait(0.05)                                     # nothing set: the whole timeout
+    assert time.monotonic() - t >= 0.04
+    for _ in range(3):
+        kick.set()
+    os.write(kick.w, b"w")                              # as the idle watch writes
+    t = time.monotonic()
+    kick.wait(5.0)
+    assert time.monotonic() - t < 1.0                   # woken at once
+    t = time.monotonic()
+    kick.wait(0.05)                                     # every wake-up was consumed
+    assert time.monotonic() - t >= 0.04
+    kick.close()
+    reused_r, reused_w = os.pipe()                      # may take the closed descriptors' numbers
+    try:
+        kick.set()
+        kick.close()
+        os.set_blocking(reused_r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(reused_r, 1)                        # nothing written into whatever has them now
+    finally:
+        os.close(reused_r)
+        os.close(reused_w)
