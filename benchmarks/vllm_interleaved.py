@@ -150,8 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=DEFAULT, help=f"comma-separated configurations of run.py (default {DEFAULT}); "
                                                     "each group's bare one is added")
     ap.add_argument("--rounds", type=int, default=20, help="batches per configuration (default 20)")
-    ap.add_argument("--pause", type=float, default=1.5,
-                    help="seconds between two turns, so the last server's workers stop spinning (default 1.5)")
+    ap.add_argument("--pause", type=float, default=1.2,
+                    help="seconds between two turns, so the last server's workers stop spinning (default 1.2)")
     ap.add_argument("--json", help="write every batch's figures here")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
