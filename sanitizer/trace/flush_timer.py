@@ -72,18 +72,23 @@ class TimeFlush:
         own (the native recorder), whether records made outside Python wait while the file is
         quiet. Where the source can watch for that itself without the GIL (the native recorder's
         idle watch, which writes to `kick` only when there is something to do), this thread
-        sleeps a flush period; else it looks every idle_seconds / 2 while steps run: a few dozen
-        wake-ups a second, each taking the GIL from the program's thread. Only a step that ends
-        while this thread sleeps long (before the first step end, or quiet since the last)
-        wakes it (`kick`, mark_step)."""
+        sleeps a flush period. Else it looks itself, and each look takes the GIL from the
+        program's thread: every idle_seconds / 2 at first, and twice as long after each look that
+        finds steps still running, up to 4 x idle_seconds (a busy server: 5 wake-ups a second
+        instead of 40), back to idle_seconds / 2 once it finds none; so the file is quiet
+        idle_seconds to 5 x idle_seconds after the last step. Only a step that ends while this
+        thread sleeps long (before the first step end, or quiet since the last) wakes it
+        (`kick`, mark_step)."""
         period = max(self.flush_seconds, MIN_FLUSH_SECONDS)
-        look = max(self.idle_seconds / 2, 0.005)
+        base = look = max(self.idle_seconds / 2, 0.005)
+        busy = max(base, min(4 * self.idle_seconds, period))   # the longest look while steps run
+        ended_at = None     # the last step end a look saw
         wait = period
         watched = None      # the source watching for idleness (tried once per source)
         tried = None
         try:
             while True:
-                self._timer_long = wait > look and watched is None
+                self._timer_long = wait > busy and watched is None
                 kick.wait(wait)
                 if stop.is_set():
                     return
@@ -100,7 +105,7 @@ class TimeFlush:
                                 watched.watch_stop()
                                 watched = None
                             try:
-                                if watch(kick.w, look, self.idle_seconds):
+                                if watch(kick.w, base, self.idle_seconds):
                                     watched = source
                             except Exception as exc:   # the Python looks below instead
                                 self.hook_failed("writer.idle_watch", exc)
@@ -118,6 +123,12 @@ class TimeFlush:
                         left = period
                     wait = left               # flushed meanwhile (a step, a full buffer): the rest
                     if watched is None and ((self.step_ends and not self._quiet) or source is not None):
+                        end = self._step_end_at
+                        if self.step_ends and not self._quiet and end != ended_at:
+                            look = min(look * 2, busy)     # steps ran since the last look
+                        else:
+                            look = base
+                        ended_at = end
                         wait = min(wait, look)
                 except Exception:             # never raise, not even at interpreter exit
                     wait = period

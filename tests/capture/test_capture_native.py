@@ -408,14 +408,15 @@ def test_the_time_flush_sleeps_while_steps_run_and_settles_after_the_last(tmp_pa
 
 
 def test_without_the_recorder_the_time_flush_looks_for_idleness_itself(tmp_path):
-    """The dispatch-mode path has no idle watch: the Python thread looks every idle/2 s while steps
-    run, and the file is quiet as soon after the last step."""
+    """The dispatch-mode path has no idle watch: the Python thread looks itself, less often while
+    steps keep running (from idle/2 s up to 4 x idle s: about 5 a second, not 40), and the file is
+    quiet within 5 x idle s after the last step."""
     traces = tmp_path / "t"
     out = _run(tmp_path, STEPPING, _env(traces, native="0", HAZSAN_IDLE_SECONDS="0.05", HAZSAN_FLUSH_SECONDS="30"))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["woken_during_steps"] >= 10, got
-    assert got["quiet"] is True and 0.04 <= got["quiet_after"] < 1.0, got
+    assert 2 <= got["woken_during_steps"] <= 12, got
+    assert got["quiet"] is True and 0.04 <= got["quiet_after"] < 0.6, got
 
 
 FORK = """
