@@ -210,7 +210,7 @@ class Kick:
         self.r, self.w = os.pipe()
         os.set_blocking(self.r, False)
         os.set_blocking(self.w, False)      # a full pipe wakes the reader already
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()      # (re-entered by a signal handler that closes the trace)
         self._poll = select.poll()          # (select.select refuses descriptors past 1023)
         self._poll.register(self.r, select.POLLIN)
         self.closed = False
