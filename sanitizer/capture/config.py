@@ -33,6 +33,7 @@ class Settings:
     buffer_events: int = 65_536            # HAZSAN_BUFFER_EVENTS: flush when this many are queued
     flush_seconds: float = 2.0             # HAZSAN_FLUSH_SECONDS: flush at least this often while busy
     idle_seconds: float = 0.05             # HAZSAN_IDLE_SECONDS: after a step, idle from then on (quiet)
+    step_flush_seconds: float = 0.05       # HAZSAN_STEP_FLUSH_SECONDS: a step's end flushes if the last flush is this old
     window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
     max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
     level: str = "alloc"                   # HAZSAN_LEVEL: alloc | full
@@ -87,5 +88,6 @@ class Settings:
             buffer_events=num("HAZSAN_BUFFER_EVENTS", d.buffer_events),
             flush_seconds=num("HAZSAN_FLUSH_SECONDS", d.flush_seconds, float, 0),
             idle_seconds=num("HAZSAN_IDLE_SECONDS", d.idle_seconds, float, 0),
+            step_flush_seconds=num("HAZSAN_STEP_FLUSH_SECONDS", d.step_flush_seconds, float, 0),
             window_bytes=num("HAZSAN_WINDOW_BYTES", d.window_bytes, int, 1 << 21),
         ), problems

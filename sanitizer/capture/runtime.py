@@ -65,6 +65,7 @@ class Capture:
                                   buffer_events=settings.buffer_events,
                                   flush_seconds=settings.flush_seconds,
                                   idle_seconds=getattr(settings, "idle_seconds", 0.05),
+                                  step_flush_seconds=getattr(settings, "step_flush_seconds", 0.05),
                                   trace_format=getattr(settings, "trace_format", None))
         self.emit = self.writer.emit
         self.sites = SiteFinder(settings.stacks, settings.max_stack)
@@ -187,10 +188,10 @@ class Capture:
 
     def end_step(self, n: int) -> None:
         """Step n's own call returned (SGLang's run_batch, vLLM's execute_model): its events are
-        flushed, and the header says the step ended (what `hazsan check` tells of a process
-        killed afterwards: nothing recorded during a step is missing)."""
-        self.writer.flush()
-        self.writer.mark_step(int(n), ended=True)
+        flushed and the header says the step ended (what `hazsan check` tells of a process killed
+        afterwards: nothing recorded during a step is missing), at once if the last flush is
+        HAZSAN_STEP_FLUSH_SECONDS old, else with the next flush (TraceWriter.end_step)."""
+        self.writer.end_step(int(n))
 
     # ---------------------------------------------------------------- scopes
     def enter_scope(self, pool: str, comm: str, name: str = "symm") -> None:

@@ -169,6 +169,8 @@ class TimeFlush:
         self._quiet = self._through = False
         self._flush_thread = None
         self._buf = []
+        self._buf_runs = self._buf_extra = 0
+        self._end_unwritten = None
         self._fd = None
         self.path = None
         self._written = 0

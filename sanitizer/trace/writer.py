@@ -93,6 +93,7 @@ def default_format(environ=os.environ) -> str:
 
 
 _ENCODE_SLICE = 1024
+_PLAIN = B.PLAIN_TYPES
 _CAPPED_RECORD_SECONDS = 60.0
 #: how long close() waits for the time flush to return (it is woken: normally well under 1 ms)
 CLOSE_JOIN_SECONDS = 1.0
@@ -103,7 +104,8 @@ class TraceWriter(TraceFile, TimeFlush):
 
     def __init__(self, directory: str, *, max_events: int = 20_000_000, buffer_events: int = 65_536,
                  flush_seconds: float = 2.0, header_extra: dict | None = None,
-                 trace_format: str | None = None, idle_seconds: float = 0.05):
+                 trace_format: str | None = None, idle_seconds: float = 0.05,
+                 step_flush_seconds: float = 0.05):
         self.directory = directory
         self.format = trace_format or default_format()
         if self.format not in FORMATS:
@@ -114,6 +116,8 @@ class TraceWriter(TraceFile, TimeFlush):
         self.flush_seconds = flush_seconds
         # a program that marks step ends is idle this long after one with no step started: quiet
         self.idle_seconds = max(idle_seconds, MIN_IDLE_SECONDS)
+        # a step's end flushes when the last flush is this old (end_step); 0: every step
+        self.step_flush_seconds = max(step_flush_seconds, 0.0)
         self.header_extra = dict(header_extra or {})
         self.header_source = None   # callable -> dict of more header keys, asked when the header is written
         self.header_key = None      # callable -> hashable; the header is written again when it changes
@@ -128,6 +132,10 @@ class TraceWriter(TraceFile, TimeFlush):
         self.path: str | None = None
         self._fd: int | None = None
         self._buf: list = []
+        # packed runs in the buffer (binary.is_packed: the native recorder's plain records, kept
+        # as structs until the flush encodes them), and the events they hold beyond one entry each
+        self._buf_runs = 0
+        self._buf_extra = 0
         self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
         self._buf_lock = threading.RLock()  # the buffer append/swap only
         self._count_lock = threading.RLock() # drop and hook-error counts: hooks add, a flush (any thread) takes
@@ -141,6 +149,7 @@ class TraceWriter(TraceFile, TimeFlush):
         self._hdr = None             # (descriptor, path, header descriptor, pid): TraceFile._header_fd
         self.step_ends = False       # the program marks where its steps end (progress says so then)
         self._step_end_at = 0.0      # monotonic time the last step ended
+        self._end_unwritten = None   # the step that ended last, its end not yet flushed (end_step)
         self._flush_thread = None    # ident of the thread inside flush() (a GC free there must not re-enter)
         self._written = 0            # events accepted into the file (header excluded)
         self._dropped = 0            # dropped since the last `dropped` record
@@ -199,15 +208,14 @@ class TraceWriter(TraceFile, TimeFlush):
         if self._deferred:
             self._run_deferred()
 
-    def emit_many(self, evs: list) -> None:
-        """Queue events in order, one lock for all (the native recorder's batches)."""
+    def emit_many(self, evs) -> None:
+        """Queue events in order, one lock for all (the native recorder's batches): a list, or a
+        packed run (binary.is_packed), which stays one entry until the flush encodes it."""
         with self._buf_lock:
             if self._quiet:
                 n = -1
             else:
-                buf = self._buf
-                buf.extend(evs)
-                n = len(buf)
+                n = self._append_many(evs)
         if n < 0:             # the header says nothing is missing
             if self._through and self._write_through(evs, many=True):
                 return        # idle between steps: the batch written at once, still quiet
@@ -215,6 +223,17 @@ class TraceWriter(TraceFile, TimeFlush):
             self.emit_many(evs)
             return
         self._queued(n)
+
+    def _append_many(self, evs) -> int:
+        """(with _buf_lock) Append events to the buffer; the number of events it holds now."""
+        buf = self._buf
+        if type(evs) is list:
+            buf.extend(evs)
+        elif len(evs):
+            buf.append(evs)
+            self._buf_runs += 1
+            self._buf_extra += len(evs) - 1
+        return len(buf) + self._buf_extra
 
     def hook_failed(self, hook: str, exc: BaseException) -> None:
         """Count a caught hook failure; written into the trace at the next flush."""
@@ -264,7 +283,7 @@ class TraceWriter(TraceFile, TimeFlush):
                 return False
             with self._buf_lock:
                 if many:
-                    self._buf.extend(ev)
+                    self._append_many(ev)
                 else:
                     self._buf.append(ev)
             self.flush(drain_source=False)   # a failed write counts a drop, which ends the quiet state
@@ -308,25 +327,40 @@ class TraceWriter(TraceFile, TimeFlush):
     def _idle_between_steps(self, now: float) -> bool:
         """A program that marks step ends, its last step ended `idle_seconds` ago or more and no
         step started since."""
-        return (self.step_ends and self.progress.get("step_ended") is True
+        return (self.step_ends and (self._end_unwritten is not None or self.progress.get("step_ended") is True)
                 and now - self._step_end_at >= self.idle_seconds)
 
     def _write_progress(self) -> None:
         if self._fd is not None:
             self._refresh_header()
 
-    def mark_step(self, n: int, ended: bool) -> None:
+    def end_step(self, n: int) -> None:
+        """Step `n` ended: its events are flushed and the header says it ended, at once when the
+        last flush is `step_flush_seconds` old or more, else with the next flush (a later step's
+        end, the time flush, idleness, a signal, close). Until then the header goes on saying
+        that step `n` runs, so it never claims more than the file holds: a process killed in
+        between is reported killed during step `n`, with what it recorded since its last flush
+        possibly missing. Steps of a few milliseconds (a host-bound decode) then pay a flush and
+        a header write every `step_flush_seconds`, not each (most of what capture adds to them)."""
+        if time.monotonic() - self._last_flush >= self.step_flush_seconds:
+            self.flush()
+            self.mark_step(n, ended=True)
+        else:
+            self.mark_step(n, ended=True, flushed=False)
+
+    def mark_step(self, n: int, ended: bool, flushed: bool = True) -> None:
         """Step `n` starts (`ended` false: before its first event is buffered) or ended (after
-        its events were flushed). Only a program that marks ends (SGLang's and vLLM's step hooks)
-        has the header say which: the start of a step must reach the header before its events,
-        so that a kill during it is never read as "after its last step"."""
+        its events were flushed; `flushed` false: they are not yet, and the next flush says that
+        it ended). Only a program that marks ends (SGLang's and vLLM's step hooks) has the header
+        say which: the start of a step must reach the header before its events, so that a kill
+        during it is never read as "after its last step"."""
         # the native recorder's idle watch times the step ends too: told of a start first, of an
         # end after _step_end_at is set, so that its idle moment is never before this one's
         marked = getattr(self.source, "step_marked", None)
         if marked is not None and not ended:
             self._tell_source(marked, False)
         try:
-            self._mark_step(n, ended)
+            self._mark_step(n, ended, flushed)
         finally:
             if marked is not None and ended:
                 self._tell_source(marked, True)
@@ -339,7 +373,7 @@ class TraceWriter(TraceFile, TimeFlush):
         except Exception as exc:
             self.hook_failed("writer.source", exc)
 
-    def _mark_step(self, n: int, ended: bool) -> None:
+    def _mark_step(self, n: int, ended: bool, flushed: bool = True) -> None:
         with self._lock:
             if ended:
                 self.step_ends = True
@@ -347,8 +381,12 @@ class TraceWriter(TraceFile, TimeFlush):
                 kick = self._timer_kick
                 if self._timer_long and kick is not None:   # asleep for a flush period: look sooner
                     kick.set()
+                if not flushed:
+                    self._end_unwritten = int(n)
+                    return
             if not self.step_ends:
                 return
+            self._end_unwritten = None
             self.progress.update(step=int(n), step_ended=bool(ended))
             if not ended and self._quiet:     # the step's events are buffered again
                 self.progress["quiet"] = False
@@ -397,9 +435,11 @@ class TraceWriter(TraceFile, TimeFlush):
     # ------------------------------------------------------------------ identity
 
 
-    def _encode(self, part: list) -> bytes:
+    def _encode(self, part: list, packed: bool = False) -> bytes:
         if self.format == "binary":
-            return B.encode_frames(part, self._values)
+            return B.encode_frames(part, self._values, packed)
+        if packed:
+            part = B.unpacked(part)
         # capture's hot kinds come as arrays (binary.source_item): their dicts are made here
         return b"".join([_dumps(ev if type(ev) is dict else B.to_dict(ev)) for ev in part])
 
@@ -426,6 +466,12 @@ class TraceWriter(TraceFile, TimeFlush):
             self._flush_thread = threading.get_ident()
             try:
                 self._flush_locked()
+                ended = self._end_unwritten
+                if ended is not None and (drain_source or source is None or not source.pending()):
+                    # the step that ended last (end_step) is in the file now, its records too
+                    self._end_unwritten = None
+                    self.progress.update(step=ended, step_ended=True)
+                    self._write_progress()
             except Exception as exc:
                 try:
                     self.hook_failed("writer.flush", exc)
@@ -441,13 +487,18 @@ class TraceWriter(TraceFile, TimeFlush):
         fresh = []                      # allocated outside the lock: an allocation may run GC,
         with self._buf_lock:            # whose storage finalizers emit (and take this lock)
             batch, self._buf = self._buf, fresh
+            runs, extra = self._buf_runs, self._buf_extra
+            self._buf_runs = self._buf_extra = 0
+        total = len(batch) + extra
         if self.closed:
-            if batch:
-                self.count_drop(len(batch), "after-close")
+            if total:
+                self.count_drop(total, "after-close")
             return
         room = self.max_events - self._written
-        if len(batch) > room:
-            self.count_drop(len(batch) - max(room, 0), "max-events")
+        if total > room:
+            self.count_drop(total - max(room, 0), "max-events")
+            if runs:
+                batch, runs = B.unpacked(batch), 0
             batch = batch[:max(room, 0)]
         if room <= 0 and not self._closing and time.monotonic() - self._last_record < _CAPPED_RECORD_SECONDS:
             return  # past the cap, the counts go out once a minute and at close: the file stays bounded
@@ -478,19 +529,21 @@ class TraceWriter(TraceFile, TimeFlush):
             encode = self._encode
             for i in range(0, len(batch), _ENCODE_SLICE):
                 part = batch[i:i + _ENCODE_SLICE]
+                n = len(part) if not runs else sum(1 if type(ev) in _PLAIN else len(ev) for ev in part)
                 mark = self._values.mark()
                 try:
-                    _write_all(self._fd, encode(part))
+                    _write_all(self._fd, encode(part, bool(runs)))
                 except BaseException:
                     # values whose `V` frame did not reach the file are not in its table: a later
                     # event that has one writes it again
                     self._values.rollback(mark)
                     raise
-                done += len(part)
-                self._written += len(part)
-                self._in_file += len(part)
+                done += n
+                self._written += n
+                self._in_file += n
         except Exception as exc:   # disk full, unserialisable field, directory gone
-            self.count_drop(len(batch) - done, f"write-failed: {type(exc).__name__}")
+            count = len(batch) + (extra if runs else 0)
+            self.count_drop(count - done, f"write-failed: {type(exc).__name__}")
             self.hook_failed("writer.flush", exc)
             self._warn(exc)
 

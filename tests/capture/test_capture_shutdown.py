@@ -32,7 +32,7 @@ pytest.importorskip("torch")
 def _env(traces, **extra):
     env = dict(os.environ, HAZSAN="1", HAZSAN_DIR=str(traces), PYTHONWARNINGS="ignore")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "HAZSAN_LEVEL", "HAZSAN_FLUSH_SECONDS", "HAZSAN_IDLE_SECONDS",
-              "HAZSAN_TRACE_FORMAT"):
+              "HAZSAN_TRACE_FORMAT", "HAZSAN_STEP_FLUSH_SECONDS"):
         env.pop(k, None)
     env.update(extra)
     return env
@@ -162,11 +162,14 @@ time.sleep(60)
 """
 
 
-def _killed(tmp_path, what, flush_seconds, idle_seconds=None, wait=None):
+def _killed(tmp_path, what, flush_seconds, idle_seconds=None, wait=None, step_flush_seconds=None):
     """STEPS with `what` after its last step, SIGKILLed once it printed ready (after `wait` s; by
-    default three flush periods, or at once when the period is long)."""
+    default three flush periods, or at once when the period is long); `step_flush_seconds`:
+    HAZSAN_STEP_FLUSH_SECONDS (None: capture's default)."""
     traces = tmp_path / "t"
     extra = {"HAZSAN_IDLE_SECONDS": idle_seconds} if idle_seconds is not None else {}
+    if step_flush_seconds is not None:
+        extra["HAZSAN_STEP_FLUSH_SECONDS"] = step_flush_seconds
     proc = _start(STEPS.replace("WHAT", textwrap.dedent(what)),
                   _env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds, **extra))
     if wait is None:
@@ -183,13 +186,28 @@ def _killed(tmp_path, what, flush_seconds, idle_seconds=None, wait=None):
 
 def test_sigkill_after_the_last_step_says_nothing_recorded_during_a_step_is_missing(tmp_path):
     # work between steps that no flush wrote (the time flush is 1000 s away, and so is idleness)
-    path, doc, text = _killed(tmp_path, "zs = [torch.ones(5) for _ in range(4)]", "1000", idle_seconds="1000")
+    # (every step's end flushed: HAZSAN_STEP_FLUSH_SECONDS=0)
+    path, doc, text = _killed(tmp_path, "zs = [torch.ones(5) for _ in range(4)]", "1000", idle_seconds="1000",
+                              step_flush_seconds="0")
     assert doc["complete"] is False
     (why,) = [f["why"] for f in doc["incomplete_files"]]
     assert why.startswith("no end record: the process was killed, or its last writes failed, after its last step (2)")
     assert "nothing recorded during a step is missing" in why
     assert "in at most the last 1000 s before it died" in why
     assert f"hazsan: INCOMPLETE: {path}: {why}" in text.stdout
+
+
+def test_sigkill_after_a_step_whose_end_was_not_flushed_says_during_it(tmp_path):
+    """Steps shorter than HAZSAN_STEP_FLUSH_SECONDS (capture's default: 0.05 s) have their ends
+    flushed with a later flush: killed right after the last of them, with the time flush and
+    idleness far away, the header still says that step runs, and the check claims no more."""
+    path, doc, _ = _killed(tmp_path, "zs = [torch.ones(5) for _ in range(4)]", "1000", idle_seconds="1000",
+                           step_flush_seconds="1000")
+    (why,) = [f["why"] for f in doc["incomplete_files"]]
+    assert "during step 2" in why and "events of step 2 among them" in why, why
+    assert "nothing recorded during a step is missing" not in why
+    head = records(path)[0]
+    assert head["progress"]["step"] == 2 and head["progress"]["step_ended"] is False
 
 
 def test_sigkill_during_a_step_says_so(tmp_path):
@@ -274,13 +292,16 @@ if __name__ == "__main__":
 """
 
 
-def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False, idle_seconds=None, wait_quiet=False):
+def _sglang_shutdown(tmp_path, work_after, idle, flush_seconds, poll=False, idle_seconds=None, wait_quiet=False,
+                     step_flush_seconds=None):
     pytest.importorskip("psutil")
     traces = tmp_path / "t"
     script = tmp_path / "engine.py"
     script.write_text(RANKS.replace("WORK_AFTER", str(work_after)).replace("IDLE", str(idle))
                       .replace("POLL", str(poll)).replace("WAIT_QUIET", str(wait_quiet)))
     extra = {"HAZSAN_IDLE_SECONDS": idle_seconds} if idle_seconds is not None else {}
+    if step_flush_seconds is not None:
+        extra["HAZSAN_STEP_FLUSH_SECONDS"] = step_flush_seconds
     out = subprocess.run([sys.executable, str(script)], env=_env(traces, HAZSAN_FLUSH_SECONDS=flush_seconds, **extra),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
@@ -362,7 +383,8 @@ def test_engine_shutdown_hook_waits_at_most_its_bound_for_a_child_inside_a_step(
 
 def test_sglang_engine_shutdown_right_after_work_names_what_may_be_missing(tmp_path):
     # killed at once after the ranks' last step, idleness and the time flush 1000 s away
-    traces = _sglang_shutdown(tmp_path, work_after=True, idle=0, flush_seconds="1000", idle_seconds="1000")
+    traces = _sglang_shutdown(tmp_path, work_after=True, idle=0, flush_seconds="1000", idle_seconds="1000",
+                              step_flush_seconds="0")       # every step's end flushed
     doc = _check_json(traces)
     assert doc["complete"] is False
     files = {Path(f["file"]).name: f["why"] for f in doc["incomplete_files"]}

@@ -27,6 +27,46 @@ def _writer(d, monkeypatch, **kw):
     return TraceWriter(str(d), **kw)
 
 
+def test_a_step_end_is_flushed_when_the_last_flush_is_old_enough(tmp_path, monkeypatch):
+    """end_step flushes and says the step ended only when the last flush is step_flush_seconds
+    old; otherwise the header goes on saying the step runs until a later flush (a due step end,
+    the time flush) has its events in the file, and the step still counts for idleness."""
+    import time
+    w = _writer(tmp_path / "t", monkeypatch, step_flush_seconds=3600)
+    w.flush()
+    w._last_flush = time.monotonic() - 7200          # the first end is due
+    for n in range(4):
+        w.mark_step(n, ended=False)
+        w.emit({"ev": "step", "n": n})
+        w.end_step(n)
+        progress = open_trace(w.path).header["progress"]
+        on_disk = [e["n"] for e in records(w.path)[1:] if e["ev"] == "step"]
+        if n == 0:                                    # flushed, then said
+            assert (progress["step"], progress["step_ended"], on_disk) == (0, True, [0])
+        else:                                         # an hour has not passed: still running, unwritten
+            assert (progress["step"], progress["step_ended"], on_disk) == (n, False, [0])
+            assert w._idle_between_steps(time.monotonic() + w.idle_seconds)    # idle soon all the same
+    w.flush()                                         # the time flush: step 3's events, then its end
+    progress = open_trace(w.path).header["progress"]
+    assert (progress["step"], progress["step_ended"]) == (3, True)
+    assert [e["n"] for e in records(w.path)[1:] if e["ev"] == "step"] == [0, 1, 2, 3]
+    w.mark_step(4, ended=False)
+    w.emit({"ev": "step", "n": 4})
+    w.end_step(4)
+    w.mark_step(5, ended=False)                       # a start forgets the unwritten end
+    w.flush()
+    assert open_trace(w.path).header["progress"] == {"quiet": False, "step": 5, "step_ended": False}
+    w.close()
+    every = _writer(tmp_path / "e", monkeypatch, step_flush_seconds=0)
+    for n in range(3):
+        every.mark_step(n, ended=False)
+        every.emit({"ev": "step", "n": n})
+        every.end_step(n)                             # 0: every end flushed at once
+        assert (open_trace(every.path).header["progress"]["step_ended"],
+                len(records(every.path)) - 1) == (True, n + 1)
+    every.close()
+
+
 def test_clean_close_ends_with_the_end_record_and_reads_complete(tmp_path, monkeypatch):
     w = _writer(tmp_path / "t", monkeypatch)
     for n in range(5):

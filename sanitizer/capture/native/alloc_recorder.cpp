@@ -40,6 +40,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <string>
@@ -684,14 +685,223 @@ py::list alive() {
   return out;
 }
 
-// The pending records as trace events: (events, specials, dropped, passed through). `events` holds
-// the plain ones as the binary layout's tuples, `[5, id, addr, size, "cpu", "default", nil, nil,
-// nil, t, nil, site]` and `[6, id, t]`; `specials` the records Python must handle itself, each
-// (the index in `events` it comes before, its fields): an allocation inside a scope
-// (0, addr, size, site, t, scope, id), and a free (1, addr, size, thread, t, flags, id, block
-// flags) when it was made inside a wait, its block is one Python holds or placed, or
-// `all_frees` (Python has Work-held or stashed blocks to look at on every free).
-py::tuple drain_events(bool all_frees) {
+// The plain records as the binary layout's tuples (block_table.ALLOC_FIELDS and LAUNCH_FIELDS):
+// `[5, id, addr, size, "cpu", "default", nil, nil, nil, t, nil, site]`, `[6, id, t]` and
+// `[9, "cpu", reads, writes, t, nil, site, nil, op]`, reads and writes tuples of (ptr, size) or nil.
+PyObject* alloc_tuple(uint64_t id, uint64_t addr, uint64_t size, uint64_t t, uint64_t site) {
+  PyObject* ev = PyTuple_New(12);
+  if (!ev) throw py::error_already_set();
+  PyTuple_SET_ITEM(ev, 0, PyLong_FromLong(5));
+  PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(id));
+  PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(addr));
+  PyTuple_SET_ITEM(ev, 3, PyLong_FromUnsignedLongLong(size));
+  Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 4, s_cpu);
+  Py_INCREF(s_default); PyTuple_SET_ITEM(ev, 5, s_default);
+  for (int i : {6, 7, 8, 10}) { Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, i, Py_None); }
+  PyTuple_SET_ITEM(ev, 9, PyLong_FromUnsignedLongLong(t));
+  PyObject* so = site_obj(site);
+  Py_INCREF(so); PyTuple_SET_ITEM(ev, 11, so);
+  return ev;
+}
+
+PyObject* free_tuple(uint64_t id, uint64_t t) {
+  PyObject* ev = PyTuple_New(3);
+  if (!ev) throw py::error_already_set();
+  PyTuple_SET_ITEM(ev, 0, PyLong_FromLong(6));
+  PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(id));
+  PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(t));
+  return ev;
+}
+
+struct PlainRange { uint64_t ptr; uint64_t size; uint32_t write; };
+
+PyObject* label_obj(uint32_t op) { return op < label_objs.size() ? label_objs[op] : Py_None; }
+
+PyObject* launch_tuple(uint32_t op, uint64_t site, uint64_t t, const PlainRange* rs, uint32_t n) {
+  uint32_t nr = 0, nw = 0;
+  for (uint32_t i = 0; i < n; ++i) (rs[i].write ? nw : nr)++;
+  PyObject* reads = nr ? PyTuple_New(nr) : nullptr;
+  PyObject* writes = nw ? PyTuple_New(nw) : nullptr;
+  uint32_t ir = 0, iw = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    PyObject* pair = PyTuple_New(2);
+    PyTuple_SET_ITEM(pair, 0, PyLong_FromUnsignedLongLong(rs[i].ptr));
+    PyTuple_SET_ITEM(pair, 1, PyLong_FromUnsignedLongLong(rs[i].size));
+    if (rs[i].write) PyTuple_SET_ITEM(writes, iw++, pair);
+    else PyTuple_SET_ITEM(reads, ir++, pair);
+  }
+  PyObject* ev = PyTuple_New(9);
+  if (!ev) throw py::error_already_set();
+  PyTuple_SET_ITEM(ev, 0, PyLong_FromUnsignedLongLong(launch_kind));
+  Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 1, s_cpu);
+  if (!reads) { Py_INCREF(Py_None); reads = Py_None; }
+  if (!writes) { Py_INCREF(Py_None); writes = Py_None; }
+  PyTuple_SET_ITEM(ev, 2, reads);
+  PyTuple_SET_ITEM(ev, 3, writes);
+  PyTuple_SET_ITEM(ev, 4, PyLong_FromUnsignedLongLong(t));
+  Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 5, Py_None);
+  PyObject* so = site_obj(site);
+  Py_INCREF(so); PyTuple_SET_ITEM(ev, 6, so);
+  Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 7, Py_None);
+  PyObject* label = label_obj(op);
+  Py_INCREF(label); PyTuple_SET_ITEM(ev, 8, label);
+  return ev;
+}
+
+// ---- packed runs: the plain records of a drain kept here until the writer encodes them
+//
+// In a host-bound decode step (vLLM's, on this machine) the ~190 plain records a rank makes cost
+// more as Python objects (a tuple each, then an item list, then msgspec) than everything else
+// capture does per step. A run keeps them as structs; the writer asks it for their msgpack items
+// at the flush, with the file's value tables as they are then (a call site or op label new to the
+// file goes through the table's `ref`, so its `V` frame, rollback and rotation are the table's
+// business as for any event). `events()` gives the tuples above, for JSON Lines and the tests
+// that hold the two paths equal.
+struct PlainEvent {
+  uint64_t id;      // alloc, free: the block's id; launch: its first range in `ranges`
+  uint64_t addr;    // alloc; launch: its number of ranges
+  uint64_t size;    // alloc
+  uint64_t t;
+  uint64_t site;    // NO_SITE: none
+  uint32_t kind;    // 5 alloc, 6 free, 9 launch
+  uint32_t op;      // launch: label index
+};
+struct RunData {
+  std::vector<PlainEvent> evs;
+  std::vector<PlainRange> ranges;
+};
+
+// msgpack, as msgspec writes it (the smallest form of each integer), so that a run's items are
+// byte for byte what the Python path makes of the same tuples
+struct Msgpack {
+  std::string out;
+  void uint(uint64_t x) {
+    if (x < 128) { out.push_back(static_cast<char>(x)); return; }
+    unsigned char b[9];
+    int n;
+    if (x <= 0xFF) { b[0] = 0xcc; n = 1; }
+    else if (x <= 0xFFFF) { b[0] = 0xcd; n = 2; }
+    else if (x <= 0xFFFFFFFFull) { b[0] = 0xce; n = 4; }
+    else { b[0] = 0xcf; n = 8; }
+    for (int i = 0; i < n; ++i) b[1 + i] = static_cast<unsigned char>(x >> (8 * (n - 1 - i)));
+    out.append(reinterpret_cast<char*>(b), 1 + n);
+  }
+  void nil() { out.push_back('\xc0'); }
+  void array(size_t n) {
+    if (n < 16) { out.push_back(static_cast<char>(0x90 | n)); return; }
+    if (n <= 0xFFFF) {
+      out.push_back('\xdc'); out.push_back(static_cast<char>(n >> 8)); out.push_back(static_cast<char>(n));
+      return;
+    }
+    out.push_back('\xdd');
+    for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>(n >> (8 * i)));
+  }
+  void raw(const char* s, size_t n) { out.append(s, n); }
+};
+
+class PackedRun {
+ public:
+  PackedRun(std::shared_ptr<RunData> d, size_t start, size_t stop) : d_(std::move(d)), start_(start), stop_(stop) {}
+  size_t size() const { return stop_ - start_; }
+  PackedRun part(int64_t start, int64_t stop) const {
+    size_t n = size();
+    size_t a = static_cast<size_t>(std::clamp<int64_t>(start, 0, static_cast<int64_t>(n)));
+    size_t b = static_cast<size_t>(std::clamp<int64_t>(stop, static_cast<int64_t>(a), static_cast<int64_t>(n)));
+    return PackedRun(d_, start_ + a, start_ + b);
+  }
+  py::list events() const {
+    py::list out;
+    for (size_t i = start_; i < stop_; ++i) out.append(py::reinterpret_steal<py::object>(tuple_of(d_->evs[i])));
+    return out;
+  }
+  // The msgpack items of these events, one after another (no array around them), their call sites
+  // and op labels as indices in the file's tables: `sites` and `ops` (value -> index), and
+  // `ref(field, value)` for a value not yet in one. None if a value cannot be interned (the
+  // caller then encodes events() its own way).
+  py::object encode(py::dict sites, py::dict ops, py::object ref) const {
+    std::unordered_map<uint64_t, int64_t> site_idx, op_idx;    // per call: the tables may change between
+    auto index = [&](std::unordered_map<uint64_t, int64_t>& cache, PyObject* table, const char* field,
+                     uint64_t key, PyObject* value) -> int64_t {
+      auto it = cache.find(key);
+      if (it != cache.end()) return it->second;
+      int64_t found = -1;
+      PyObject* got = PyDict_GetItemWithError(table, value);    // borrowed
+      if (got == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        py::object r = ref(field, py::reinterpret_borrow<py::object>(value));
+        if (!r.is_none()) found = r.cast<int64_t>();
+      } else {
+        found = PyLong_AsLongLong(got);
+        if (found == -1 && PyErr_Occurred()) throw py::error_already_set();
+      }
+      cache.emplace(key, found);
+      return found;
+    };
+    Msgpack m;
+    m.out.reserve(size() * 40);
+    for (size_t i = start_; i < stop_; ++i) {
+      const PlainEvent& e = d_->evs[i];
+      if (e.kind == 6) {
+        m.array(3); m.uint(6); m.uint(e.id); m.uint(e.t);
+        continue;
+      }
+      int64_t site = -1;
+      if (e.site != NO_SITE && e.site < site_objs.size()) {
+        site = index(site_idx, sites.ptr(), "site", e.site, site_objs[e.site]);
+        if (site < 0) return py::none();
+      }
+      if (e.kind == 5) {
+        m.array(12); m.uint(5); m.uint(e.id); m.uint(e.addr); m.uint(e.size);
+        m.raw("\xa3" "cpu", 4); m.raw("\xa7" "default", 8);
+        m.nil(); m.nil(); m.nil(); m.uint(e.t); m.nil();
+        if (site < 0) m.nil(); else m.uint(static_cast<uint64_t>(site));
+        continue;
+      }
+      int64_t op = -1;
+      if (e.op < label_objs.size()) {
+        op = index(op_idx, ops.ptr(), "op", e.op, label_objs[e.op]);
+        if (op < 0) return py::none();
+      }
+      const PlainRange* rs = d_->ranges.data() + e.id;
+      uint32_t n = static_cast<uint32_t>(e.addr), nr = 0, nw = 0;
+      for (uint32_t k = 0; k < n; ++k) (rs[k].write ? nw : nr)++;
+      m.array(9); m.uint(launch_kind); m.raw("\xa3" "cpu", 4);
+      for (uint32_t w = 0; w < 2; ++w) {
+        uint32_t count = w ? nw : nr;
+        if (!count) { m.nil(); continue; }
+        m.array(count);
+        for (uint32_t k = 0; k < n; ++k) {
+          if ((rs[k].write != 0) != (w != 0)) continue;
+          m.array(2); m.uint(rs[k].ptr); m.uint(rs[k].size);
+        }
+      }
+      m.uint(e.t); m.nil();
+      if (site < 0) m.nil(); else m.uint(static_cast<uint64_t>(site));
+      m.nil();
+      if (op < 0) m.nil(); else m.uint(static_cast<uint64_t>(op));
+    }
+    return py::bytes(m.out);
+  }
+
+ private:
+  PyObject* tuple_of(const PlainEvent& e) const {
+    if (e.kind == 5) return alloc_tuple(e.id, e.addr, e.size, e.t, e.site);
+    if (e.kind == 6) return free_tuple(e.id, e.t);
+    return launch_tuple(e.op, e.site, e.t, d_->ranges.data() + e.id, static_cast<uint32_t>(e.addr));
+  }
+  std::shared_ptr<RunData> d_;
+  size_t start_, stop_;
+};
+
+// The pending records as trace events: (events, specials, dropped, passed through, launches,
+// observer errors). `events` holds the plain ones: as tuples (alloc_tuple, free_tuple,
+// launch_tuple), or with `packed` as one PackedRun; `specials` the records Python must handle
+// itself, each (the index in `events` it comes before, its fields): an allocation inside a scope
+// (0, addr, size, site, t, scope, id), a free (1, addr, size, thread, t, flags, id, block flags)
+// when it was made inside a wait, its block is one Python holds or placed, or `all_frees` (Python
+// has Work-held or stashed blocks to look at on every free), and a launch with a range Python must
+// translate (2, op, site, t, ranges).
+py::tuple drain_events(bool all_frees, bool packed) {
   std::vector<Record> out;
   std::vector<std::string> texts, labels;
   std::vector<LaunchRec> lrecs;
@@ -730,22 +940,29 @@ py::tuple drain_events(bool all_frees) {
     label_objs.push_back(o);
   }
   py::list events, specials;
+  auto run = packed ? std::make_shared<RunData>() : nullptr;
+  if (run) run->evs.reserve(out.size());
+  size_t n_events = 0;      // plain events so far: a special's place among them
+  auto plain = [&](PyObject* ev) {
+    events.append(py::reinterpret_steal<py::object>(ev));
+    ++n_events;
+  };
   int64_t n_launches = 0;
+  std::vector<PlainRange> rs;
   for (const Record& r : out) {
     if (r.flags & LAUNCH) {
       const LaunchRec& l = lrecs[r.addr];
-      PyObject* label = l.op < label_objs.size() ? label_objs[l.op] : Py_None;
       ++n_launches;
       // plain: every range in a block the recorder made and Python did not place
-      bool plain = true;
-      for (uint32_t i = l.first; i < l.first + l.n && plain; ++i) {
+      bool is_plain = true;
+      for (uint32_t i = l.first; i < l.first + l.n && is_plain; ++i) {
         const LaunchRange& x = lranges[i];
-        if (x.foreign != NONE) { plain = false; break; }
+        if (x.foreign != NONE) { is_plain = false; break; }
         auto it = blocks.find(x.base);
-        if (it == blocks.end() || (it->second.flags & MODELLED)) plain = false;
+        if (it == blocks.end() || (it->second.flags & MODELLED)) is_plain = false;
       }
-      if (!plain) {
-        py::list rs;
+      if (!is_plain) {
+        py::list ranges;
         for (uint32_t i = l.first; i < l.first + l.n; ++i) {
           const LaunchRange& x = lranges[i];
           py::object t = py::none();
@@ -757,40 +974,23 @@ py::tuple drain_events(bool all_frees) {
             auto it = blocks.find(x.base);
             resolved = it != blocks.end() && !(it->second.flags & MODELLED);
           }
-          rs.append(py::make_tuple(static_cast<bool>(x.write), x.base, x.ptr, x.size, t, resolved));
+          ranges.append(py::make_tuple(static_cast<bool>(x.write), x.base, x.ptr, x.size, t, resolved));
         }
-        specials.append(py::make_tuple(events.size(), py::make_tuple(2, py::reinterpret_borrow<py::object>(label),
-            py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, rs)));
+        specials.append(py::make_tuple(n_events, py::make_tuple(2, py::reinterpret_borrow<py::object>(label_obj(l.op)),
+            py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, ranges)));
         continue;
       }
-      uint32_t nr = 0, nw = 0;
-      for (uint32_t i = l.first; i < l.first + l.n; ++i) (lranges[i].write ? nw : nr)++;
-      PyObject* reads = nr ? PyTuple_New(nr) : nullptr;
-      PyObject* writes = nw ? PyTuple_New(nw) : nullptr;
-      uint32_t ir = 0, iw = 0;
-      for (uint32_t i = l.first; i < l.first + l.n; ++i) {
-        const LaunchRange& x = lranges[i];
-        PyObject* pair = PyTuple_New(2);
-        PyTuple_SET_ITEM(pair, 0, PyLong_FromUnsignedLongLong(x.ptr));
-        PyTuple_SET_ITEM(pair, 1, PyLong_FromUnsignedLongLong(x.size));
-        if (x.write) PyTuple_SET_ITEM(writes, iw++, pair);
-        else PyTuple_SET_ITEM(reads, ir++, pair);
+      if (run) {
+        run->evs.push_back(PlainEvent{run->ranges.size(), l.n, 0, r.t, r.site, 9, l.op});
+        for (uint32_t i = l.first; i < l.first + l.n; ++i)
+          run->ranges.push_back(PlainRange{lranges[i].ptr, lranges[i].size, lranges[i].write});
+        ++n_events;
+        continue;
       }
-      PyObject* ev = PyTuple_New(9);       // block_table.LAUNCH_FIELDS
-      if (!ev) throw py::error_already_set();
-      PyTuple_SET_ITEM(ev, 0, PyLong_FromUnsignedLongLong(launch_kind));
-      Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 1, s_cpu);
-      if (!reads) { Py_INCREF(Py_None); reads = Py_None; }
-      if (!writes) { Py_INCREF(Py_None); writes = Py_None; }
-      PyTuple_SET_ITEM(ev, 2, reads);
-      PyTuple_SET_ITEM(ev, 3, writes);
-      PyTuple_SET_ITEM(ev, 4, PyLong_FromUnsignedLongLong(r.t));
-      Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 5, Py_None);
-      PyObject* so = site_obj(r.site);
-      Py_INCREF(so); PyTuple_SET_ITEM(ev, 6, so);
-      Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 7, Py_None);
-      Py_INCREF(label); PyTuple_SET_ITEM(ev, 8, label);
-      events.append(py::reinterpret_steal<py::object>(ev));
+      rs.clear();
+      for (uint32_t i = l.first; i < l.first + l.n; ++i)
+        rs.push_back(PlainRange{lranges[i].ptr, lranges[i].size, lranges[i].write});
+      plain(launch_tuple(l.op, r.site, r.t, rs.data(), l.n));
       continue;
     }
     if (r.flags & FREED) {
@@ -799,14 +999,12 @@ py::tuple drain_events(bool all_frees) {
       LiveBlock b = it->second;
       blocks.erase(it);
       if (all_frees || (r.flags & QUIET) || b.flags) {
-        specials.append(py::make_tuple(events.size(), py::make_tuple(1, r.addr, b.size, r.thread, r.t, r.flags, b.id, b.flags)));
+        specials.append(py::make_tuple(n_events, py::make_tuple(1, r.addr, b.size, r.thread, r.t, r.flags, b.id, b.flags)));
+      } else if (run) {
+        run->evs.push_back(PlainEvent{b.id, 0, 0, r.t, NO_SITE, 6, 0});
+        ++n_events;
       } else {
-        PyObject* ev = PyTuple_New(3);
-        if (!ev) throw py::error_already_set();
-        PyTuple_SET_ITEM(ev, 0, PyLong_FromLong(6));
-        PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(b.id));
-        PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(r.t));
-        events.append(py::reinterpret_steal<py::object>(ev));
+        plain(free_tuple(b.id, r.t));
       }
       continue;
     }
@@ -814,25 +1012,23 @@ py::tuple drain_events(bool all_frees) {
     uint64_t id = next_block_id++;
     blocks[r.addr] = LiveBlock{id, r.size, r.scope ? MODELLED : 0u};
     if (r.scope) {
-      specials.append(py::make_tuple(events.size(), py::make_tuple(0, r.addr, r.size,
+      specials.append(py::make_tuple(n_events, py::make_tuple(0, r.addr, r.size,
           py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, r.scope, id)));
       continue;
     }
-    PyObject* ev = PyTuple_New(12);
-    if (!ev) throw py::error_already_set();
-    PyTuple_SET_ITEM(ev, 0, PyLong_FromLong(5));
-    PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(id));
-    PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(r.addr));
-    PyTuple_SET_ITEM(ev, 3, PyLong_FromUnsignedLongLong(r.size));
-    Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 4, s_cpu);
-    Py_INCREF(s_default); PyTuple_SET_ITEM(ev, 5, s_default);
-    for (int i : {6, 7, 8, 10}) { Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, i, Py_None); }
-    PyTuple_SET_ITEM(ev, 9, PyLong_FromUnsignedLongLong(r.t));
-    PyObject* so = site_obj(r.site);
-    Py_INCREF(so); PyTuple_SET_ITEM(ev, 11, so);
-    events.append(py::reinterpret_steal<py::object>(ev));
+    if (run) {
+      run->evs.push_back(PlainEvent{id, r.addr, r.size, r.t, r.site, 5, 0});
+      ++n_events;
+      continue;
+    }
+    plain(alloc_tuple(id, r.addr, r.size, r.t, r.site));
   }
-  return py::make_tuple(events, specials, lost, passed, n_launches,
+  py::object evs = events;
+  if (run) {
+    size_t n = run->evs.size();
+    evs = py::cast(PackedRun(std::move(run), 0, n));
+  }
+  return py::make_tuple(evs, specials, lost, passed, n_launches,
                         static_cast<int64_t>(observer_errors.load(std::memory_order_relaxed)));
 }
 
@@ -957,7 +1153,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scope", &scope);
   m.def("quiet_add", &quiet_add);
   m.def("pending", &pending);
-  m.def("drain_events", &drain_events);
+  m.def("drain_events", &drain_events, py::arg("all_frees"), py::arg("packed") = false);
+  py::class_<PackedRun>(m, "PackedRun")
+      .def("__len__", &PackedRun::size)
+      .def("part", &PackedRun::part)
+      .def("events", &PackedRun::events)
+      .def("encode", &PackedRun::encode);
   m.def("new_id", &new_id);
   m.def("claim", &claim);
   m.def("forget", &forget);

@@ -24,6 +24,7 @@ collectives as before: adopted through the Python path (BlockTable._new), with a
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from time import time_ns
 
@@ -94,6 +95,9 @@ class NativeBlockTable(BlockTable):
         self._passed = 0
         self._observer_errors = 0
         self.records_seen = 0
+        # the plain records stay in C++ as packed runs until the writer encodes them (binary
+        # traces: their msgpack items made there; JSON Lines takes them as tuples)
+        self.packed = self.writer.format == "binary" and os.environ.get("HAZSAN_NATIVE_PACKED", "1") != "0"
 
     # ------------------------------------------------------------------ ordering with Python's events
     def emit_after_drain(self, ev) -> None:
@@ -163,7 +167,7 @@ class NativeBlockTable(BlockTable):
         self._draining = me
         try:
             events, specials, dropped, passed, launched, observer_errors = \
-                self.lib.drain_events(bool(self.held_by_work or self.stashed))
+                self.lib.drain_events(bool(self.held_by_work or self.stashed), self.packed)
             if launched:
                 self.capture.host_work_unsynced = True     # (BlockTable.on_op_full: a `cpu` launch)
             if observer_errors != self._observer_errors:
@@ -186,14 +190,15 @@ class NativeBlockTable(BlockTable):
             if not specials:
                 writer.emit_many(events)
             else:
-                at = 0
+                cut = events.__getitem__ if type(events) is list else lambda s: events.part(s.start, s.stop)
+                at, n = 0, len(events)
                 for pos, rec in specials:
                     if pos > at:
-                        writer.emit_many(events[at:pos])
+                        writer.emit_many(cut(slice(at, pos)))
                         at = pos
                     self._special(rec)
-                if at < len(events):
-                    writer.emit_many(events[at:])
+                if at < n:
+                    writer.emit_many(cut(slice(at, n)))
             self.records_seen += len(events) + len(specials)
             if self.unowned and self.collectives is not None:
                 self.collectives.poll()

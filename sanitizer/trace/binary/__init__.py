@@ -41,16 +41,19 @@ from sanitizer.trace.binary.decode import (  # noqa: F401
     to_dict,
 )
 from sanitizer.trace.binary.encode import (  # noqa: F401
+    PLAIN_TYPES,
     ValueTable,
     encode_frames,
     encode_frames_items,
     encode_records,
     end_frame,
     frame,
+    is_packed,
     jsonl_to_binary,
     signature_and_header,
     source_item,
     to_item,
+    unpacked,
     values_frame,
 )
 from sanitizer.trace.binary.layout import (  # noqa: F401

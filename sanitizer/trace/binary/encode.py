@@ -274,9 +274,38 @@ _BUFS = 1 + ORDER["coll"][1].index("bufs")
 _no_buf = object()   # a buffer with other keys than addr, size, access: the event goes as a map
 
 
-def encode_frames(batch: list, table: ValueTable | None = None) -> bytes:
+#: What a batch's events are made of besides packed runs (see is_packed)
+PLAIN_TYPES = frozenset((dict, tuple, list))
+
+
+def is_packed(ev) -> bool:
+    """Whether a buffered entry is a packed run: many plain events kept outside Python (the native
+    recorder's PackedRun) with `len()`, `part(start, stop)`, `events()` (their arrays, as
+    source_item makes them) and `encode(sites, ops, ref)` (their msgpack items, back to back, the
+    call sites and op labels as indices in the tables given; None when one cannot be interned)."""
+    return type(ev) not in PLAIN_TYPES
+
+
+def unpacked(batch: list) -> list:
+    """`batch` with each packed run replaced by its events' arrays."""
+    out = []
+    for ev in batch:
+        if type(ev) in PLAIN_TYPES:
+            out.append(ev)
+        else:
+            out.extend(ev.events())
+    return out
+
+
+def encode_frames(batch: list, table: ValueTable | None = None, packed: bool = False) -> bytes:
     """Event frames for capture events (dicts), FRAME_EVENTS_MAX a frame; with `table`, the
-    INDEXED fields as indices, and first a `V` frame with the values new to the table."""
+    INDEXED fields as indices, and first a `V` frame with the values new to the table. `packed`:
+    the batch may hold packed runs (is_packed), each counting as its events."""
+    if packed:
+        if table is None:
+            batch = unpacked(batch)
+        else:
+            return _encode_mixed(batch, table)
     out = []
     for i in range(0, len(batch), FRAME_EVENTS_MAX):
         out.append(_encode_part(_items(batch[i:i + FRAME_EVENTS_MAX], table)))
@@ -338,6 +367,81 @@ def _items(batch: list, table: ValueTable | None) -> list:
                     continue
         append(to_item(ev, table))
     return out
+
+
+def _encode_mixed(batch: list, table: ValueTable) -> bytes:
+    """encode_frames of a batch with packed runs: frames of FRAME_EVENTS_MAX events as always. A
+    run's items, as it encodes them, go into the frame's array as one msgspec.Raw (copied as they
+    are), so a frame is still one msgspec call; its array header, which counted the Raw as one
+    item, is then made again for the events it holds."""
+    sites, ops, ref = table.index["site"], table.index["op"], table.ref
+    frames = []
+    items: list = []        # the current frame's items (a run's: one Raw)
+    whole: list = []        # and its entries, for the rare frame too big to keep whole
+    count = 0               # events in the current frame
+    pending: list = []      # Python's events not yet made items, of the current frame
+
+    def close_frame():
+        nonlocal items, whole, count
+        if pending:
+            items.extend(_items(pending, table))
+            whole.extend(pending)
+            pending.clear()
+        payload = _array_header(count) + _unarray(_encode(items))
+        if len(payload) > FRAME_BYTES_SOFT and count > 1:
+            frames.append(_encode_part(_items(unpacked(whole), table)))     # split in halves
+        else:
+            frames.append(frame(FRAME_EVENTS, payload))
+        items, whole, count = [], [], 0
+
+    for ev in batch:
+        if type(ev) in PLAIN_TYPES:
+            pending.append(ev)
+            count += 1
+            if count == FRAME_EVENTS_MAX:
+                close_frame()
+            continue
+        at, n = 0, len(ev)
+        while at < n:
+            take = min(n - at, FRAME_EVENTS_MAX - count)
+            run = ev.part(at, at + take) if take < n else ev
+            if pending:
+                items.extend(_items(pending, table))
+                whole.extend(pending)
+                pending.clear()
+            encoded = run.encode(sites, ops, ref)
+            if encoded is None:                   # a value that cannot be interned: as arrays
+                pending.extend(run.events())
+            else:
+                items.append(_Raw(encoded))
+                whole.append(run)
+            count += take
+            at += take
+            if count == FRAME_EVENTS_MAX:
+                close_frame()
+    if count:
+        close_frame()
+    new = table.pending()
+    if new is not None:
+        frames.insert(0, values_frame(new))
+    return b"".join(frames)
+
+
+_Raw = msgspec.Raw
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n <= 0xFFFF:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _unarray(encoded: bytes) -> bytes:
+    """msgspec's encoding of a list without the array's own header: its items back to back."""
+    first = encoded[0]
+    return encoded[1:] if first < 0xdc else encoded[3:] if first == 0xdc else encoded[5:]
 
 
 def values_frame(new: dict) -> bytes:
