@@ -62,11 +62,13 @@ def serve(spec: dict) -> None:
     me = psutil.Process()
     tree = [me, *me.children(recursive=True)]      # the EngineCore and the workers: fixed from here
 
-    def cpu() -> float:
-        # on-CPU nanoseconds of every thread (/proc/PID/task/TID/schedstat): the clock-tick
-        # resolution of cpu_times() (10 ms a process, 5 processes) is ~8% of a 0.6 s batch
-        total = 0
+    def cpu() -> list:
+        # on-CPU seconds of every thread (/proc/PID/task/TID/schedstat, nanoseconds), per process
+        # of the tree: the clock-tick resolution of cpu_times() (10 ms a process, 5 processes) is
+        # ~8% of a 0.6 s batch
+        out = []
         for p in tree:
+            total = 0
             try:
                 for tid in os.listdir(f"/proc/{p.pid}/task"):
                     try:
@@ -76,7 +78,8 @@ def serve(spec: dict) -> None:
                         pass       # a thread that ended meanwhile
             except OSError:
                 pass
-        return total / 1e9
+            out.append(total / 1e9)
+        return out
 
     import vllm
     out.write(json.dumps({"ready": round(time.perf_counter() - t0, 1), "vllm": vllm.__version__,
@@ -86,8 +89,8 @@ def serve(spec: dict) -> None:
         if cmd == "batch":
             c, m, w = cpu(), time.monotonic(), time.perf_counter()
             outs = llm.generate(batch, greedy, use_tqdm=False)
-            w, c = time.perf_counter() - w, cpu() - c
-            out.write(json.dumps({"wall": w, "cpu": c, "monotonic": [m, time.monotonic()],
+            w, by = time.perf_counter() - w, [b - a for a, b in zip(c, cpu())]
+            out.write(json.dumps({"wall": w, "cpu": sum(by), "cpu_by_process": by, "monotonic": [m, time.monotonic()],
                                   "tokens": [list(o.outputs[0].token_ids) for o in outs]}) + "\n")
         elif cmd == "quit":
             break
@@ -242,6 +245,23 @@ def main(argv=None) -> int:
         s = summary[n]
         print(f"{n:36} {s['cpu_s_median']:9.3f} {med:14.2f} {q1:5.2f}-{q3:<5.2f} {best_c:9.2f} "
               f"{s['wall_s_median']:10.3f} {s['wall_ratio_median']:14.2f} {best_w:9.2f}")
+    # where the CPU goes: each process of the tree (the LLM's own, the EngineCore, the workers,
+    # in the order psutil lists them), its median CPU per batch and the per-round median ratio to
+    # the same process of the bare server
+    print("\nCPU s per batch by process (median; x bare, per-round median):")
+    for n in names:
+        own = [b for b in batches[n] if "cpu_by_process" in b]
+        bare = {b["round"]: b for b in batches[f"{group[n]}-bare"] if "cpu_by_process" in b}
+        if not own:
+            continue
+        cells = []
+        for i in range(len(own[0]["cpu_by_process"])):
+            med = statistics.median(b["cpu_by_process"][i] for b in own)
+            r = [b["cpu_by_process"][i] / bare[b["round"]]["cpu_by_process"][i] for b in own
+                 if b["round"] in bare and bare[b["round"]]["cpu_by_process"][i] > 0]
+            cells.append(f"p{i} {med:.3f}" + (f" ({statistics.median(r):.2f}x)" if r and n in summary and
+                                               group[n] + "-bare" != n else ""))
+        print(f"  {n:36} " + "  ".join(cells))
     print(f"total {time.perf_counter() - t_all:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"vllm": version, "rounds": args.rounds, "pause": args.pause, "pids": pids,

@@ -133,6 +133,7 @@ class TraceFile:
                     pass
                 raise
             self._fd, self.path = fd, path
+            self._progress_at = None
             self._in_file = 0
             self._values = B.ValueTable()
             self._header_len = len(header)
@@ -186,19 +187,56 @@ class TraceFile:
             return
         h, state = self._header_json(True)
         self._header_state = state       # tried once per change of the facts, even if it fails
+        self._progress_at = None
         try:
             data = self._header_bytes(h, self._header_len)
             if data is not None:
                 fd = self._header_fd()
                 if fd is None:
                     return               # not our file any more (the folder was removed)
-                done = 0
-                while done < len(data):
-                    done += os.pwrite(fd, data[done:], done)
+                _pwrite_all(fd, data, 0)
+                self._progress_at = self._find_progress(data, h["progress"], fd)
             else:
                 self._rewrite_with_header(h)
         except Exception as exc:
             self.hook_failed("writer.header", exc)
+
+    # A program that marks steps changes the header's `progress` at every step start. Only those
+    # bytes are written then, over the same bytes of the header on disk, when their length did not
+    # change (the facts are brought up to date by the next flush, _flush_locked): the header
+    # rebuilt, encoded and padded twice a step was most of what a mark cost in a vLLM worker.
+    def _progress_bytes(self, progress: dict) -> bytes:
+        return B.msgpack_bytes(progress) if self.format == "binary" else orjson.dumps(progress)
+
+    def _find_progress(self, data: bytes, progress: dict, fd: int):
+        """(header descriptor, offset, length) of `progress`'s value in header bytes `data` just
+        written through `fd`, or None when it is not found exactly once."""
+        key = B.msgpack_bytes("progress") if self.format == "binary" else b'"progress":'
+        needle = key + self._progress_bytes(progress)
+        at = data.find(needle)
+        if at < 0 or data.find(needle, at + 1) >= 0:
+            return None
+        return fd, at + len(key), len(needle) - len(key)
+
+    def _write_progress_in_place(self) -> bool:
+        """Write the header's progress over its old bytes; False when that cannot be done (the
+        header was not written by _refresh_header since the file changed, the length changed and
+        cannot be padded)."""
+        at = self._progress_at
+        if at is None or self._fd is None:
+            return False
+        fd = self._header_fd()       # (a file changed since: its descriptor closed, _progress_at None)
+        if fd is None or self._progress_at is not at or fd != at[0]:
+            return False
+        data = self._progress_bytes(dict(self.progress))
+        if len(data) != at[2]:
+            # JSON may end the value with spaces (`false` is a byte longer than `true`); msgpack's
+            # bytes are all structure
+            if self.format == "binary" or len(data) > at[2]:
+                return False
+            data += b" " * (at[2] - len(data))
+        _pwrite_all(fd, data, at[1])
+        return True
 
     def _header_fd(self) -> int | None:
         """The second descriptor the header is written through (the first appends: O_APPEND
@@ -225,6 +263,7 @@ class TraceFile:
     def _close_header_fd(self) -> None:
         cached = getattr(self, "_hdr", None)
         self._hdr = None
+        self._progress_at = None
         if cached is not None:
             try:
                 os.close(cached[2])
@@ -254,9 +293,17 @@ class TraceFile:
             pass
         self._fd = fd
         self._header_len = len(header)
+        self._progress_at = None
 
 
 _NO_FACTS = object()   # a header written before its facts were asked (capture start)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    done = 0
+    view = memoryview(data)
+    while done < len(data):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _padded(js: bytes, size: int) -> bytes:

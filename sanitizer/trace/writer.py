@@ -147,6 +147,7 @@ class TraceWriter(TraceFile, TimeFlush):
         self._quiet = False          # every event recorded so far is in the file; the header says so
         self._through = False        # (quiet) idle between steps: each event is written as it comes
         self._hdr = None             # (descriptor, path, header descriptor, pid): TraceFile._header_fd
+        self._progress_at = None     # (header descriptor, offset, length) of progress on disk: TraceFile
         self.step_ends = False       # the program marks where its steps end (progress says so then)
         self._step_end_at = 0.0      # monotonic time the last step ended
         self._end_unwritten = None   # the step that ended last, its end not yet flushed (end_step)
@@ -332,6 +333,11 @@ class TraceWriter(TraceFile, TimeFlush):
 
     def _write_progress(self) -> None:
         if self._fd is not None:
+            try:
+                if self._write_progress_in_place():
+                    return
+            except Exception as exc:
+                self.hook_failed("writer.header", exc)
             self._refresh_header()
 
     def end_step(self, n: int) -> None:

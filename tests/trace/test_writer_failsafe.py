@@ -27,6 +27,36 @@ def _writer(d, monkeypatch, **kw):
     return TraceWriter(str(d), **kw)
 
 
+def test_a_mark_rewrites_only_the_progress_bytes_of_the_header(tmp_path, monkeypatch):
+    """A step mark writes the header's progress over its old bytes when their length is the same
+    (no header rebuilt, encoded and padded); the header reads right after every mark, with its
+    facts, and the events after it are untouched. A length that changes, or a new file, writes
+    the whole header again."""
+    w = _writer(tmp_path / "t", monkeypatch)
+    w.header_source = lambda: {"hooks": {"installed": ["a", "b"], "failed": {}}}
+    w.header_key = lambda: 1
+    w.emit({"ev": "step", "n": 0})
+    w.flush()
+    w.mark_step(0, ended=True)
+    built = []
+    real = w._header_bytes
+    monkeypatch.setattr(w, "_header_bytes", lambda h, room: built.append(h["progress"]) or real(h, room))
+    body = open(w.path, "rb").read()[w._header_len:]
+    for n in range(1, 60):
+        w.mark_step(n, ended=False)
+        header = open_trace(w.path).header
+        assert header["progress"] == {"quiet": False, "step": n, "step_ended": False}
+        assert header["hooks"]["installed"] == ["a", "b"]
+        w.mark_step(n, ended=True)
+        assert open_trace(w.path).header["progress"]["step_ended"] is True
+    assert open(w.path, "rb").read()[w._header_len:] == body
+    # whole headers only where the progress got longer: binary at step 128 (msgpack's fixint ends
+    # at 127: never here); JSON at the first start (`false` is longer than `true`, and a shorter
+    # value is padded with spaces) and when the step gets a digit (10)
+    assert [p["step"] for p in built] == ([] if w.format == "binary" else [1, 10])
+    w.close()
+
+
 def test_a_step_end_is_flushed_when_the_last_flush_is_old_enough(tmp_path, monkeypatch):
     """end_step flushes and says the step ended only when the last flush is step_flush_seconds
     old; otherwise the header goes on saying the step runs until a later flush (a due step end,

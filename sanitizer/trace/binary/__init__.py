@@ -49,6 +49,7 @@ from sanitizer.trace.binary.encode import (  # noqa: F401
     end_frame,
     frame,
     is_packed,
+    msgpack_bytes,
     jsonl_to_binary,
     signature_and_header,
     source_item,

@@ -28,6 +28,7 @@ from sanitizer.trace.binary.layout import (
 )
 
 _encode = msgspec.msgpack.Encoder().encode
+msgpack_bytes = _encode          # one value as msgpack, as the format writes it
 
 
 def signature_and_header(header: dict, room: int = 0) -> bytes | None:
