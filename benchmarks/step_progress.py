@@ -1,6 +1,6 @@
-"""What marking step ends costs the writer: two in-place header writes per step (the header's
-`progress`, docs/capture.md "Shutdowns and killed processes"), against steps whose ends are not
-marked. Prints microseconds per step and the difference, for a few runs.
+"""What marking step ends costs the writer: two in-place writes of the header's `progress` per step
+(only its bytes, where their length is unchanged; docs/capture.md "Shutdowns and killed
+processes"), against steps whose ends are not marked. Prints microseconds per step and the difference, for a few runs.
 
     .venv/bin/python benchmarks/step_progress.py [--steps 3000] [--events 50]
 """

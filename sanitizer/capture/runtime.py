@@ -165,7 +165,7 @@ class Capture:
 
     def mark_step(self, n: int, phase: str | None = None, tokens: int | None = None) -> None:
         """Start of decode step n: record it; flush what the previous step produced (where the
-        program marks step ends, end_step flushed it already)."""
+        program marks step ends, end_step flushes it, or a later flush does)."""
         if self.alloc_history is not None:
             self.alloc_history.drain()     # the previous step's segments, before its end
         ev = {"ev": "step", "n": int(n), "t": time.time_ns()}
@@ -182,7 +182,7 @@ class Capture:
         self.writer.mark_step(int(n), ended=False)
         self.emit(ev)
         if not self.writer.step_ends:
-            # a program that marks step ends had them flushed by end_step: what came between
+            # a program that marks step ends has them flushed by end_step: what came between
             # (the host's work between two steps) waits in the buffer with this step's events
             self.writer.flush()
 

@@ -241,7 +241,7 @@ class TraceFile:
     def _header_fd(self) -> int | None:
         """The second descriptor the header is written through (the first appends: O_APPEND
         ignores pwrite's offset), opened once per file and kept: a program that marks steps
-        rewrites the header twice a step. None when the path is no longer our file (its folder
+        rewrites the header's progress twice a step. None when the path is no longer our file (its folder
         was removed and made again). A file replaced since (rename, rotation, fork, reopen) is a
         new (descriptor, path) pair: the old one is closed, a new one opened."""
         cached = getattr(self, "_hdr", None)

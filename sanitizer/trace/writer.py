@@ -49,7 +49,10 @@ rewritten in place whenever it changes. ``quiet``: every event recorded is in th
 time flush when nothing is left to write; taken back, header first, before the next event is
 buffered; between steps of a program that marks their ends, ``idle_seconds`` after the last one
 ended with no step started, each event is written as it comes instead). ``step``/``step_ended``: the last step and
-whether it ended (only where ends are marked: the start must reach the header before its events).
+whether it ended (only where ends are marked: the start must reach the header before its events,
+the end only after them, at the step's end when the last flush is ``step_flush_seconds`` old, else
+with the next flush: ``end_step``). Where only the progress changed, just its bytes are written
+over the old ones (TraceFile._write_progress_in_place).
 ``signal``: a terminating signal the program's handler took. Signal handlers that interrupt the
 writer (Python runs them between any two bytecodes) are deferred until it is left
 (``when_outside``).
