@@ -73,6 +73,7 @@ another Work's (its thread pool runs them concurrently), hence one stream per Wo
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -92,6 +93,7 @@ from sanitizer.capture.collective_state import (CompletionStreams, CoverageGaps,
 
 _C10D = torch._C._distributed_c10d
 SETTLE_SECONDS = 0.0002
+_ACCESS_CODES = {"r": 0, "w": 1, "rw": 2}
 
 # the recorder, its installation, and the public API to extend the op tables (collective_ops.py)
 __all__ = ["DispatchedCollectives", "install", "register_collective_op", "register_wrapping_op"]
@@ -115,6 +117,8 @@ class DispatchedCollectives:
         self.handlers: dict = {}                # OpOverload -> bound recorder, or False
         self.custom = dict(CUSTOM)
         self._custom_plans: dict = {}          # OpOverload -> _custom_plan(op)
+        # the native recorder, which records a registered op's collective itself (record_coll)
+        self.native = None
         self.nccl_works = NcclWorkLifetimes(self)   # PyTorch >= 2.8's NCCL streams and stashes
         self.streams = CompletionStreams()
         self.work_held = WorkHeldTensors(self)      # gloo: a storage its Work let go of
@@ -238,14 +242,16 @@ class DispatchedCollectives:
         self.emit(ev)
         self.capture.host_work_unsynced = True
 
-    def _record(self, op, comm, stream, bufs, by_backend: bool = True, tensors=()) -> int:
+    def _record(self, op, comm, stream, bufs, by_backend: bool = True, tensors=(), cid=None, seq=None) -> int:
         """Write one `coll`; by_backend: the stream is a process group's, ordered as its backend
         orders Works (CompletionStreams), not a stream the op runs on directly; `tensors`: the
-        tensors of `bufs` with their ranges (_bufs)."""
+        tensors of `bufs` with their ranges (_bufs); `cid`, `seq`: taken already."""
         cap = self.capture
-        cid = cap.next_cid()
+        if cid is None:
+            cid = cap.next_cid()
         self.issued_cids.add(cid)
-        seq = self._next_seq(comm)
+        if seq is None:
+            seq = self._next_seq(comm)
         if by_backend:
             stream = self.streams.stream_for(stream, cid, op)
         try:
@@ -440,7 +446,7 @@ class DispatchedCollectives:
             plan = self._custom_plans.get(func)
             if plan is None:                 # what the schema and the table say, once per op
                 plan = self._custom_plans[func] = self._custom_plan(func)
-            positional, defaults, comm_arg, kind, label, tensors, result_access = plan
+            positional, defaults, comm_arg, kind, label, tensors, result_access, codes = plan
             named = dict(zip(positional, args))
             if kwargs:
                 named.update(kwargs)
@@ -448,6 +454,18 @@ class DispatchedCollectives:
             if comm_arg is not None:
                 ident = named[comm_arg] if comm_arg in named else defaults.get(comm_arg)
             comm = f"{kind}:{ident}" if ident is not None else f"{kind}:{func._schema.name}"
+            native = self.native
+            cid = seq = None
+            if native is not None and codes is not None:
+                # the recorder writes the `coll` and its `coll_done` in order with its records,
+                # the buffers resolved there (host tensors only: else False, and Python records it)
+                values = [named[name] if name in named else defaults.get(name) for name, _ in tensors]
+                values.append(out)
+                cap = self.capture
+                cid, seq = cap.next_cid(), self._next_seq(comm)
+                if native.record_coll(cid, comm, seq, label, values, codes, True):
+                    cap.collective_depth.recorded += 1
+                    return out
             table = self.capture.blocks
             if table is not None:
                 table.on_op(func, args, out)
@@ -461,7 +479,7 @@ class DispatchedCollectives:
             for b in bufs:
                 host = b.pop("_cpu") and host
             stream = "cpu" if host else current_stream(self.capture)
-            cid = self._record(label, comm, stream, bufs, by_backend=False)
+            cid = self._record(label, comm, stream, bufs, by_backend=False, cid=cid, seq=seq)
             self.done(cid, waited=True)    # returned: done for the host (CPU) / ordered on the stream
         except Exception as exc:
             self.capture.failed(hook_name(func), exc)
@@ -478,9 +496,15 @@ class DispatchedCollectives:
         tensors = [(a.name, entry.get(a.name, "rw" if a.alias_info is not None and a.alias_info.is_write
                                       else "r"))
                    for a in arguments if "Tensor" in str(a.type)]
+        result = entry.get("result", "w")
+        # the accesses as the native recorder's codes (record_coll): the arguments', then the result's
+        # (None: an access the recorder has no code for, recorded by Python as given)
+        codes = [_ACCESS_CODES.get(access) for _, access in tensors] + [_ACCESS_CODES.get(result)]
+        if None in codes:
+            codes = None
         return ([a.name for a in arguments], defaults, entry.get("comm") or None,
                 entry.get("kind", func.namespace), f"{func.namespace}.{schema.name.partition('::')[2]}",
-                tensors, entry.get("result", "w"))
+                tensors, result, codes)
 
     def _ranges(self, value, access):
         table = self.capture.blocks
@@ -706,6 +730,10 @@ def install(capture) -> DispatchedCollectives:
     table = capture.blocks
     if table is not None:
         table.collectives = colls
+        lib = getattr(table, "lib", None)
+        if lib is not None and hasattr(lib, "record_coll") and \
+                os.environ.get("HAZSAN_NATIVE_COLLECTIVES", "1").strip() != "0":
+            colls.native = lib
         table.special.clear()        # ops seen before: classify again, now knowing collectives
     install_patches(capture, colls)
     return colls

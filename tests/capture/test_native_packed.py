@@ -60,6 +60,10 @@ EQUAL = """
     def no_python_frame():
         torch.ones(1000).add_(1.0)          # (a site is still found: this frame is Python's)
     th = threading.Thread(target=no_python_frame); th.start(); th.join()
+    # registered ops' collectives (record_coll): short and long comm names (fixstr and str8), views
+    for i in range(30):
+        lib.record_coll(10_000 + i, "ring:0" if i % 2 else "a-communicator-named-at-length:" + "x" * i, i,
+                        "hz.allreduce", [keep[i], [keep[i + 1][1:], None], parts[i]], [2, 0, 1], i % 3 != 0)
     del keep, x, big
     with cap.blocks._lock:
         events, specials, *_ = lib.drain_events(False, True)
@@ -118,7 +122,7 @@ def test_a_packed_run_encodes_as_the_tuples_it_stands_for(tmp_path):
     out = _run(tmp_path, EQUAL, _env(tmp_path / "t", HAZSAN_LEVEL="full"))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["n"] == got["tuples"] > 2000, got
-    assert got["kinds"] == [5, 6, 9], got                 # allocations, frees and launches
+    assert got["kinds"] == [5, 6, 9, 10, 11], got         # allocations, frees, launches, colls, their ends
     assert got["sites"] >= 2, got
     assert got["big_launch_ranges"] == 700 and got["frames_split"], got
     assert got["whole"][0] and got["mixed"][0] and got["prefilled"][0], got
@@ -129,7 +133,11 @@ def test_a_packed_run_encodes_as_the_tuples_it_stands_for(tmp_path):
     events = [ev for _, ev in tf.events()]
     assert not [e for e in events if isinstance(e, Exception)]
     assert len(events) == got["n"]
-    assert {e["ev"] for e in events} == {"alloc", "free", "launch"}
+    assert {e["ev"] for e in events} == {"alloc", "free", "launch", "coll", "coll_done"}
+    colls = [e for e in events if e["ev"] == "coll"]
+    assert len(colls) == 30 and sum(e["ev"] == "coll_done" for e in events) == 20
+    assert [b["access"] for b in colls[0]["bufs"]] == ["rw", "r", "w"] and colls[1]["comm"] == "ring:0"
+    assert colls[28]["comm"].endswith("x" * 28) and colls[28]["seq"] == 28 and colls[28]["op"] == "hz.allreduce"
     assert {e["op"] for e in events if e["ev"] == "launch"} == set(got["ops"])
     assert all(isinstance(e.get("site", ""), str) for e in events)
 

@@ -54,6 +54,8 @@ constexpr uint64_t NO_SITE = UINT64_MAX;
 constexpr uint32_t FREED = 1;   // a free (else an allocation)
 constexpr uint32_t QUIET = 2;   // freed on a thread inside a collective's wait
 constexpr uint32_t LAUNCH = 4;  // an op's launch (addr: its index in `launches`)
+constexpr uint32_t COLL = 8;    // a registered collective op returned (addr: its index in `colls`)
+constexpr uint32_t COLL_DONE = 16;  // its completion (addr: its cid)
 
 struct Record {        // 48 bytes (a launch: addr is its index in `launches`, size unused)
   uint64_t addr;
@@ -85,6 +87,13 @@ constexpr uint32_t NONE = UINT32_MAX;
 std::vector<LaunchRange> launch_ranges;
 std::vector<LaunchRec> launches;
 std::vector<at::Tensor> launch_tensors;
+// Collectives of the ops serving engines register (record_coll): each one's ranges are in
+// launch_ranges (`write`: the access, 0 read, 1 written, 2 both), its texts in coll_texts
+struct CollRec { uint64_t cid; uint64_t seq; uint32_t comm; uint32_t op; uint32_t first; uint32_t n; };
+std::vector<CollRec> colls;
+std::vector<std::string> coll_texts;                      // comm names and op labels, by index
+std::unordered_map<std::string, uint32_t> coll_text_index;
+size_t coll_texts_handed = 0;
 uint64_t dropped = 0;          // records lost (buffer at max_records): counted, never silent
 uint64_t passed_through = 0;   // allocations of another shape, handed out unrecorded
 bool sites_on = true;
@@ -256,6 +265,7 @@ void after_fork_child() {
   launches.clear();
   launch_ranges.clear();
   launch_tensors.clear();
+  colls.clear();
   n_pending.store(0);
   mu.unlock();
 }
@@ -509,6 +519,72 @@ void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
   push_locked(r);
 }
 
+// ---- collectives of registered ops (collective_ops.CUSTOM: vLLM's shm_allreduce, custom
+// all-reduce): their `coll` and `coll_done` as records, in order with the allocations around them,
+// instead of Python events after a drain (a drain per call, a block object per fresh input, a
+// Python site walk: ~25 us a call; benchmarks/custom_collective_cost.py)
+std::vector<PyTypeObject*> plain_types;     // collective_ops.PLAIN_TYPES (references kept)
+
+uint32_t coll_text(const std::string& s) {   // mu held
+  auto it = coll_text_index.find(s);
+  if (it != coll_text_index.end()) return it->second;
+  coll_texts.push_back(s);
+  return coll_text_index.emplace(s, static_cast<uint32_t>(coll_texts.size() - 1)).first->second;
+}
+
+// One tensor's range as BlockTable.buffer gives it (a zero-element tensor: its address, 0 bytes);
+// false where Python must record the collective (a tensor off the CPU, or without storage).
+bool coll_tensor(const at::Tensor& t, uint32_t code, std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign) {
+  if (!t.defined()) return false;
+  if (t.layout() != c10::kStrided) return true;       // (buffer(): no range)
+  if (!t.device().is_cpu() || !t.has_storage() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+  const c10::Storage& st = t.storage();
+  const c10::DataPtr& dp = st.data_ptr();
+  uint64_t base = reinterpret_cast<uint64_t>(dp.get());
+  if (base == 0 || st.nbytes() == 0) return true;       // no memory (BlockTable._new: no block)
+  uint64_t item = static_cast<uint64_t>(t.itemsize());
+  uint64_t ptr = base + static_cast<uint64_t>(t.storage_offset()) * item;
+  int64_t n = t.numel();
+  uint64_t size = 0;
+  if (n == 0) {
+    size = 0;
+  } else if (t.is_contiguous()) {
+    size = static_cast<uint64_t>(n) * item;
+  } else {
+    int64_t span = 1;
+    auto sizes = t.sizes();
+    auto strides = t.strides();
+    for (size_t d = 0; d < sizes.size(); ++d) if (sizes[d] > 1) span += (sizes[d] - 1) * strides[d];
+    size = static_cast<uint64_t>(span) * item;
+  }
+  uint32_t f = NONE;
+  if (dp.get_deleter() != &free_and_record) {   // adopted by Python at the drain
+    f = static_cast<uint32_t>(foreign.size());
+    foreign.push_back(t);
+  }
+  rs.push_back(LaunchRange{base, ptr, size, f, code});
+  return true;
+}
+
+// collective_ops.tensors_in: a plain tensor, or lists and tuples of them (nested); anything else
+// names no buffer.
+bool coll_value(PyObject* o, uint32_t code, std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign, int depth) {
+  if (o == Py_None) return true;
+  PyTypeObject* tp = Py_TYPE(o);
+  for (PyTypeObject* p : plain_types) {
+    if (tp == p) return coll_tensor(THPVariable_Unpack(o), code, rs, foreign);
+  }
+  if (PyList_Check(o) || PyTuple_Check(o)) {
+    if (depth > 32) return false;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!coll_value(items[i], code, rs, foreign, depth + 1)) return false;
+    }
+  }
+  return true;
+}
+
 // Collectives only C++ waits for (DDP's verification and reducer): while Python has any, each op
 // the mode would see first runs Python's poll, which writes the completions it finds, as the
 // dispatch mode polled before each op; so a read after a wait in C++ comes after its `coll_done`.
@@ -608,6 +684,50 @@ std::string observer_error() {
 // The calling thread's ops are launches (the dispatch mode's threads: capture calls it where it
 // would push the mode).
 void launches_on_this_thread() { launches_here = true; }
+
+// A registered collective op returned: record its `coll` (cid, comm, seq and the op's label as
+// Python names them, `values` its tensor arguments then its result, `codes` each one's access:
+// 0 read, 1 written, 2 both) and, with `done`, its `coll_done`, under one lock: nothing another
+// thread records comes between. Its call site is read here. Returns false, recording nothing,
+// where Python must record it itself (a tensor off the CPU: its stream is the device's).
+bool record_coll(int64_t cid, const std::string& comm, int64_t seq, const std::string& op, py::list values,
+                 std::vector<int64_t> codes, bool done) {
+  std::vector<LaunchRange> rs;
+  std::vector<at::Tensor> foreign;
+  size_t n = static_cast<size_t>(PyList_GET_SIZE(values.ptr()));
+  if (codes.size() != n) throw std::invalid_argument("record_coll: one access code per value");
+  for (size_t i = 0; i < n; ++i) {
+    if (!coll_value(PyList_GET_ITEM(values.ptr(), i), static_cast<uint32_t>(codes[i]), rs, foreign, 0)) return false;
+  }
+  uint64_t thread = static_cast<uint64_t>(pthread_self());
+  Record r{0, 0, NO_SITE, thread, now_ns(), COLL, 0};
+  std::lock_guard<std::mutex> lock(mu);
+  size_t need = done ? 2 : 1;
+  if (records.size() + need > max_records) { dropped += need; return true; }
+  uint32_t shift = static_cast<uint32_t>(launch_tensors.size());
+  r.addr = colls.size();
+  colls.push_back(CollRec{static_cast<uint64_t>(cid), static_cast<uint64_t>(seq), coll_text(comm), coll_text(op),
+                          static_cast<uint32_t>(launch_ranges.size()), static_cast<uint32_t>(rs.size())});
+  for (LaunchRange& x : rs) {
+    if (x.foreign != NONE) x.foreign += shift;
+    launch_ranges.push_back(x);
+  }
+  for (at::Tensor& t : foreign) launch_tensors.push_back(std::move(t));
+  r.site = site_now();
+  push_locked(r);
+  if (done) push_locked(Record{static_cast<uint64_t>(cid), 0, NO_SITE, thread, now_ns(), COLL_DONE, 0});
+  return true;
+}
+
+// The types tensors_in takes as tensors (collective_ops.PLAIN_TYPES): a subclass's is not its own.
+void set_plain_types(py::list types) {
+  plain_types.clear();
+  for (py::handle h : types) {
+    if (!PyType_Check(h.ptr())) continue;
+    Py_INCREF(h.ptr());                  // kept for the process's life
+    plain_types.push_back(reinterpret_cast<PyTypeObject*>(h.ptr()));
+  }
+}
 
 // Idempotent: a second call would take the recording allocator as its own inner one and recurse
 // until the stack overflows (site.py reads a venv's .pth files twice). Returns whether it installed.
@@ -748,6 +868,64 @@ PyObject* launch_tuple(uint32_t op, uint64_t site, uint64_t t, const PlainRange*
   return ev;
 }
 
+// A registered op's collective (record_coll), as the binary layout's tuples (binary.layout:
+// fixed by its version): `(10, cid, comm, seq, op, "cpu", [[addr, size, access], ...], t)`, with
+// `nil, site` after t when it has a site, and `(11, cid, t)`.
+constexpr uint64_t COLL_KIND = 10, COLL_DONE_KIND = 11;
+std::vector<PyObject*> coll_text_objs;     // by coll_texts index
+PyObject* s_access[3] = {nullptr, nullptr, nullptr};
+const char* const ACCESS[3] = {"r", "w", "rw"};
+
+std::vector<std::string> coll_text_strs;   // the same texts, for PackedRun::encode (the GIL held)
+
+PyObject* coll_text_obj(uint32_t i) { return i < coll_text_objs.size() ? coll_text_objs[i] : Py_None; }
+const std::string& coll_text_str(uint32_t i) {
+  static const std::string none;
+  return i < coll_text_strs.size() ? coll_text_strs[i] : none;
+}
+
+PyObject* coll_tuple(uint64_t cid, uint32_t comm, uint64_t seq, uint32_t op, uint64_t site, uint64_t t,
+                     const PlainRange* rs, uint32_t n) {
+  PyObject* bufs = PyList_New(n);
+  if (!bufs) throw py::error_already_set();
+  for (uint32_t i = 0; i < n; ++i) {
+    PyObject* b = PyList_New(3);
+    PyList_SET_ITEM(b, 0, PyLong_FromUnsignedLongLong(rs[i].ptr));
+    PyList_SET_ITEM(b, 1, PyLong_FromUnsignedLongLong(rs[i].size));
+    PyObject* a = s_access[std::min<uint32_t>(rs[i].write, 2)];
+    Py_INCREF(a); PyList_SET_ITEM(b, 2, a);
+    PyList_SET_ITEM(bufs, i, b);
+  }
+  PyObject* so = site_obj(site);
+  bool with_site = so != Py_None;
+  PyObject* ev = PyTuple_New(with_site ? 10 : 8);
+  if (!ev) throw py::error_already_set();
+  PyTuple_SET_ITEM(ev, 0, PyLong_FromUnsignedLongLong(COLL_KIND));
+  PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(cid));
+  PyObject* c = coll_text_obj(comm);
+  Py_INCREF(c); PyTuple_SET_ITEM(ev, 2, c);
+  PyTuple_SET_ITEM(ev, 3, PyLong_FromUnsignedLongLong(seq));
+  PyObject* o = coll_text_obj(op);
+  Py_INCREF(o); PyTuple_SET_ITEM(ev, 4, o);
+  Py_INCREF(s_cpu); PyTuple_SET_ITEM(ev, 5, s_cpu);
+  PyTuple_SET_ITEM(ev, 6, bufs);
+  PyTuple_SET_ITEM(ev, 7, PyLong_FromUnsignedLongLong(t));
+  if (with_site) {
+    Py_INCREF(Py_None); PyTuple_SET_ITEM(ev, 8, Py_None);
+    Py_INCREF(so); PyTuple_SET_ITEM(ev, 9, so);
+  }
+  return ev;
+}
+
+PyObject* coll_done_tuple(uint64_t cid, uint64_t t) {
+  PyObject* ev = PyTuple_New(3);
+  if (!ev) throw py::error_already_set();
+  PyTuple_SET_ITEM(ev, 0, PyLong_FromUnsignedLongLong(COLL_DONE_KIND));
+  PyTuple_SET_ITEM(ev, 1, PyLong_FromUnsignedLongLong(cid));
+  PyTuple_SET_ITEM(ev, 2, PyLong_FromUnsignedLongLong(t));
+  return ev;
+}
+
 // ---- packed runs: the plain records of a drain kept here until the writer encodes them
 //
 // In a host-bound decode step (vLLM's, on this machine) the ~190 plain records a rank makes cost
@@ -758,17 +936,18 @@ PyObject* launch_tuple(uint32_t op, uint64_t site, uint64_t t, const PlainRange*
 // business as for any event). `events()` gives the tuples above, for JSON Lines and the tests
 // that hold the two paths equal.
 struct PlainEvent {
-  uint64_t id;      // alloc, free: the block's id; launch: its first range in `ranges`
-  uint64_t addr;    // alloc; launch: its number of ranges
-  uint64_t size;    // alloc
+  uint64_t id;      // alloc, free: the block's id; launch, coll: its first range in `ranges`; coll_done: cid
+  uint64_t addr;    // alloc; launch, coll: its number of ranges
+  uint64_t size;    // alloc; coll: its index in `colls`
   uint64_t t;
   uint64_t site;    // NO_SITE: none
-  uint32_t kind;    // 5 alloc, 6 free, 9 launch
+  uint32_t kind;    // 5 alloc, 6 free, 9 launch, 10 coll, 11 coll_done
   uint32_t op;      // launch: label index
 };
 struct RunData {
   std::vector<PlainEvent> evs;
   std::vector<PlainRange> ranges;
+  std::vector<CollRec> colls;      // (first, n unused: the event's)
 };
 
 // msgpack, as msgspec writes it (the smallest form of each integer), so that a run's items are
@@ -797,6 +976,20 @@ struct Msgpack {
     for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>(n >> (8 * i)));
   }
   void raw(const char* s, size_t n) { out.append(s, n); }
+  void str(const std::string& s) {
+    size_t n = s.size();
+    if (n < 32) {
+      out.push_back(static_cast<char>(0xa0 | n));
+    } else if (n <= 0xFF) {
+      out.push_back('\xd9'); out.push_back(static_cast<char>(n));
+    } else if (n <= 0xFFFF) {
+      out.push_back('\xda'); out.push_back(static_cast<char>(n >> 8)); out.push_back(static_cast<char>(n));
+    } else {
+      out.push_back('\xdb');
+      for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>(n >> (8 * i)));
+    }
+    out.append(s);
+  }
 };
 
 class PackedRun {
@@ -841,14 +1034,27 @@ class PackedRun {
     m.out.reserve(size() * 40);
     for (size_t i = start_; i < stop_; ++i) {
       const PlainEvent& e = d_->evs[i];
-      if (e.kind == 6) {
-        m.array(3); m.uint(6); m.uint(e.id); m.uint(e.t);
+      if (e.kind == 6 || e.kind == COLL_DONE_KIND) {
+        m.array(3); m.uint(e.kind); m.uint(e.id); m.uint(e.t);
         continue;
       }
       int64_t site = -1;
       if (e.site != NO_SITE && e.site < site_objs.size()) {
         site = index(site_idx, sites.ptr(), "site", e.site, site_objs[e.site]);
         if (site < 0) return py::none();
+      }
+      if (e.kind == COLL_KIND) {        // as coll_tuple
+        const CollRec& c = d_->colls[e.size];
+        m.array(site < 0 ? 8 : 10); m.uint(COLL_KIND); m.uint(c.cid); m.str(coll_text_str(c.comm));
+        m.uint(c.seq); m.str(coll_text_str(c.op)); m.raw("\xa3" "cpu", 4);
+        const PlainRange* rs = d_->ranges.data() + e.id;
+        m.array(e.addr);
+        for (uint64_t k = 0; k < e.addr; ++k) {
+          m.array(3); m.uint(rs[k].ptr); m.uint(rs[k].size); m.str(ACCESS[std::min<uint32_t>(rs[k].write, 2)]);
+        }
+        m.uint(e.t);
+        if (site >= 0) { m.nil(); m.uint(static_cast<uint64_t>(site)); }
+        continue;
       }
       if (e.kind == 5) {
         m.array(12); m.uint(5); m.uint(e.id); m.uint(e.addr); m.uint(e.size);
@@ -887,6 +1093,11 @@ class PackedRun {
   PyObject* tuple_of(const PlainEvent& e) const {
     if (e.kind == 5) return alloc_tuple(e.id, e.addr, e.size, e.t, e.site);
     if (e.kind == 6) return free_tuple(e.id, e.t);
+    if (e.kind == COLL_DONE_KIND) return coll_done_tuple(e.id, e.t);
+    if (e.kind == COLL_KIND) {
+      const CollRec& c = d_->colls[e.size];
+      return coll_tuple(c.cid, c.comm, c.seq, c.op, e.site, e.t, d_->ranges.data() + e.id, static_cast<uint32_t>(e.addr));
+    }
     return launch_tuple(e.op, e.site, e.t, d_->ranges.data() + e.id, static_cast<uint32_t>(e.addr));
   }
   std::shared_ptr<RunData> d_;
@@ -900,10 +1111,12 @@ class PackedRun {
 // (0, addr, size, site, t, scope, id), a free (1, addr, size, thread, t, flags, id, block flags)
 // when it was made inside a wait, its block is one Python holds or placed, or `all_frees` (Python
 // has Work-held or stashed blocks to look at on every free), and a launch with a range Python must
-// translate (2, op, site, t, ranges).
+// translate (2, op, site, t, ranges), and a registered op's collective with such a range
+// (3, cid, comm, seq, op, site, t, ranges), its ranges' first element the access ("r", "w", "rw").
 py::tuple drain_events(bool all_frees, bool packed) {
   std::vector<Record> out;
-  std::vector<std::string> texts, labels;
+  std::vector<std::string> texts, labels, ctexts;
+  std::vector<CollRec> crecs;
   std::vector<LaunchRec> lrecs;
   std::vector<LaunchRange> lranges;
   std::vector<at::Tensor> ltensors;
@@ -919,6 +1132,9 @@ py::tuple drain_events(bool all_frees, bool packed) {
     lrecs.swap(launches);
     lranges.swap(launch_ranges);
     ltensors.swap(launch_tensors);
+    crecs.swap(colls);
+    ctexts.assign(coll_texts.begin() + coll_texts_handed, coll_texts.end());
+    coll_texts_handed = coll_texts.size();
     n_pending.store(0);
     texts.assign(site_texts.begin() + texts_handed, site_texts.end());
     texts_handed = site_texts.size();
@@ -928,6 +1144,13 @@ py::tuple drain_events(bool all_frees, bool packed) {
   if (!s_cpu) {
     s_cpu = PyUnicode_InternFromString("cpu");
     s_default = PyUnicode_InternFromString("default");
+    for (int i = 0; i < 3; ++i) s_access[i] = PyUnicode_InternFromString(ACCESS[i]);
+  }
+  for (const std::string& t : ctexts) {
+    PyObject* o = PyUnicode_DecodeUTF8(t.data(), t.size(), "replace");
+    if (!o) throw py::error_already_set();
+    coll_text_objs.push_back(o);
+    coll_text_strs.push_back(t);
   }
   for (const std::string& t : texts) {
     PyObject* o = PyUnicode_DecodeUTF8(t.data(), t.size(), "replace");
@@ -949,35 +1172,76 @@ py::tuple drain_events(bool all_frees, bool packed) {
   };
   int64_t n_launches = 0;
   std::vector<PlainRange> rs;
+  // plain: every range in a block the recorder made and Python did not place
+  auto plain_ranges = [&](uint32_t first, uint32_t n) {
+    for (uint32_t i = first; i < first + n; ++i) {
+      const LaunchRange& x = lranges[i];
+      if (x.foreign != NONE) return false;
+      auto it = blocks.find(x.base);
+      if (it == blocks.end() || (it->second.flags & MODELLED)) return false;
+    }
+    return true;
+  };
+  // the ranges of a launch or collective that is not plain, for Python: (write or access, base,
+  // ptr, size, the tensor of a storage the recorder did not make, resolved)
+  auto ranges_for_python = [&](uint32_t first, uint32_t n, bool coll) {
+    py::list ranges;
+    for (uint32_t i = first; i < first + n; ++i) {
+      const LaunchRange& x = lranges[i];
+      py::object t = py::none();
+      if (x.foreign != NONE) t = py::reinterpret_steal<py::object>(THPVariable_Wrap(ltensors[x.foreign]));
+      // resolved here, where `blocks` is as it was at the record (Python handles the specials
+      // after every record of the batch went through it: a later free is gone from it)
+      bool resolved = false;
+      if (x.foreign == NONE) {
+        auto it = blocks.find(x.base);
+        resolved = it != blocks.end() && !(it->second.flags & MODELLED);
+      }
+      py::object how = coll ? py::reinterpret_borrow<py::object>(s_access[std::min<uint32_t>(x.write, 2)])
+                            : py::reinterpret_borrow<py::object>(x.write ? Py_True : Py_False);
+      ranges.append(py::make_tuple(how, x.base, x.ptr, x.size, t, resolved));
+    }
+    return ranges;
+  };
   for (const Record& r : out) {
+    if (r.flags & COLL_DONE) {
+      if (run) {
+        run->evs.push_back(PlainEvent{r.addr, 0, 0, r.t, NO_SITE, static_cast<uint32_t>(COLL_DONE_KIND), 0});
+        ++n_events;
+      } else {
+        plain(coll_done_tuple(r.addr, r.t));
+      }
+      continue;
+    }
+    if (r.flags & COLL) {
+      const CollRec& c = crecs[r.addr];
+      if (!plain_ranges(c.first, c.n)) {
+        specials.append(py::make_tuple(n_events, py::make_tuple(3, c.cid,
+            py::reinterpret_borrow<py::object>(coll_text_obj(c.comm)), c.seq,
+            py::reinterpret_borrow<py::object>(coll_text_obj(c.op)),
+            py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, ranges_for_python(c.first, c.n, true))));
+        continue;
+      }
+      rs.clear();
+      for (uint32_t i = c.first; i < c.first + c.n; ++i)
+        rs.push_back(PlainRange{lranges[i].ptr, lranges[i].size, lranges[i].write});
+      if (run) {
+        run->evs.push_back(PlainEvent{run->ranges.size(), c.n, run->colls.size(), r.t, r.site,
+                                      static_cast<uint32_t>(COLL_KIND), 0});
+        run->colls.push_back(c);
+        run->ranges.insert(run->ranges.end(), rs.begin(), rs.end());
+        ++n_events;
+      } else {
+        plain(coll_tuple(c.cid, c.comm, c.seq, c.op, r.site, r.t, rs.data(), c.n));
+      }
+      continue;
+    }
     if (r.flags & LAUNCH) {
       const LaunchRec& l = lrecs[r.addr];
       ++n_launches;
-      // plain: every range in a block the recorder made and Python did not place
-      bool is_plain = true;
-      for (uint32_t i = l.first; i < l.first + l.n && is_plain; ++i) {
-        const LaunchRange& x = lranges[i];
-        if (x.foreign != NONE) { is_plain = false; break; }
-        auto it = blocks.find(x.base);
-        if (it == blocks.end() || (it->second.flags & MODELLED)) is_plain = false;
-      }
-      if (!is_plain) {
-        py::list ranges;
-        for (uint32_t i = l.first; i < l.first + l.n; ++i) {
-          const LaunchRange& x = lranges[i];
-          py::object t = py::none();
-          if (x.foreign != NONE) t = py::reinterpret_steal<py::object>(THPVariable_Wrap(ltensors[x.foreign]));
-          // resolved here, where `blocks` is as it was at the launch (Python handles the specials
-          // after every record of the batch went through it: a later free is gone from it)
-          bool resolved = false;
-          if (x.foreign == NONE) {
-            auto it = blocks.find(x.base);
-            resolved = it != blocks.end() && !(it->second.flags & MODELLED);
-          }
-          ranges.append(py::make_tuple(static_cast<bool>(x.write), x.base, x.ptr, x.size, t, resolved));
-        }
+      if (!plain_ranges(l.first, l.n)) {
         specials.append(py::make_tuple(n_events, py::make_tuple(2, py::reinterpret_borrow<py::object>(label_obj(l.op)),
-            py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, ranges)));
+            py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, ranges_for_python(l.first, l.n, false))));
         continue;
       }
       if (run) {
@@ -1112,8 +1376,12 @@ void watch_stop_locked() {
 
 // Start the watch (stopping one running): it writes to `fd` (the time flush's pipe, non-blocking)
 // every `look_s` at most, when the time flush has something to do (above).
+// The GIL stays held in both (the watch thread never takes it, and a join is at most one wake-up
+// of it): the time flush calls them, a daemon thread, and one that took the GIL back inside a C++
+// frame while the interpreter finalizes is ended by pthread_exit, whose unwinding through the
+// release guard's noexcept destructor aborts the program ("terminate called without an active
+// exception", pytorch#38228; seen at exit under load, tests/capture/test_capture_nothing_lost.py).
 bool watch_start(int64_t fd, double look_s, double idle_s) {
-  py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> control(watch_control);
   watch_stop_locked();
   if (!watch_fork_handler) {
@@ -1129,7 +1397,6 @@ bool watch_start(int64_t fd, double look_s, double idle_s) {
 
 // Stop the watch and wait for its thread (then its pipe may be closed).
 void watch_stop() {
-  py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> control(watch_control);
   watch_stop_locked();
 }
@@ -1154,6 +1421,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quiet_add", &quiet_add);
   m.def("pending", &pending);
   m.def("drain_events", &drain_events, py::arg("all_frees"), py::arg("packed") = false);
+  m.def("record_coll", &record_coll);
+  m.def("set_plain_types", &set_plain_types);
   py::class_<PackedRun>(m, "PackedRun")
       .def("__len__", &PackedRun::size)
       .def("part", &PackedRun::part)

@@ -131,6 +131,7 @@ class BackendSelectKernels:
         depth = self.depth
         colls = self.collectives
         transparent = colls._transparent
+        custom = colls._custom
         capture = self.capture
         meta = torch._C.DispatchKey.Meta
         is_compiling = torch.compiler.is_compiling
@@ -152,7 +153,10 @@ class BackendSelectKernels:
                 table = capture.blocks
                 if table is not None:
                     # the frees made before the call first: the handlers look storages up by key
-                    table.drain_pending()
+                    # (not a registered op's, which the recorder records in order with its own
+                    # records: `_custom` drains before it looks anything up on Python's side)
+                    if colls.native is None or handler != custom:
+                        table.drain_pending()
                     if table.unowned:
                         colls.poll()
                 return handler(Redispatch(op, keys), args, kwargs, None)

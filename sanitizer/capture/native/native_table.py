@@ -31,8 +31,10 @@ from time import time_ns
 from sanitizer.capture import block_table as _bt
 from sanitizer.capture.block_table import BlockTable
 from sanitizer.capture.native import MAX_RECORDS, QUIET
+from sanitizer.trace.binary.layout import ORDER
 
 _ALLOC, _FREE = _bt._ALLOC, _bt._FREE
+_COLL = ORDER["coll"][0]       # (the recorder writes 10 and 11 itself: test_native_collectives checks)
 
 
 class NativeBlock:
@@ -211,6 +213,9 @@ class NativeBlockTable(BlockTable):
         if rec[0] == 2:
             self._launch(rec)
             return
+        if rec[0] == 3:
+            self._coll(rec)
+            return
         if rec[0] == 0:                        # an allocation inside a scope: placed in its window
             _, addr, size, site, t, scope, bid = rec
             pool, comm = self.scope_of[scope]
@@ -245,18 +250,36 @@ class NativeBlockTable(BlockTable):
         came with the record). The recorder resolved the others at the launch's place."""
         _, op, site, t, ranges = rec
         reads, writes = [], []
-        for write, base, ptr, size, tensor, resolved in ranges:
-            if resolved:                       # a plain block of the recorder's: its own address
-                (writes if write else reads).append((ptr, size))
-                continue
-            b = self.block_of(tensor) if tensor is not None else self._named_block(base)
-            if b is None:
-                self.capture.failed("native.launch", RuntimeError(f"{op}: a range in no known block"))
-                continue
-            (writes if write else reads).append((b.addr + (ptr - b.real), size))
+        for write, addr, size in self._translated(ranges, "native.launch", op, site):
+            (writes if write else reads).append((addr, size))
         if reads or writes:
             self.writer.emit((_bt._LAUNCH, "cpu", tuple(reads) or None, tuple(writes) or None, t, None, site,
                               None, op))
+
+    def _coll(self, rec) -> None:
+        """A registered op's collective (alloc_recorder.cpp, record_coll) with a range Python must
+        translate, as `_launch`; written as the recorder writes a plain one (its coll_tuple)."""
+        _, cid, comm, seq, op, site, t, ranges = rec
+        bufs = [[addr, size, access] for access, addr, size in self._translated(ranges, "native.coll", op, site)]
+        ev = (_COLL, cid, comm, seq, op, "cpu", bufs, t) + ((None, site) if site is not None else ())
+        self.writer.emit(ev)
+
+    def _translated(self, ranges, hook: str, op, site):
+        """(access, trace address, size) of each range of a special record: one of the
+        recorder's plain blocks as it is, one in a modelled window or a storage the recorder never
+        saw (adopted now, with the record's call site: its tensor came with the record) translated
+        into its block's addresses."""
+        out = []
+        for access, base, ptr, size, tensor, resolved in ranges:
+            if resolved:                       # a plain block of the recorder's: its own address
+                out.append((access, ptr, size))
+                continue
+            b = self._adopted(tensor, site) if tensor is not None else self._named_block(base)
+            if b is None:
+                self.capture.failed(hook, RuntimeError(f"{op}: a range in no known block"))
+                continue
+            out.append((access, b.addr + (ptr - b.real), size))
+        return out
 
     def _release_native(self, b: NativeBlock, t: int) -> None:
         if self.stashed:
@@ -281,6 +304,17 @@ class NativeBlockTable(BlockTable):
         except Exception as exc:
             self.capture.failed("native.lookup", exc)
         return super()._new(t, s, opname, live, placed_by_scope, where, key)
+
+    def _adopted(self, t, site):
+        """BlockTable.block_of, an adoption placed at `site` (where the op was called, not where
+        its record is drained)."""
+        if type(t) not in _bt._PLAIN or t.layout != _bt._STRIDED:
+            return None
+        s = t.untyped_storage()
+        b = self.live.get(s._cdata)
+        if b is None:
+            b = self._new(t, s, "adopted", self.live, False, (site, None))
+        return b
 
     def _named_block(self, real: int) -> NativeBlock | None:
         """The block object Python holds for the recorder's block at `real`, taken now if the
@@ -367,6 +401,8 @@ def install(capture, lib) -> NativeBlockTable:
     capture.writer.source = table
     capture.on_scope_change = table.scope_changed
     _bt.NATIVE_QUIET = lib.quiet_add
+    from sanitizer.capture.collective_ops import PLAIN_TYPES
+    lib.set_plain_types(list(PLAIN_TYPES))
     os.register_at_fork(before=lambda: table.drain_before_flush(timeout=1.0))
     if capture.settings.level == "full":
         enable_launches(table, lib)
