@@ -953,42 +953,62 @@ struct RunData {
 // msgpack, as msgspec writes it (the smallest form of each integer), so that a run's items are
 // byte for byte what the Python path makes of the same tuples
 struct Msgpack {
+  // written through a pointer into `out`, whose size is its room while encoding (finish() cuts it
+  // to what was written): a byte costs a store, not a std::string push_back
   std::string out;
-  void uint(uint64_t x) {
-    if (x < 128) { out.push_back(static_cast<char>(x)); return; }
-    unsigned char b[9];
-    int n;
-    if (x <= 0xFF) { b[0] = 0xcc; n = 1; }
-    else if (x <= 0xFFFF) { b[0] = 0xcd; n = 2; }
-    else if (x <= 0xFFFFFFFFull) { b[0] = 0xce; n = 4; }
-    else { b[0] = 0xcf; n = 8; }
-    for (int i = 0; i < n; ++i) b[1 + i] = static_cast<unsigned char>(x >> (8 * (n - 1 - i)));
-    out.append(reinterpret_cast<char*>(b), 1 + n);
+  char* p = nullptr;
+  char* end = nullptr;
+  void room(size_t k) {
+    if (static_cast<size_t>(end - p) >= k) return;
+    size_t used = p ? static_cast<size_t>(p - &out[0]) : 0;
+    out.resize(std::max(out.size() * 2, used + k + 4096));
+    p = &out[0] + used;
+    end = &out[0] + out.size();
   }
-  void nil() { out.push_back('\xc0'); }
+  void uint(uint64_t x) {
+    room(9);
+    if (x < 128) { *p++ = static_cast<char>(x); return; }
+    int n;
+    if (x <= 0xFF) { *p++ = '\xcc'; n = 1; }
+    else if (x <= 0xFFFF) { *p++ = '\xcd'; n = 2; }
+    else if (x <= 0xFFFFFFFFull) { *p++ = '\xce'; n = 4; }
+    else { *p++ = '\xcf'; n = 8; }
+    for (int i = n - 1; i >= 0; --i) *p++ = static_cast<char>(x >> (8 * i));
+  }
+  void nil() { room(1); *p++ = '\xc0'; }
   void array(size_t n) {
-    if (n < 16) { out.push_back(static_cast<char>(0x90 | n)); return; }
+    room(5);
+    if (n < 16) { *p++ = static_cast<char>(0x90 | n); return; }
     if (n <= 0xFFFF) {
-      out.push_back('\xdc'); out.push_back(static_cast<char>(n >> 8)); out.push_back(static_cast<char>(n));
+      *p++ = '\xdc'; *p++ = static_cast<char>(n >> 8); *p++ = static_cast<char>(n);
       return;
     }
-    out.push_back('\xdd');
-    for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>(n >> (8 * i)));
+    *p++ = '\xdd';
+    for (int i = 3; i >= 0; --i) *p++ = static_cast<char>(n >> (8 * i));
   }
-  void raw(const char* s, size_t n) { out.append(s, n); }
+  void raw(const char* s, size_t n) {
+    room(n);
+    std::memcpy(p, s, n);
+    p += n;
+  }
   void str(const std::string& s) {
     size_t n = s.size();
+    room(5);
     if (n < 32) {
-      out.push_back(static_cast<char>(0xa0 | n));
+      *p++ = static_cast<char>(0xa0 | n);
     } else if (n <= 0xFF) {
-      out.push_back('\xd9'); out.push_back(static_cast<char>(n));
+      *p++ = '\xd9'; *p++ = static_cast<char>(n);
     } else if (n <= 0xFFFF) {
-      out.push_back('\xda'); out.push_back(static_cast<char>(n >> 8)); out.push_back(static_cast<char>(n));
+      *p++ = '\xda'; *p++ = static_cast<char>(n >> 8); *p++ = static_cast<char>(n);
     } else {
-      out.push_back('\xdb');
-      for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>(n >> (8 * i)));
+      *p++ = '\xdb';
+      for (int i = 3; i >= 0; --i) *p++ = static_cast<char>(n >> (8 * i));
     }
-    out.append(s);
+    raw(s.data(), n);
+  }
+  const std::string& finish() {
+    out.resize(p ? static_cast<size_t>(p - &out[0]) : 0);
+    return out;
   }
 };
 
@@ -1031,7 +1051,7 @@ class PackedRun {
       return found;
     };
     Msgpack m;
-    m.out.reserve(size() * 40);
+    m.room(size() * 40);
     for (size_t i = start_; i < stop_; ++i) {
       const PlainEvent& e = d_->evs[i];
       if (e.kind == 6 || e.kind == COLL_DONE_KIND) {
@@ -1086,7 +1106,8 @@ class PackedRun {
       m.nil();
       if (op < 0) m.nil(); else m.uint(static_cast<uint64_t>(op));
     }
-    return py::bytes(m.out);
+    const std::string& bytes = m.finish();
+    return py::bytes(bytes);
   }
 
  private:
