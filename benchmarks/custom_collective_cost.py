@@ -12,7 +12,8 @@ vLLM's is: `hzbench::shm_allreduce(Tensor(a!) data, int handle) -> ()`, recorded
     per collective = ((variant, colls) - (bare, colls) - ((variant, 0) - (bare, 0))) / layers
 
 is capture's cost of the collective alone. Variants: bare, alloc-native and full-native
-(HAZSAN=1, the native recorder); `--python` adds the dispatch mode's alloc. Each variant runs
+(HAZSAN=1, the native recorder), alloc-native-pycolls (the same with HAZSAN_NATIVE_COLLECTIVES=0:
+Python records the collectives); `--python` adds the dispatch mode's alloc. Each variant runs
 `--rounds` times interleaved, each run in its own interpreter (HAZSAN=1 goes through the .pth
 bootstrap), `--steps` steps after `--warmup`, the collector off, thread CPU per step; medians.
 Every step is `with sanitizer.step(n)`, so a step end's flush falls inside the timing as in a
@@ -34,7 +35,9 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("bare", "alloc-native", "full-native")
+VARIANTS = ("bare", "alloc-native", "full-native", "alloc-native-pycolls")
+# alloc-native-pycolls: the native recorder with the collectives recorded by Python
+# (HAZSAN_NATIVE_COLLECTIVES=0), as before the recorder wrote them
 
 
 def child(args) -> None:
@@ -93,6 +96,8 @@ def run(variant, args, trace_dir, profile=False) -> dict:
                    HAZSAN_DIR=os.path.join(trace_dir, variant, f"run{time.monotonic_ns()}"))
         if variant.endswith("-python"):
             env["HAZSAN_NATIVE"] = "0"
+        if variant.endswith("-pycolls"):
+            env["HAZSAN_NATIVE_COLLECTIVES"] = "0"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, f"--layers={args.layers}",
            f"--steps={args.steps}", f"--warmup={args.warmup}"] + (["--profile", variant] if profile else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -134,10 +139,10 @@ def main() -> None:
     med = {v: {k: statistics.median(xs) for k, xs in per[v].items()} for v in variants}
     print(f"{args.layers} collectives a step, {args.steps} steps, {args.rounds} round(s); thread CPU "
           f"per step, medians")
-    print(f"  {'variant':<14}{'no calls us':>12}{'with calls us':>15}{'capture per collective us':>28}")
+    print(f"  {'variant':<22}{'no calls us':>12}{'with calls us':>15}{'capture per collective us':>28}")
     for v in variants:
         extra = ((med[v][1] - med["bare"][1]) - (med[v][0] - med["bare"][0])) / args.layers
-        print(f"  {v:<14}{med[v][0]:>12.1f}{med[v][1]:>15.1f}{extra:>28.1f}")
+        print(f"  {v:<22}{med[v][0]:>12.1f}{med[v][1]:>15.1f}{extra:>28.1f}")
     bare_per = (med["bare"][1] - med["bare"][0]) / args.layers
     print(f"  (a bare call of the op: {bare_per:.1f} us)")
 
