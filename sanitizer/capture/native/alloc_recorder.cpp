@@ -457,27 +457,19 @@ std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
   return ctx;
 }
 
-// The span of t's elements (BlockTable._ranges), appended to rs; a storage the allocator did not
-// make keeps its tensor for Python to adopt.
-void add_range(const at::Tensor& t, bool write, std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign) {
-  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu()) return;
-  // a subclass's memory is not its own (a FakeTensor while torch.compile traces, with symbolic
-  // sizes: the dispatch mode steps aside then), nor a symbolic shape's
-  if (t.key_set().has(c10::DispatchKey::Python) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
-  // a Python number the binding made a tensor: a dispatch mode is handed the number back
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
-  int64_t n = t.numel();
-  if (n == 0) return;
-  const c10::Storage& st = t.storage();
-  const c10::DataPtr& dp = st.data_ptr();
+// The span of t's elements in its storage's memory (`dp`, not null), appended to rs with `how` (a
+// launch: written or not; a collective: its access code): a zero-element tensor spans 0 bytes. A
+// storage the allocator did not make keeps its tensor, for Python to adopt.
+void push_span(const at::Tensor& t, const c10::DataPtr& dp, uint32_t how, std::vector<LaunchRange>& rs,
+               std::vector<at::Tensor>& foreign) {
   uint64_t base = reinterpret_cast<uint64_t>(dp.get());
-  if (base == 0) return;
   uint64_t item = static_cast<uint64_t>(t.itemsize());
   uint64_t ptr = base + static_cast<uint64_t>(t.storage_offset()) * item;
-  uint64_t size;
-  if (t.is_contiguous()) {
+  int64_t n = t.numel();
+  uint64_t size = 0;
+  if (n > 0 && t.is_contiguous()) {
     size = static_cast<uint64_t>(n) * item;
-  } else {
+  } else if (n > 0) {
     int64_t span = 1;
     auto sizes = t.sizes();
     auto strides = t.strides();
@@ -489,7 +481,36 @@ void add_range(const at::Tensor& t, bool write, std::vector<LaunchRange>& rs, st
     f = static_cast<uint32_t>(foreign.size());
     foreign.push_back(t);
   }
-  rs.push_back(LaunchRange{base, ptr, size, f, write ? 1u : 0u});
+  rs.push_back(LaunchRange{base, ptr, size, f, how});
+}
+
+// A launch's range of t (BlockTable._ranges): none for a tensor whose memory is not its own or that
+// has no elements.
+void add_range(const at::Tensor& t, bool write, std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign) {
+  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage() || !t.device().is_cpu()) return;
+  // a subclass's memory is not its own (a FakeTensor while torch.compile traces, with symbolic
+  // sizes: the dispatch mode steps aside then), nor a symbolic shape's
+  if (t.key_set().has(c10::DispatchKey::Python) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
+  // a Python number the binding made a tensor: a dispatch mode is handed the number back
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;
+  int64_t n = t.numel();
+  if (n == 0) return;
+  const c10::DataPtr& dp = t.storage().data_ptr();
+  if (dp.get() == nullptr) return;
+  push_span(t, dp, write ? 1u : 0u, rs, foreign);
+}
+
+// rs and the tensors its foreign ranges name, kept until the drain (mu held): the index of its
+// first range in launch_ranges.
+uint32_t keep_ranges(std::vector<LaunchRange>& rs, std::vector<at::Tensor>& foreign) {
+  uint32_t first = static_cast<uint32_t>(launch_ranges.size());
+  uint32_t shift = static_cast<uint32_t>(launch_tensors.size());
+  for (LaunchRange& x : rs) {
+    if (x.foreign != NONE) x.foreign += shift;
+    launch_ranges.push_back(x);
+  }
+  for (at::Tensor& t : foreign) launch_tensors.push_back(std::move(t));
+  return first;
 }
 
 void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
@@ -507,14 +528,8 @@ void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
   Record r{0, 0, NO_SITE, static_cast<uint64_t>(pthread_self()), now_ns(), LAUNCH, 0};
   std::lock_guard<std::mutex> lock(mu);
   if (records.size() >= max_records) { ++dropped; return; }
-  uint32_t shift = static_cast<uint32_t>(launch_tensors.size());
   r.addr = launches.size();
-  launches.push_back(LaunchRec{ctx->plan->label, static_cast<uint32_t>(launch_ranges.size()), static_cast<uint32_t>(rs.size())});
-  for (LaunchRange& x : rs) {
-    if (x.foreign != NONE) x.foreign += shift;
-    launch_ranges.push_back(x);
-  }
-  for (at::Tensor& t : foreign) launch_tensors.push_back(std::move(t));
+  launches.push_back(LaunchRec{ctx->plan->label, keep_ranges(rs, foreign), static_cast<uint32_t>(rs.size())});
   r.site = site_now();
   push_locked(r);
 }
@@ -539,30 +554,8 @@ bool coll_tensor(const at::Tensor& t, uint32_t code, std::vector<LaunchRange>& r
   if (t.layout() != c10::kStrided) return true;       // (buffer(): no range)
   if (!t.device().is_cpu() || !t.has_storage() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
   const c10::Storage& st = t.storage();
-  const c10::DataPtr& dp = st.data_ptr();
-  uint64_t base = reinterpret_cast<uint64_t>(dp.get());
-  if (base == 0 || st.nbytes() == 0) return true;       // no memory (BlockTable._new: no block)
-  uint64_t item = static_cast<uint64_t>(t.itemsize());
-  uint64_t ptr = base + static_cast<uint64_t>(t.storage_offset()) * item;
-  int64_t n = t.numel();
-  uint64_t size = 0;
-  if (n == 0) {
-    size = 0;
-  } else if (t.is_contiguous()) {
-    size = static_cast<uint64_t>(n) * item;
-  } else {
-    int64_t span = 1;
-    auto sizes = t.sizes();
-    auto strides = t.strides();
-    for (size_t d = 0; d < sizes.size(); ++d) if (sizes[d] > 1) span += (sizes[d] - 1) * strides[d];
-    size = static_cast<uint64_t>(span) * item;
-  }
-  uint32_t f = NONE;
-  if (dp.get_deleter() != &free_and_record) {   // adopted by Python at the drain
-    f = static_cast<uint32_t>(foreign.size());
-    foreign.push_back(t);
-  }
-  rs.push_back(LaunchRange{base, ptr, size, f, code});
+  if (st.data_ptr().get() == nullptr || st.nbytes() == 0) return true;   // no memory (BlockTable._new: no block)
+  push_span(t, st.data_ptr(), code, rs, foreign);        // (a storage it did not make: adopted at the drain)
   return true;
 }
 
@@ -704,15 +697,9 @@ bool record_coll(int64_t cid, const std::string& comm, int64_t seq, const std::s
   std::lock_guard<std::mutex> lock(mu);
   size_t need = done ? 2 : 1;
   if (records.size() + need > max_records) { dropped += need; return true; }
-  uint32_t shift = static_cast<uint32_t>(launch_tensors.size());
   r.addr = colls.size();
   colls.push_back(CollRec{static_cast<uint64_t>(cid), static_cast<uint64_t>(seq), coll_text(comm), coll_text(op),
-                          static_cast<uint32_t>(launch_ranges.size()), static_cast<uint32_t>(rs.size())});
-  for (LaunchRange& x : rs) {
-    if (x.foreign != NONE) x.foreign += shift;
-    launch_ranges.push_back(x);
-  }
-  for (at::Tensor& t : foreign) launch_tensors.push_back(std::move(t));
+                          keep_ranges(rs, foreign), static_cast<uint32_t>(rs.size())});
   r.site = site_now();
   push_locked(r);
   if (done) push_locked(Record{static_cast<uint64_t>(cid), 0, NO_SITE, thread, now_ns(), COLL_DONE, 0});
