@@ -43,7 +43,7 @@ $(VENV)/.installed: pyproject.toml $(ENGINE_SRC) reports/scan/fetch_vllm.sh
 	PY=$(VPY) bash reports/scan/fetch_vllm.sh $(VLLM_SCAN_SRC)
 	touch $@
 
-.PHONY: venv test test-long test-e2e test-sglang vllm-proof sglang-proof test-sanitizers demo bench scan-report gpu-check gpu-kit
+.PHONY: venv test test-long test-e2e test-sglang vllm-proof sglang-proof test-sanitizers demo readme bench scan-report gpu-check gpu-kit
 venv: $(VENV)/.installed
 
 # On both cores (pytest-xdist), without the few long end-to-end programs (marker `long`), which
@@ -132,6 +132,11 @@ test-sanitizers: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(call NATIVE_BUILD,$(VPY))
 	$(VPY) examples/demo.py
+
+# The demo, then README.md's sample finding rewritten from its colliding depth (so it never goes stale).
+readme: $(VENV)/.installed
+	$(call NATIVE_BUILD,$(VPY))
+	$(VPY) examples/demo.py --readme
 
 # The same at all 8 draft depths with the statistics; rewrites reports/mhc-proof/ (about 8 minutes).
 .PHONY: proof

@@ -81,11 +81,9 @@ def trace_tour() -> bool:
 
 
 def check_cell(side) -> str:
-    """What `hazsan check RUN_DIR` says of one run: exit status (--fail-on error), errors, warnings."""
-    from sanitizer.rules.findings import ERROR, RULES
-    errors = sum(n for r, n in side.by_rule.items() if RULES.get(r, (ERROR,))[0] == ERROR)
-    warnings = sum(side.by_rule.values()) - errors
-    text = f"exit {side.analysis.exit_code('error')}: {errors} error(s), {warnings} warning(s)"
+    """What `hazsan check RUN_DIR` says of one run: exit status (--fail-on error), findings (every
+    rule is an error)."""
+    text = f"exit {side.analysis.exit_code('error')}: {sum(side.by_rule.values())} finding(s)"
     if side.capture_incomplete:
         text += " INCOMPLETE: " + "; ".join(side.capture_incomplete)
     return text
@@ -106,9 +104,12 @@ def rules_line(result: dict, label: str) -> str:
 
 
 def first_finding(run_dir: Path) -> tuple[str, str, int]:
-    """`hazsan check RUN_DIR` run for real: its first finding block as printed, its last line, its exit."""
+    """`hazsan check RUN_DIR` run for real: its first finding block as printed, its totals line (the
+    one before the closing `SUMMARY:` verdict), its exit."""
     r = hazsan("check", shown(run_dir))
     lines = r.stdout.rstrip("\n").splitlines()
+    if lines and lines[-1].startswith("SUMMARY:"):
+        lines = lines[:-1]
     seps = [i for i, line in enumerate(lines) if line.startswith("=====")]
     block = lines[:seps[1]] if len(seps) > 1 else lines[:-1]
     return "\n".join(block), lines[-1] if lines else r.stderr.strip(), r.returncode
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--traces-only", action="store_true", help="only the hand-written example traces (seconds)")
     p.add_argument("--out", default=str(ROOT / "out" / "demo"), help="where the runs and the HTML report go (default out/demo)")
     p.add_argument("--no-runs", action="store_true", help="show the runs already in --out again (no new runs)")
+    p.add_argument("--readme", action="store_true",
+                   help="also rewrite README.md's sample finding from this run (`make readme`)")
     args = p.parse_args(argv)
     if args.traces_only:
         return 0 if trace_tour() else 1
@@ -173,14 +176,16 @@ def main(argv=None) -> int:
               if e["stock"]["free-in-flight"] and e["stock"]["transient-in-window frees"]]
     say(f"\n   Findings per rule at depths {' / '.join(map(str, depths))}:\n"
         f"     stock: {rules_line(result, 'stock')}\n     fixed: {rules_line(result, 'fixed')}")
-    say(f"   reuse-in-flight (error) is the realised collision. The latent hazard, free-in-flight with\n"
-        f"   transient-in-window (warnings), is in the stock build at depth(s) {', '.join(map(str, latent)) or 'none'}: "
-        f"hazsan flags it at every shape,\n   the allocator's fit decides where it corrupts. The fixed build keeps "
-        f"free-in-flight: the example drops\n   its all-reduce input early in both builds, harmless once nothing "
-        f"else is placed in the window\n   (python -m examples.mhc_decode --hold-partial removes it).")
+    say(f"   reuse-in-flight is the realised collision. The latent hazard, free-in-flight with\n"
+        f"   transient-in-window, is in the stock build at depth(s) {', '.join(map(str, latent)) or 'none'}: "
+        f"hazsan flags it at every shape,\n   as errors, so CI fails the stock build where nothing collided; "
+        f"the allocator's fit decides where it corrupts.\n   The fixed build computes outside the window and keeps "
+        f"its all-reduce input until the wait: clean.")
 
     stock_dir, fixed_dir = out / f"stock-d{depth}", out / f"fixed-d{depth}"
     block, last, code = first_finding(stock_dir)
+    if args.readme:
+        write_readme_sample(stock_dir)
     say(f"\n3. The first finding, exactly as `hazsan check {shown(stock_dir)}` prints it (exit {code}):\n")
     say(block)
     say("   [... the other findings ...]")
@@ -219,6 +224,33 @@ def main(argv=None) -> int:
         f"load average {os.getloadavg()[0]:.2f}.\nAll 8 depths with the statistics: make proof (reports/mhc-proof/README.md).")
     gpu_ok = run_gpu_check()
     return 0 if ok and gpu_ok else 1
+
+
+README_BEGIN, README_END = "<!-- sample: make readme -->", "<!-- end of sample -->"
+
+
+def readme_sample(run_dir: Path) -> str:
+    """The README's sample: `hazsan check RUN_DIR` as printed, its first finding, a line for the
+    others, its totals and its SUMMARY line."""
+    r = hazsan("check", shown(run_dir))
+    lines = r.stdout.rstrip("\n").splitlines()
+    seps = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    head = lines[:seps[1]] if len(seps) > 1 else lines
+    others = sorted({m for line in lines[seps[1]:seps[-1]] if (m := line.split("  at ")[0]).startswith("hazsan ")})
+    rules = ", ".join(o.split(": ", 1)[1] for o in others) if others else ""
+    tail = [line for line in lines[seps[-1] + 1:] if not line.startswith("hazsan: warning")]
+    body = head + ([f"[... the other findings: {rules} ...]"] if rules else []) + tail
+    return "\n".join([f"$ hazsan check {shown(run_dir)}"] + body)
+
+
+def write_readme_sample(run_dir: Path) -> None:
+    """Replace the README's sample block (between README_BEGIN and README_END) by this run's."""
+    path = ROOT / "README.md"
+    text = path.read_text(encoding="utf-8")
+    start, end = text.index(README_BEGIN), text.index(README_END)
+    text = text[:start] + f"{README_BEGIN}\n```text\n{readme_sample(run_dir)}\n```\n" + text[end:]
+    path.write_text(text, encoding="utf-8")
+    say(f"   (README.md's sample rewritten from {shown(run_dir)})")
 
 
 def _cpu() -> float:

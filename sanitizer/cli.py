@@ -14,6 +14,13 @@ import sys
 import sanitizer.commands as _commands
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_CODES = """exit status (every command; `hazsan COMMAND --help` says what its own mean):
+  0  clean
+  1  findings (check, run, report), a flagged interval (logscan), a failing scope (scan),
+     a colliding shape (sweep), the fix not confirmed (compare)
+  2  unusable input or arguments; no verdict (check, run: a capture that lost events)
+  130 interrupted
+`hazsan run` passes a failed command's own status through (see `hazsan run --help`)."""
 #: Set (the test suite and benchmarks/fuzz.py set it): an internal error propagates with its traceback.
 RAISE_ENV = "HAZSAN_RAISE"
 
@@ -27,14 +34,20 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sanitizer import __version__
+
     parser = argparse.ArgumentParser(
         prog="hazsan",
         description="Memory-allocation hazard sanitizer for distributed PyTorch serving stacks.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"hazsan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, module in _command_modules():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP,
+                           epilog=getattr(module, "EPILOG", None),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -21,9 +21,9 @@ What it does when asked:
   and is read as such. A file whose process still runs (a helper such as multiprocessing's resource
   tracker) is read up to its last flush; one whose process is gone without its end record (a rank
   the test killed) makes the test's capture INCOMPLETE, named in the terminal summary;
-* the level is `full` unless --hazsan-level, the ini key or $HAZSAN_LEVEL say otherwise: every op's
-  reads and writes are recorded, so a read of an asynchronous collective's output before its wait
-  fails the test (plain HAZSAN=1 capture keeps `alloc`);
+* the level is `full` (capture's default everywhere) unless --hazsan-level, the ini key or
+  $HAZSAN_LEVEL say otherwise: every op's reads and writes are recorded, so a read of an
+  asynchronous collective's output before its wait fails the test;
 * accepted findings: `@pytest.mark.hazsan_allow(rule=..., site=..., reason=...)` on a test, and an
   allow-list file (`--hazsan-allow FILE`, TOML/JSON `[[allow]]` tables with rule, site, test,
   reason) for the session. `site` is an fnmatch pattern matched against every call site of the
@@ -36,7 +36,6 @@ a JSON string), which is how pytest-xdist workers hand it to the controller.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import re
@@ -44,13 +43,13 @@ import time
 
 import pytest
 
-from sanitizer.allowlist import AllowListError
+from sanitizer.allowlist import Allowance, AllowListError, load_allow_list
 
 ENV_SESSION_DIR = "HAZSAN_PYTEST_DIR"   # the session folder, handed to xdist workers
 FAIL_ON = ("error", "warning")
 _THRESHOLD = {"error": ("error",), "warning": ("error", "warning")}
 # the environment the session sets for itself and the processes tests start; restored at unconfigure
-_SESSION_ENV = (ENV_SESSION_DIR, "HAZSAN", "HAZSAN_DIR", "HAZSAN_STACKS", "HAZSAN_LEVEL")
+_SESSION_ENV = (ENV_SESSION_DIR, "HAZSAN", "HAZSAN_DIR", "HAZSAN_STACKS", "HAZSAN_LEVEL", "HAZSAN_RUN_ID")
 # per test: what hazsan found in it (pytest's own per-item store, gone with the item)
 VERDICT = pytest.StashKey["HazardVerdict"]()
 
@@ -93,56 +92,6 @@ def pytest_configure(config):
 
 
 # ------------------------------------------------------------------------------- allowances
-
-
-class Allowance:
-    """One accepted kind of finding: any of rule, site, test may be None (matches everything)."""
-
-    __slots__ = ("rule", "site", "test", "reason", "source")
-
-    def __init__(self, rule=None, site=None, test=None, reason=None, source=""):
-        if rule is None and site is None:
-            raise AllowListError(f"{source}: an allowance needs a rule, a site or both")
-        from sanitizer.rules.findings import RULES
-        if rule is not None and rule not in RULES:
-            raise AllowListError(f"{source}: unknown rule {rule!r} (one of {', '.join(RULES)})")
-        self.rule, self.site, self.test, self.reason, self.source = rule, site, test, reason, source
-
-    def accepts(self, finding, nodeid: str) -> bool:
-        if self.rule is not None and finding.rule != self.rule:
-            return False
-        if self.test is not None and not fnmatch.fnmatchcase(nodeid, self.test):
-            return False
-        if self.site is None:
-            return True
-        return any(_site_matches(s, self.site) for s in _sites_of(finding))
-
-
-def _sites_of(f) -> list[str]:
-    out = [f.site] if f.site else []
-    for part in (f.block, f.op):
-        if part:
-            if part.get("site"):
-                out.append(part["site"])
-            out.extend(part.get("stack") or ())
-    return [s for s in out if isinstance(s, str)]
-
-
-def _site_matches(site: str, pattern: str) -> bool:
-    for p in (pattern, pattern + ":*"):
-        if fnmatch.fnmatchcase(site, p) or fnmatch.fnmatchcase(site, "*/" + p):
-            return True
-    return False
-
-
-def load_allow_list(path) -> list[Allowance]:
-    from sanitizer.allowlist import read_entries
-
-    return [Allowance(e.fields.get("rule"), e.fields.get("site"), e.fields.get("test"), e.fields["reason"], e.source)
-            for e in read_entries(path, _ALLOW_FIELDS)]
-
-
-_ALLOW_FIELDS = frozenset({"rule", "site", "test", "reason"})
 
 
 def marker_allowances(item) -> list[Allowance]:
@@ -217,6 +166,8 @@ class HazsanSession:
         self.idle_dir = os.path.join(self.dir, "_session")
         os.environ.update({ENV_SESSION_DIR: self.dir, "HAZSAN": "1", "HAZSAN_DIR": self.idle_dir,
                            "HAZSAN_STACKS": stacks, "HAZSAN_LEVEL": level})
+        from sanitizer.capture.config import run_id
+        run_id(os.environ)       # the session's run (inherited by xdist workers): it reports itself
         from sanitizer.capture.bootstrap import activate
         self.capture = activate(os.environ)
 
@@ -356,7 +307,7 @@ class HazsanSession:
             by_rule[f.rule] = by_rule.get(f.rule, 0) + 1
         summary = dict(analysis.summary, by_rule=by_rule, findings=len(failing))
         report = render_text(Analysis(failing, summary, [], analysis.warnings))
-        return f"hazsan: traces in {verdict.directory}\n{report}"
+        return f"{verdict_line(failing)}\n{report}hazsan: traces in {verdict.directory}"
 
     # ------------------------------------------------------------------ summary
 
@@ -406,6 +357,18 @@ class HazsanSession:
                 json.dump({"tests": records}, fh, indent=1)
         except OSError:
             pass
+
+
+def verdict_line(failing) -> str:
+    """The first line of a failed test's report, which CI summaries show alone: what went wrong and
+    where, `unordered-access at tests/test_x.py:20 (2 findings)`, and the other rules found."""
+    from sanitizer.rules.findings import RULES
+
+    first = sorted(failing, key=lambda f: (list(RULES).index(f.rule), f.rank, f.line))[0]
+    same = sum(1 for f in failing if f.rule == first.rule)
+    others = sorted({f.rule for f in failing} - {first.rule})
+    line = f"{first.rule} at {first.headline_site() or '(unknown site)'} ({same} finding{'s' if same != 1 else ''})"
+    return line + (f"; also {', '.join(others)}" if others else "")
 
 
 def _live_files(directory: str, names: list[str], own: str | None) -> tuple[list[str], list[str]]:

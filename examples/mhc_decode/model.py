@@ -20,13 +20,14 @@ The two mHC variants differ only in where their float32 einsums allocate:
             (it is a collective buffer) and filled.
 The arithmetic is identical, so with no corruption both produce bit-identical outputs.
 
-The partial handed to the all-reduce is a temporary: the caller keeps no reference to it, as
+The partial handed to the all-reduce is a temporary: the stock caller keeps no reference to it, as
 code written for torch.distributed does (c10d's Work keeps its tensors alive). The testbed's
 collective, like an NCCL symmetric kernel, keeps none: the partial's block is free while the
-collective still reads it. That latent early free is the same in both variants; only the stock
-variant allocates in the window while the collective is in flight (the overlapped mixing), so only
-there can a transient land on the freed partial. `hold_partial=True` keeps the partial referenced
-until the wait (the discipline that removes the latent hazard as well).
+collective still reads it (free-in-flight, a latent hazard), and the stock variant allocates in the
+window while the collective is in flight (the overlapped mixing), so a transient can land on the
+freed partial. The fixed variant removes both: its einsums run outside the scope, and it keeps the
+partial referenced until the wait. `hold_partial=True` gives the stock variant that discipline too
+(its transients then stay in the window, but land on no freed buffer).
 """
 from __future__ import annotations
 
@@ -222,7 +223,10 @@ class Model:
     def __init__(self, cfg: ModelConfig, comm, rank: int, world: int, variant: str,
                  hold_partial: bool = False):
         self.cfg = cfg
-        self.hold_partial = hold_partial   # keep the partial referenced until the wait (safe)
+        # keep the partial referenced until the wait (safe). The fixed build always does: its early
+        # free is a hazard of its own (free-in-flight), harmless in this run only because nothing
+        # else is placed in the window while the all-reduce reads it.
+        self.hold_partial = hold_partial or variant == "fixed"
         self.sync_collectives = False      # wait for each all-reduce at once (warm-up: no overlap)
         self.comm = comm
         self.rank, self.world = rank, world

@@ -259,14 +259,13 @@ all-reduce still in flight); *latent* is `free-in-flight` (a collective's buffer
 its wait) and `transient-in-window` (blocks placed in the window that no collective uses). The
 stock build shows latent hazards at every depth and realised collisions only at the depths whose
 batch shapes make the allocator hand the transients the freed bytes: the hazard does not depend
-on the shape, the collision does. The fixed build has no realised collision, no transient in the
-window and no corrupted request at any depth. It still shows `free-in-flight`: the example drops
-its row-parallel partial right after starting the out-of-place all-reduce (as code written for
-c10d does, which keeps a reference in its Work; the testbed, like NCCL symmetric kernels, keeps
-none). That early release is in both builds and is harmless in the fixed one only because nothing
-else is placed in the window while the all-reduce runs; `hazsan check` rightly keeps warning about
-it (`python -m examples.mhc_decode --hold-partial` removes it). Hence the verdict here is taken
-at `--fail-on error` on corrupted requests: `hazsan compare STOCK FIXED --fail-on error --primary corrupted`.
+on the shape, the collision does. Both latent rules are errors (docs/hazard-model.md), so `hazsan
+check` fails the stock build at every depth, collision or not. The fixed build computes outside the
+window and keeps its row-parallel partial referenced until the all-reduce's wait (the testbed, like
+NCCL symmetric kernels, holds no reference to it: dropped early, as code written for c10d does, its
+block would be free while the all-reduce still reads it): no finding, no transient in the window and
+no corrupted request at any depth. The verdict is taken on corrupted requests:
+`hazsan compare STOCK FIXED --primary corrupted`.
 """
     (out / "README.md").write_text(text)
     (out / "proof.json").write_text(json.dumps({k: result[k] for k in ("per_depth", "pooled")}, indent=2, default=str))

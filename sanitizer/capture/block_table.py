@@ -222,7 +222,11 @@ class BlockTable:
         if plan is False:
             self.on_op(func, args, out)
             return
-        where = self.sites.where()       # one lookup for the op's allocations and its launch
+        try:
+            where = self.sites.where()   # one lookup for the op's allocations and its launch
+        except Exception as exc:         # a hook never raises into the program: no site, counted
+            self.capture.failed("dispatch", exc)
+            where = (None, None)
         self.on_op(func, args, out, where)
         try:
             name, reads_at, writes_at, fresh = plan

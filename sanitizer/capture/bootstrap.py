@@ -23,20 +23,34 @@ VLLM_MODEL_RUNNERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.mod
 
 
 def activate(environ=os.environ):
-    """Start capture in this process (idempotent). Returns the Capture, or None on failure."""
+    """Start capture in this process (idempotent). Returns the Capture, or None on failure (and
+    None, doing nothing, in hazsan's own commands: `hazsan check` with HAZSAN=1 exported is no
+    program to capture)."""
     try:
         # imported here, inside the try: a broken install must not break the program's start-up
         from sanitizer.capture import runtime
-        from sanitizer.capture.config import Settings
+        from sanitizer.capture.config import RUN_ENV, Settings, unknown_settings
         if runtime._active is not None:
             return runtime._active
+        if _is_hazsan_command():
+            return None
+        # The process that starts a run (none inherited its id) speaks for it on stderr: the bad
+        # settings at start, where the traces are at exit. Its children, `hazsan run`'s command
+        # and the pytest plugin's session (which report themselves) stay quiet.
+        root = not (environ.get(RUN_ENV) or "").strip()
         settings, problems = Settings.from_env(environ)
+        problems += unknown_settings(environ)
         cap = runtime.Capture(settings)
         runtime._active = cap
+        cap.speaks = root
         for p in problems:
             cap.failed("settings", ValueError(p))
+            if root:
+                print(f"hazsan: {p}", file=sys.stderr)
         _register_import_hooks(cap)
         atexit.register(cap.close)
+        if root:
+            atexit.register(_say_where, cap)      # after close (atexit runs last registered first)
         from sanitizer.capture.signals import SignalChain
         cap.signals = SignalChain(cap)
         cap.signals.install()
@@ -46,6 +60,35 @@ def activate(environ=os.environ):
     except Exception as exc:   # never break the host program's start-up
         print(f"hazsan: capture not started: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+
+
+def _is_hazsan_command() -> bool:
+    """Whether this interpreter runs hazsan's own command line (`hazsan ...`, `python -m sanitizer`)."""
+    argv = getattr(sys, "orig_argv", None) or sys.argv
+    for i, arg in enumerate(argv):
+        if arg == "-m":
+            return i + 1 < len(argv) and argv[i + 1] in ("sanitizer", "sanitizer.cli")
+        if arg == "-c":
+            return False
+        if i > 0 and not arg.startswith("-"):         # the script the interpreter runs
+            return os.path.basename(arg) == "hazsan"
+    return False
+
+
+def _say_where(cap) -> None:
+    """At exit of the run's first process: one line, where the traces are and what to run next."""
+    try:
+        d = cap.writer.directory
+        if os.path.isdir(d):
+            rel = os.path.relpath(d)
+            shown = d if rel.startswith("..") else rel
+            print(f"hazsan: traces in {shown} (run {os.environ.get('HAZSAN_RUN_ID', '?')}); "
+                  f"next: hazsan check {shown}", file=sys.stderr)
+        else:
+            print("hazsan: no trace was written (capture records a process once it imports torch)",
+                  file=sys.stderr)
+    except Exception:
+        pass
 
 
 def plugin() -> None:

@@ -20,6 +20,50 @@ OFF_VALUES = ("", "0", "false", "no", "off")
 TRACE_FORMATS = ("binary", "jsonl")
 
 
+#: The run a process belongs to: set by the first captured process of a run (or by `hazsan run`, the
+#: pytest plugin) and inherited by every process it starts, so that `hazsan check` never judges the
+#: files of two runs as one (docs/capture.md, "Runs").
+RUN_ENV = "HAZSAN_RUN_ID"
+
+
+def run_id(environ=os.environ) -> str:
+    """This process's run id: the inherited one, else a new one, exported to `environ` so that
+    every child started from here on inherits it. A new id reads as when and where the run began."""
+    rid = (environ.get(RUN_ENV) or "").strip()
+    if not rid:
+        import secrets
+        import time
+        rid = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"
+        environ[RUN_ENV] = rid
+    return rid
+
+
+#: Every variable capture and its commands read (docs/capture.md): a HAZSAN_* name close to one of
+#: these but not one is a typo, said at start.
+KNOWN_SETTINGS = frozenset({
+    "HAZSAN", "HAZSAN_DIR", "HAZSAN_TRACE_FORMAT", "HAZSAN_LEVEL", "HAZSAN_STACKS", "HAZSAN_MAX_EVENTS",
+    "HAZSAN_BUFFER_EVENTS", "HAZSAN_FLUSH_SECONDS", "HAZSAN_IDLE_SECONDS", "HAZSAN_STEP_FLUSH_SECONDS",
+    "HAZSAN_WINDOW_BYTES", "HAZSAN_ALLOC_SOURCE", "HAZSAN_ALLOC_HISTORY_ENTRIES", "HAZSAN_NATIVE",
+    "HAZSAN_NATIVE_CACHE", "HAZSAN_NATIVE_MAX_RECORDS", "HAZSAN_NATIVE_COLLECTIVES", "HAZSAN_NATIVE_PACKED",
+    "HAZSAN_DEBUG", "HAZSAN_ENGINE", "HAZSAN_REQUIRE_COMPILED", "HAZSAN_RAISE", RUN_ENV, "HAZSAN_PYTEST_DIR",
+})
+
+
+def unknown_settings(environ=os.environ) -> list[str]:
+    """Problems with HAZSAN_* names that are near misses of a setting (HAZSAN_LEVLE): such a name is
+    read by nothing, so the setting it meant silently keeps its default. Names far from every
+    setting (a program's own HAZSAN_MY_FLAG) are left alone."""
+    import difflib
+
+    out = []
+    for name in sorted(environ):
+        if name.startswith("HAZSAN") and name not in KNOWN_SETTINGS:
+            near = difflib.get_close_matches(name, KNOWN_SETTINGS, n=1, cutoff=0.85)
+            if near:
+                out.append(f"{name} is not a setting (did you mean {near[0]}?); it is ignored")
+    return out
+
+
 def requested(environ=os.environ) -> bool:
     """Is capture asked for? (HAZSAN set to anything but an off value)."""
     return environ.get("HAZSAN", "").strip().lower() not in OFF_VALUES
@@ -36,7 +80,7 @@ class Settings:
     step_flush_seconds: float = 0.05       # HAZSAN_STEP_FLUSH_SECONDS: a step's end flushes if the last flush is this old
     window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
     max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
-    level: str = "alloc"                   # HAZSAN_LEVEL: alloc | full
+    level: str = "full"                    # HAZSAN_LEVEL: full | alloc (docs/capture.md, "Levels")
     alloc_source: str = "dispatch"         # HAZSAN_ALLOC_SOURCE: dispatch | history
     alloc_history_entries: int = 1 << 20   # HAZSAN_ALLOC_HISTORY_ENTRIES: allocator ring buffer per step
     trace_format: str | None = None        # HAZSAN_TRACE_FORMAT: binary | jsonl (None: the writer's default, binary)

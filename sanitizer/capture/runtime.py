@@ -61,7 +61,10 @@ class CollectiveDepth(threading.local):
 class Capture:
     def __init__(self, settings: Settings):
         self.settings = settings
+        from sanitizer.capture.config import run_id
+        # `run` and `started` let `hazsan check` keep runs apart (reader.py: group_runs)
         self.writer = TraceWriter(os.path.abspath(settings.directory), max_events=settings.max_events,
+                                  header_extra={"run": run_id(), "started": time.time_ns()},
                                   buffer_events=settings.buffer_events,
                                   flush_seconds=settings.flush_seconds,
                                   idle_seconds=getattr(settings, "idle_seconds", 0.05),
@@ -80,6 +83,7 @@ class Capture:
         self.alloc_history = None # allocator_history.AllocatorHistory under HAZSAN_ALLOC_SOURCE=history
         self.host_work_unsynced = False   # a CPU `launch` was written since the last cpu sync
         self.signals = None       # signals.SignalChain, once installed (bootstrap)
+        self.speaks = False       # this process started its run: it says what the user must know (bootstrap)
         self.installed: list[str] = []   # names of the hooks installed (trace header, tests)
         self.on_scope_change = None  # native recorder: told the thread's innermost scope (native_table.py)
         # which path records allocations (`dispatch-mode` or `native`), and why not native

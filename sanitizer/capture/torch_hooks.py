@@ -79,6 +79,11 @@ def _install_native(capture):
     if wanted == "on":
         print(f"hazsan: HAZSAN_NATIVE=1 but the native recorder is not used: {why}; "
               f"allocations are recorded by the dispatch mode", file=sys.stderr)
+    elif wanted != "off" and (getattr(capture, "speaks", False) or os.environ.get("RANK") == "0"):
+        # once a run (its first process, or rank 0): capture works, but slower than it could
+        print(f"hazsan: the native recorder is not used ({why}); capture records through its "
+              f"dispatch mode, which costs more per op (docs/capture.md, \"The native recorder\")",
+              file=sys.stderr)
     return None
 
 

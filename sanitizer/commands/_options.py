@@ -74,9 +74,11 @@ def add_read_limits(p) -> None:
 def add_engine_limits(p) -> None:
     """What one rank may hold in the engine (Limits.max_streams, .max_events, .max_comms)."""
     d = Limits()
-    for name, what in (("streams", "stream ids"), ("events", "CUDA event ids"), ("comms", "communicators")):
+    # --max-event-ids, not --max-events: that is `hazsan run`'s events per trace file (HAZSAN_MAX_EVENTS)
+    for name, flag, what in (("streams", "streams", "stream ids"), ("events", "event-ids", "CUDA event ids"),
+                             ("comms", "comms", "communicators")):
         default = getattr(d, f"max_{name}")
-        p.add_argument(f"--max-{name}", type=_count, default=default, metavar="N",
+        p.add_argument(f"--max-{flag}", dest=f"max_{name}", type=_count, default=default, metavar="N",
                        help=f"distinct {what} one rank may use (default {default:,}); "
                             "one more is an error on its line")
 
@@ -88,3 +90,51 @@ def limits(args) -> Limits:
               ("max_line_bytes", "max_gzip_ratio", "max_streams", "max_events", "max_comms")
               if hasattr(args, name)}
     return Limits(**values)
+
+
+def add_run_choice(p) -> None:
+    p.add_argument("--run", metavar="ID",
+                   help="judge this run where the paths hold several (a trace header's `run`; "
+                        "default: of one folder's runs the newest, and a warning names the others)")
+
+
+def add_allow_incomplete(p) -> None:
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="exit 0, not 2, when nothing is found in a capture that lost events "
+                        "(dropped, hook failures, a trace cut during a step); the report still says INCOMPLETE")
+
+
+def add_verdict_options(p) -> None:
+    """What `check` and `run` share after the analysis: the rule, suppressions, where the report goes."""
+    from sanitizer.rules.findings import RULES
+
+    p.add_argument("--rule", choices=sorted(RULES), metavar="RULE",
+                   help=f"only this rule's findings make the verdict and the report ({', '.join(sorted(RULES))})")
+    p.add_argument("--suppressions", action="append", metavar="FILE", default=[],
+                   help="accept the findings its [[allow]] entries name (the pytest plugin's allow-list "
+                        "format: rule, site, reason; repeatable): counted as suppressed, not reported")
+    p.add_argument("--gen-suppressions", action="store_true",
+                   help="after the report, print a suppressions entry for each rule and site found "
+                        "(each reason left empty: the file is refused until you say why)")
+    p.add_argument("-o", "--log-file", metavar="FILE",
+                   help="write the report to FILE instead of stdout")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the text report (auto: when it goes to a terminal and NO_COLOR is unset)")
+
+
+def suppressions(args):
+    """allowlist.Suppressions of --suppressions, or None. Raises AllowListError naming file and line."""
+    if not getattr(args, "suppressions", None):
+        return None
+    from sanitizer.allowlist import Suppressions, load_allow_list
+
+    return Suppressions([a for f in args.suppressions for a in load_allow_list(f)])
+
+
+def use_color(args, stream) -> bool:
+    import os
+
+    choice = getattr(args, "color", "never")
+    if choice != "auto":
+        return choice == "always"
+    return not os.environ.get("NO_COLOR") and not getattr(args, "log_file", None) and stream.isatty()

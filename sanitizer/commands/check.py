@@ -6,14 +6,23 @@ import sys
 from sanitizer.commands import _options as options
 
 HELP = "analyse one or more rank traces (files or directories) and report hazards"
+EPILOG = """exit status:
+  0  clean: no finding at or above --fail-on, and a complete capture
+  1  findings at or above --fail-on
+  2  unusable input or arguments; or no finding in a capture that lost events (--allow-incomplete: 0)"""
 
 
 def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR",
-                   help="rank trace files (*.hzs, *.jsonl, either .gz) or directories holding them")
+                   help="rank trace files (*.hzs, *.jsonl, either .gz) or directories holding them "
+                        "(a directory of run folders, such as the pytest plugin's: each run on its own)")
     p.add_argument("--format", choices=("text", "json", "sarif", "markdown"), default="text",
                    help="markdown: for CI step summaries (e.g. >> $GITHUB_STEP_SUMMARY)")
-    options.add_fail_on(p)
+    options.add_fail_on(p, default=None, help="lowest severity that makes the exit code 1 (default: error; "
+                                              "with --rule, that rule's severity)")
+    options.add_verdict_options(p)
+    options.add_run_choice(p)
+    options.add_allow_incomplete(p)
     options.add_peer_completion(p)
     options.add_lenient(p)
     options.add_read_limits(p)
@@ -36,38 +45,29 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import time
 
-    from sanitizer.report import render
-    from sanitizer.rules.driver import analyze
+    from sanitizer.allowlist import AllowListError
+    from sanitizer.commands import _verdict
 
-    limits = options.limits(args)
+    if args.scheduler and args.jobs > 1:
+        print("hazsan check: --jobs and --scheduler: give one of them", file=sys.stderr)
+        return 2
     started = time.perf_counter()
-    if args.scheduler:
-        if args.jobs > 1:
-            print("hazsan check: --jobs and --scheduler: give one of them", file=sys.stderr)
-            return 2
-        from sanitizer.rules.dask_check import SchedulerError, analyze_on_cluster
+    try:
+        analysis = _verdict.judge(args, args.paths)
+    except (AllowListError, ValueError) as exc:
+        print(f"hazsan check: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from sanitizer.rules.dask_check import SchedulerError
 
-        try:
-            analysis = analyze_on_cluster(args.paths, scheduler=args.scheduler, peer_completion=args.peer_completion,
-                                          lenient=args.lenient, max_per_group=args.max_per_group,
-                                          timeout=args.scheduler_timeout, limits=limits)
-        except SchedulerError as exc:
-            print(f"hazsan check: error: {exc}", file=sys.stderr)
-            return 2
-    elif args.jobs > 1:
-        from sanitizer.rules.parallel import analyze_parallel
-        analysis = analyze_parallel(args.paths, jobs=args.jobs, peer_completion=args.peer_completion,
-                                    lenient=args.lenient, max_per_group=args.max_per_group, limits=limits)
-    else:
-        analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
-                           max_per_group=args.max_per_group, limits=limits)
+        if not isinstance(exc, SchedulerError):
+            raise
+        print(f"hazsan check: error: {exc}", file=sys.stderr)
+        return 2
     if args.verbose:
         s = analysis.summary
         seconds = time.perf_counter() - started
         print(f"hazsan: engine: {s.get('engine')}; {s['events']:,} events from {s['ranks']} rank(s) "
               f"in {seconds:.2f} s ({s['events'] / max(seconds, 1e-9):,.0f} events/s)", file=sys.stderr)
-    sys.stdout.write(render(analysis, args.format))
-    if args.format != "text":
-        for e in analysis.errors:
-            print(f"hazsan: error: {e}", file=sys.stderr)
-    return analysis.exit_code(args.fail_on)
+    _verdict.write_report(args, analysis)
+    return _verdict.exit_code(args, analysis)

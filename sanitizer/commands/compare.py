@@ -6,8 +6,10 @@ settings; the report gives findings per rule, per decode step and per request fo
 exact rates and tests, and a verdict.
 
 Exit codes: 0 the fix is confirmed (fixed side clean, and the primary measure's difference is
-significant by Fisher's exact test, one-sided, p < alpha); 1 not confirmed; 2 unusable input
-(a missing directory, a malformed trace line without --lenient, a malformed outcomes file).
+significant by Fisher's exact test, one-sided, p < alpha; or, when a side marks no decode step
+so that the step measures count nothing, the stock side has a finding at or above --fail-on: the
+verdict is then judged on findings and says so); 1 not confirmed; 2 unusable input (a missing
+directory, a malformed trace line without --lenient, a malformed outcomes file).
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ def add_arguments(p) -> None:
     options.add_peer_completion(p, help="as in `hazsan check` (applied to both sides)")
     options.add_lenient(p, help="skip and count malformed trace lines (a fixed side with skipped lines is not clean)")
     p.add_argument("--primary", choices=("steps", "steps_realised", "requests", "corrupted"), default="steps",
-                   help="the measure whose difference must be significant (default: steps with any finding)")
+                   help="the measure whose difference must be significant (default: steps with any finding); "
+                        "a step measure on runs without decode steps (no sanitizer.step(n)) falls back to "
+                        "judging the findings themselves")
     p.add_argument("--alpha", type=float, default=0.05,
                    help="significance level; bounds are one-sided at 1 - alpha (default 0.05)")
     options.add_fail_on(p, default="warning",

@@ -1,9 +1,11 @@
 """`hazsan logscan LOG...`: flag decode intervals whose accept length collapsed under load, in
 SGLang (`Decode batch` lines) and vLLM (`SpecDecoding metrics` lines) server logs.
 
-Exit codes: 0 nothing flagged, 1 at least one interval flagged, 2 an unreadable input (named) or
-bad arguments. Plain and gzip logs (detected by content), `-` for standard input. The format is
-told line by line, so each file may be either (docs/logscan-formats.md).
+Exit codes: 0 nothing flagged, 1 at least one interval flagged, 2 an unreadable input (named), a
+file that is not a server log (no line of either format: a README, a traceback, an empty file;
+named, and 2 even beside real logs, so a CI gate never passes on the wrong file) or bad
+arguments. Plain and gzip logs (detected by content), `-` for standard input. The format is told
+line by line, so each file may be either (docs/logscan-formats.md).
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ without the bonus token: recognised and corrected. The `Speculative metrics` lin
 engine (and V1 up to 0.8.2) carry no per-interval accept length and are only counted.
 
 An interval is flagged when its accept length <= --threshold and its running requests >=
---min-running. The same defaults serve both formats: see docs/logscan-formats.md."""
+--min-running. The same defaults serve both formats: see docs/logscan-formats.md.
+
+Exit: 1 when an interval is flagged, 0 otherwise; 2 when a LOG cannot be read or holds no line of
+either format (not a server log: the report still names it, and the other files' verdict)."""
 
 
 def add_arguments(p) -> None:
@@ -55,6 +60,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from sanitizer.logscan import LogError, LogScanner
     from sanitizer.logscan.parse import MAX_ACCEPT_LEN
+    from sanitizer.logscan.scan import KNOWN_LINES
     from sanitizer.logscan.render import (MATPLOTLIB_MISSING, render_html, render_json, render_markdown,
                                           render_text)
 
@@ -87,4 +93,10 @@ def run(args) -> int:
         sys.stdout.write(render_markdown(result, args.max_lines))
     else:
         sys.stdout.write(render_text(result, args.max_lines))
+    bad = result.not_logs()
+    for b in bad:
+        print(f"hazsan logscan: error: {b.name}: {b.reason}", file=sys.stderr)
+    if bad:
+        print(f"hazsan logscan: a log is judged by its decode lines, {KNOWN_LINES} (log level INFO); "
+              "a file without one is not a log this can judge: exit 2", file=sys.stderr)
     return result.exit_code()

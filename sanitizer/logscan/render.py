@@ -8,7 +8,7 @@ import math
 
 import orjson
 
-from sanitizer.logscan.scan import ScanResult
+from sanitizer.logscan.scan import KNOWN_LINES, ScanResult
 from sanitizer.logscan.vllm import MEAN_LEN
 
 BAR_WIDTH = 50
@@ -65,8 +65,18 @@ def histogram_lines(values, threshold: float) -> list[str]:
 # ------------------------------------------------------------------------------ verdict
 
 def verdict(r: ScanResult) -> str:
-    if r.has_vllm:
-        return _verdict_vllm(r)
+    base = _verdict_vllm(r) if r.has_vllm else _verdict_sglang(r)
+    bad = r.not_logs()
+    if not bad:
+        return base
+    head = ("NO DECODE LINES: " + "; ".join(f"{b.name}: {b.reason}" for b in bad) +
+            f". The decode lines read are {KNOWN_LINES} (log level INFO): the wrong file?")
+    if len(bad) < len(r.formats()):
+        head += f" The other file(s): {base}"
+    return head
+
+
+def _verdict_sglang(r: ScanResult) -> str:
     n = r.intervals
     if not r.decode_lines:
         return ("no 'Decode batch' lines found: is this an SGLang server log (scheduler output, "
@@ -244,6 +254,7 @@ def to_dict(r: ScanResult) -> dict:
         "signature_found": bool(r.flagged),
         "format": r.format,
         "formats": r.formats(),
+        "not_logs": [b.to_dict() for b in r.not_logs()],
     }
     if r.has_vllm:
         d["vllm"] = {"stats_lines": r.vllm_stats_lines, "spec_lines": r.vllm_spec_lines,
@@ -351,7 +362,7 @@ def render_html(r: ScanResult, max_lines: int = 500) -> tuple[str, bool]:
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"
              ".bad{color:#c0392b;font-weight:bold}pre{background:#f6f6f6;padding:1em}</style></head><body>",
              "<h1>hazsan logscan</h1>",
-             f"<p class='{'bad' if r.flagged else ''}'>Verdict: {e(verdict(r))}</p>",
+             f"<p class='{'bad' if r.flagged or r.not_logs() else ''}'>Verdict: {e(verdict(r))}</p>",
              f"<p>{len(r.files)} file(s): {e(', '.join(r.files))}. Signature: accept len &le; {r.threshold:.2f} "
              f"with #running-req &ge; {r.min_running}.</p>",
              "<h2>Accept-length distribution</h2>"]

@@ -34,6 +34,10 @@ MAX_PENDING = 4096  # vLLM processes whose last stats line is remembered (a serv
 SGLANG = "sglang"
 VLLM = "vllm"
 
+#: The lines that make a file a server log here, for the "not a server log" message.
+KNOWN_LINES = ("SGLang's 'Decode batch' lines; vLLM's 'SpecDecoding metrics', engine stats "
+               "('Avg prompt throughput: ..., Running: N reqs') and V0 'Speculative metrics' lines")
+
 
 class LogError(Exception):
     """An input that cannot be read at all. Names the file."""
@@ -131,6 +135,31 @@ class Unparsed:
         return d
 
 
+@dataclass(slots=True)
+class NotALog:
+    """A file with no line of either format: not a server log (or not one this reads)."""
+
+    file: str
+    lines: int
+    prefill_lines: int  # SGLang `Prefill batch` lines: a server log that never logged a decode step
+
+    @property
+    def reason(self) -> str:
+        if not self.lines:
+            return "empty: no decode line, no line at all"
+        if self.prefill_lines:
+            return (f"no decode line in {self.lines} lines, only {self.prefill_lines} SGLang 'Prefill batch' "
+                    "line(s): the server logged no decode step")
+        return f"not a server log: no decode line in {self.lines} lines"
+
+    @property
+    def name(self) -> str:
+        return "standard input" if self.file == "-" else self.file
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "lines": self.lines, "prefill_lines": self.prefill_lines, "reason": self.reason}
+
+
 @dataclass
 class PrefixStats:
     """Per rank prefix (`DP0 TP0`, ...): every accept len seen and how many were flagged."""
@@ -172,6 +201,8 @@ class ScanResult:
     by_prefix: dict[str, PrefixStats] = field(default_factory=dict)
     # What each file held: {"sglang"}, {"vllm"}, both, or nothing (see `formats`).
     file_formats: dict[str, set] = field(default_factory=dict)
+    file_lines: dict[str, int] = field(default_factory=dict)  # lines read per file
+    file_prefill: dict[str, int] = field(default_factory=dict)  # SGLang `Prefill batch` lines per file
     # vLLM (all zero / empty for SGLang logs)
     vllm_stats_lines: int = 0  # `Avg prompt throughput: ..., Running: N reqs, ...`
     vllm_spec_lines: int = 0  # `SpecDecoding metrics: ...`, with or without a mean acceptance length
@@ -208,7 +239,16 @@ class ScanResult:
             out.extend(s.accept_lens)
         return out
 
+    def not_logs(self) -> list[NotALog]:
+        """The files that hold no line of either format (empty ones included): not server logs."""
+        return [NotALog(f, self.file_lines.get(f, 0), self.file_prefill.get(f, 0))
+                for f, fmt in self.formats().items() if fmt == "none"]
+
     def exit_code(self) -> int:
+        """2 when a file is not a server log (a CI gate must not pass on the wrong file), else 1
+        when an interval is flagged, else 0."""
+        if self.not_logs():
+            return 2
         return 1 if self.flagged else 0
 
 
@@ -247,6 +287,7 @@ class LogScanner:
         if parsed is None:
             prefill = parse_prefill(text)
             if prefill is not None:
+                r.file_prefill[file] = r.file_prefill.get(file, 0) + 1
                 self._prefill(file, prefill)
                 return
             vllm = parse_vllm_line(text)
@@ -367,6 +408,13 @@ class LogScanner:
         """Read one log (plain or gzip, by content; `-` is stdin). Raises LogError if unreadable."""
         self.result.files.append(path)
         self._pending = {k: v for k, v in self._pending.items() if k[0] != path}  # a file read twice
+        before = self.result.lines
+        try:
+            self._read(path)
+        finally:
+            self.result.file_lines[path] = self.result.file_lines.get(path, 0) + self.result.lines - before
+
+    def _read(self, path: str) -> None:
         line_no = 0
         try:
             with _open_text(path) as stream:

@@ -42,7 +42,7 @@ Stored = tuple
 _EMPTY: Clock = {}
 
 #: Distinct stream and event ids one rank may use by default (sanitizer.limits.Limits; `hazsan
-#: check --max-streams/--max-events`).
+#: check --max-streams/--max-event-ids`).
 MAX_STREAMS = Limits.max_streams
 MAX_EVENTS = Limits.max_events
 
@@ -122,7 +122,7 @@ class StreamClocks:
     def record(self, event, stream) -> None:
         if len(self.events) >= self.max_events and event not in self.events:
             raise TooMany(f"event {event!r} is one more than the limit of {self.max_events:,} distinct "
-                          "events on one rank (raise it with --max-events)")
+                          "events on one rank (raise it with --max-event-ids)")
         self.events[event] = self.snapshot(stream)
 
     def wait(self, stream, event) -> bool:

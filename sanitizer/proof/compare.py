@@ -5,7 +5,7 @@ Measures (each a count k of n units per side):
 | name | unit | k counts |
 |---|---|---|
 | `steps` | decode step | steps with a finding of any per-event rule on any rank |
-| `steps_realised` | decode step | steps with an error-severity finding (reuse-in-flight: the realised collision, ...) |
+| `steps_realised` | decode step | steps with a finding of a rule that flags more than a hazard's cause (every rule but free-in-flight and transient-in-window: findings.LATENT_ONLY) |
 | `requests` | request (outcomes files on both sides) | requests with a finding on their rank in their steps |
 | `corrupted` | request (outcomes files on both sides) | requests whose output differed from the reference |
 
@@ -16,6 +16,16 @@ The verdict: the fix is *confirmed* (exit 0) when both
 2. the difference is significant: Fisher's exact test, one-sided (stock rate higher), on the
    primary measure gives p < alpha.
 Otherwise exit 1. The statistics for every measure are reported either way.
+
+Runs without decode steps. The step measures (and `requests`, whose findings are placed by step)
+count nothing when a side's traces carry no `step` event (a small program that never called
+`sanitizer.step(n)`): 0 of 0 steps, no rate, no test. Then the verdict is judged on *findings*
+(`basis` "findings"): confirmed when the fixed side is clean (as above) and the stock side has at
+least one finding at or above `fail_on` (of a realised rule for `steps_realised`): the fix removes what the
+stock run showed. That compares one run of each; it is not a statistical test and bounds no rate,
+and the verdict text says so, and how to mark steps. The same holds when only one side marks
+steps (their per-step rates cannot be compared), which the verdict names. `corrupted` does not
+depend on steps and keeps its test.
 """
 from __future__ import annotations
 
@@ -25,9 +35,16 @@ from sanitizer.proof.run import RunEvidence
 from sanitizer.proof.stats import FisherResult, Rate, fisher
 from sanitizer.rules.findings import ERROR, RULES
 
+# The measures whose units are decode steps or whose counts are placed by step: meaningless on a
+# side whose traces mark no step.
+STEP_MEASURES = frozenset({"steps", "steps_realised", "requests"})
+
+STEP_HOWTO = ("mark decode steps with `sanitizer.step(n)` (`with sanitizer.step(n): ...`), "
+              "i.e. the trace's `step` event, for per-step rates and Fisher's test")
+
 MEASURES: dict[str, str] = {
     "steps": "decode steps with any finding",
-    "steps_realised": "decode steps with a realised hazard (error)",
+    "steps_realised": "decode steps with a realised hazard (not only its latent cause)",
     "requests": "requests with a finding in their steps",
     "corrupted": "corrupted requests (output check)",
 }
@@ -42,11 +59,21 @@ class Measure:
     test: FisherResult
 
 
+def _wanted(severity: str) -> tuple[str, ...]:
+    return (ERROR,) if severity == ERROR else (ERROR, "warning")
+
+
+def _rules_at_or_above(side: RunEvidence, severity: str) -> str:
+    """"rule count, ..." of the side's findings at or above `severity`."""
+    return ", ".join(f"{r} {c}" for r, c in sorted(side.by_rule.items())
+                     if RULES.get(r, (ERROR,))[0] in _wanted(severity))
+
+
 def _rate(side: RunEvidence, name: str) -> Rate | None:
     if name == "steps":
         return Rate(len(side.affected_steps()), len(side.steps))
     if name == "steps_realised":
-        return Rate(len(side.affected_steps((ERROR,))), len(side.steps))
+        return Rate(len(side.affected_steps(realised_only=True)), len(side.steps))
     if side.requests is None:
         return None
     if name == "requests":
@@ -67,6 +94,7 @@ class Comparison:
             raise ValueError(f"unknown measure {self.primary!r}")
         if not 0 < self.alpha < 1:
             raise ValueError("alpha must be between 0 and 1")
+        self._steps_marked = {"stock": len(self.stock.steps), "fixed": len(self.fixed.steps)}
         self.measures: list[Measure] = []
         for name, desc in MEASURES.items():
             s, f = _rate(self.stock, name), _rate(self.fixed, name)
@@ -87,9 +115,7 @@ class Comparison:
         out = []
         n = f.findings_at_or_above(self.fail_on)
         if n:
-            rules = ", ".join(f"{r} {c}" for r, c in sorted(f.by_rule.items())
-                              if RULES.get(r, (ERROR,))[0] in ((ERROR,) if self.fail_on == ERROR else (ERROR, "warning")))
-            out.append(f"{n} finding(s) at or above {self.fail_on} ({rules})")
+            out.append(f"{n} finding(s) at or above {self.fail_on} ({_rules_at_or_above(f, self.fail_on)})")
         if f.corrupted:
             out.append(f"{len(f.corrupted)} corrupted request(s)")
         out.extend(f.capture_incomplete)
@@ -103,13 +129,61 @@ class Comparison:
     def primary_measure(self) -> Measure | None:
         return self.measure(self.primary)
 
+    # --- what the verdict rests on ------------------------------------------------------
+    @property
+    def steps_marked(self) -> dict[str, int]:
+        """Decode steps per side (0: the side's traces carry no `step` event)."""
+        return dict(self._steps_marked)
+
+    @property
+    def basis(self) -> str:
+        """"statistics": Fisher's test on the primary measure; "findings": the primary measure
+        counts decode steps (or places findings by step) and a side marks none, so the verdict
+        compares the findings themselves."""
+        if (self.primary in STEP_MEASURES and self.primary_measure is not None
+                and not all(self.steps_marked.values())):
+            return "findings"
+        return "statistics"
+
+    @property
+    def stock_severity(self) -> str:
+        """What the stock side must show for the fix to have something to remove (findings basis)."""
+        return ERROR if self.primary == "steps_realised" else self.fail_on
+
+    @property
+    def stock_findings(self) -> int:
+        return self.stock.findings_at_or_above(self.stock_severity, realised_only=self.primary == "steps_realised")
+
+    def steps_note(self) -> str | None:
+        """Why per-step statistics are missing and how to get them; None when both sides mark decode steps."""
+        gap = self._steps_gap()
+        return None if gap is None else f"{gap}; {STEP_HOWTO}"
+
+    def _steps_gap(self) -> str | None:
+        marked = self.steps_marked
+        if all(marked.values()):
+            return None
+        if not any(marked.values()):
+            return ("no decode steps were marked on either side (no `step` event in the traces), "
+                    "so per-step statistics are not available")
+        has, lacks = ("stock", "fixed") if marked["stock"] else ("fixed", "stock")
+        return (f"the {has} run marks {marked[has]} decode step(s), the {lacks} run none (no `step` event "
+                f"in its traces): per-step rates cannot be compared between them (was the {lacks} run "
+                "made without `sanitizer.step(n)`?)")
+
     @property
     def significant(self) -> bool:
+        """The primary measure's difference is significant (always False on the findings basis:
+        there is no test then)."""
+        if self.basis == "findings":
+            return False
         m = self.primary_measure
         return bool(m and m.test.p_one_sided is not None and m.test.p_one_sided < self.alpha)
 
     @property
     def confirmed(self) -> bool:
+        if self.basis == "findings":
+            return self.fixed_clean and self.stock_findings > 0
         return self.fixed_clean and self.significant
 
     def exit_code(self) -> int:
@@ -131,7 +205,31 @@ class Comparison:
             "max_lag_steps": max((r.outcome.step - r.preceded_at for r in bad if r.preceded_at is not None), default=None),
         }
 
+    def _verdict_on_findings(self) -> str:
+        sev = self.stock_severity
+        n = self.stock_findings
+        stock = (f"stock {n} finding(s) at or above {sev} ({_rules_at_or_above(self.stock, sev)})" if n else
+                 f"the stock side has no finding at or above {sev}: nothing for the fix to remove")
+        basis = (f"judged on findings, not statistics: {self._steps_gap()}; comparing one run of each shows "
+                 f"whether the fix removes these findings in these runs, it bounds no rate; {STEP_HOWTO}")
+        if self.confirmed:
+            parts = [f"FIX CONFIRMED on findings: {stock}, fixed none (clean, complete capture)", basis]
+        else:
+            parts = ["FIX NOT CONFIRMED"]
+            problems = self.fixed_problems()
+            if problems:
+                parts.append("fixed side not clean: " + "; ".join(problems))
+            parts.append(stock)  # (a stock side with findings and a clean fixed side is confirmed)
+            parts.append(basis)
+        text = parts[0] + ("; " if self.confirmed else ": ") + "; ".join(parts[1:])
+        prec = self.precedence(self.stock)
+        if prec and prec["corrupted"]:
+            text += f"; stock: {prec['corrupted']} corrupted request(s)"
+        return text
+
     def verdict_text(self) -> str:
+        if self.basis == "findings":
+            return self._verdict_on_findings()
         m = self.primary_measure
         parts = []
         if m is None:
@@ -154,6 +252,9 @@ class Comparison:
                 parts.append(f"difference in {m.description} not significant at alpha {self.alpha:g}: "
                              f"stock {m.stock.k} of {m.stock.n}, fixed {m.fixed.k} of {m.fixed.n}, "
                              f"Fisher one-sided {_p_clause(m.test.p_one_sided)}")
+        note = self.steps_note()
+        if note:  # e.g. --primary corrupted on runs without steps: its test stands, the step measures do not
+            parts.append(note)
         prec = self.precedence(self.stock)
         if prec and prec["corrupted"]:
             parts.append(f"stock: {prec['preceded']} of {prec['corrupted']} corrupted requests preceded by a finding "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import orjson
 
-from sanitizer.proof.compare import Comparison, Measure, _p, _pct
+from sanitizer.proof.compare import MEASURES, Comparison, Measure, _p, _pct
 from sanitizer.proof.run import AGGREGATED_RULES, RunEvidence
 from sanitizer.rules.findings import RULES
 
@@ -56,8 +56,12 @@ def _measure_dict(c: Comparison, m: Measure) -> dict:
 
 def to_dict(c: Comparison) -> dict:
     return {
-        "verdict": {"confirmed": c.confirmed, "exit": c.exit_code(), "fixed_clean": c.fixed_clean,
-                    "fixed_problems": c.fixed_problems(), "significant": c.significant, "primary": c.primary,
+        "verdict": {"confirmed": c.confirmed, "exit": c.exit_code(), "basis": c.basis, "fixed_clean": c.fixed_clean,
+                    "fixed_problems": c.fixed_problems(),
+                    # null on the findings basis: there is no test to be significant
+                    "significant": c.significant if c.basis == "statistics" else None,
+                    "stock_findings": c.stock_findings, "stock_severity": c.stock_severity,
+                    "steps_marked": c.steps_marked, "steps_note": c.steps_note(), "primary": c.primary,
                     "alpha": c.alpha, "confidence": c.confidence, "fail_on": c.fail_on, "text": c.verdict_text()},
         "measures": [_measure_dict(c, m) for m in c.measures],
         "stock": _side_dict(c, c.stock),
@@ -179,11 +183,18 @@ def _document(c: Comparison, fmt: str, max_rows: int) -> list[tuple[str, str]]:
     sections.append(("Findings per rule", table(
         ["rule", "severity", "stock findings", "stock steps", "fixed findings", "fixed steps"], _rule_rows(c))
         if (c.stock.by_rule or c.fixed.by_rule) else "no findings on either side"))
-    sections.append((f"Statistics (confidence {c.confidence:.0%}, alpha {c.alpha:g}, primary: {c.primary})",
-                     table(_measure_headers(c), _measure_rows(c))))
+    stats = table(_measure_headers(c), _measure_rows(c))
+    note = c.steps_note()
+    if note:
+        basis = ("the verdict is judged on findings" if c.basis == "findings" else
+                 f"the verdict rests on {MEASURES[c.primary]}, which needs no steps")
+        stats = f"Note: {note}; {basis}.\n\n{stats}"
+    sections.append((f"Statistics (confidence {c.confidence:.0%}, alpha {c.alpha:g}, primary: {c.primary})", stats))
     headers, rows, total = _step_rows(c, max_rows)
+    no_rows = ("no decode steps marked on either side" if not any(c.steps_marked.values())
+               else "no finding inside a decode step")
     sections.append((f"Findings per decode step ({len(rows)} of {total} steps with findings shown)",
-                     table(headers, rows) if rows else "no finding inside a decode step"))
+                     table(headers, rows) if rows else no_rows))
     if c.stock.requests is not None or c.fixed.requests is not None:
         sections.append(("Requests", table(_REQUEST_SUMMARY_HEADERS, _request_summary_rows(c))))
         rows, total = _request_rows(c, max_rows)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sanitizer.proof.outcomes import OUTCOME_NAMES, Outcome, find_outcomes, read_outcomes
-from sanitizer.rules.findings import ERROR, RULES, Finding
+from sanitizer.rules.findings import ERROR, LATENT_ONLY, RULES, Finding
 
 AGGREGATED_RULES = frozenset({"transient-in-window"})  # one finding per site, not per event
 
@@ -132,8 +132,11 @@ class RunEvidence:
         # A finding in a step the census missed (a step event dropped) still names a step.
         return out | set(self.index.by_step)
 
-    def affected_steps(self, severities=(ERROR, "warning")) -> set[int]:
-        return {s for s, rules in self.index.by_step.items() if any(RULES[r][0] in severities for r in rules)}
+    def affected_steps(self, severities=(ERROR, "warning"), realised_only: bool = False) -> set[int]:
+        """Steps with a finding of those severities; `realised_only`: of a rule that flags more than
+        a hazard's cause (findings.LATENT_ONLY left out: `steps_realised`)."""
+        return {s for s, rules in self.index.by_step.items()
+                if any(RULES[r][0] in severities and not (realised_only and r in LATENT_ONLY) for r in rules)}
 
     # --- totals ------------------------------------------------------------------------
     @property
@@ -146,9 +149,10 @@ class RunEvidence:
         fs = self.index.aggregated
         return sum(f.count for f in fs), sum(f.bytes for f in fs), len(fs)
 
-    def findings_at_or_above(self, severity: str) -> int:
+    def findings_at_or_above(self, severity: str, realised_only: bool = False) -> int:
         wanted = (ERROR,) if severity == ERROR else (ERROR, "warning")
-        return sum(n for r, n in self.by_rule.items() if RULES.get(r, ("error",))[0] in wanted)
+        return sum(n for r, n in self.by_rule.items() if RULES.get(r, ("error",))[0] in wanted
+                   and not (realised_only and r in LATENT_ONLY))
 
     @property
     def capture_incomplete(self) -> list[str]:

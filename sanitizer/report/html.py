@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import io
 
-from sanitizer.report.render import finding_text
+from sanitizer.report.render import finding_text, incomplete, who
 from sanitizer.report.timeline import read_timelines
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER
 
@@ -175,15 +175,19 @@ def render_html(analysis, paths, *, max_items: int = 5000, title: str = "hazsan 
     if counts:
         errs = sum(n for r, n in counts.items() if RULES[r][0] == "error")
         cls = "error" if errs else "warning"
-        out.append(f'<p class="{cls}"><b>{s["findings"]} finding(s)</b> in {s["events"]:,} events, {s["ranks"]} rank(s)</p>')
+        out.append(f'<p class="{cls}"><b>{s["findings"]} finding(s)</b> in {s["events"]:,} events, {e(who(s))}</p>')
         out.append("<table><tr><th>rule</th><th>severity</th><th>findings</th><th>meaning</th></tr>")
         for rule in RULES:
             if rule in counts:
                 sev, meaning = RULES[rule]
                 out.append(f'<tr><td>{e(rule)}</td><td class="{sev}">{sev}</td><td>{counts[rule]}</td><td>{e(meaning)}</td></tr>')
         out.append("</table>")
-    elif not analysis.errors:
-        out.append(f'<p class="ok"><b>No hazards</b> in {s["events"]:,} events, {s["ranks"]} rank(s)</p>')
+    lost = incomplete(s)
+    if lost:       # never shown as clean: what was lost may have held a hazard
+        verdict = "More hazards may be missing" if counts else "No verdict"
+        out.append(f'<p class="warning"><b>INCOMPLETE capture</b>: {e(verdict)} ({e("; ".join(lost))})</p>')
+    elif not counts and not analysis.errors:
+        out.append(f'<p class="ok"><b>No hazards</b> in {s["events"]:,} events, {e(who(s))}</p>')
 
     out.append("<h2>Symmetric windows, per rank</h2>")
     out.append(_legend())

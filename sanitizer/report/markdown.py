@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import re
 
-from sanitizer.report.render import finding_text, incomplete, truncated_files
+from sanitizer.report.render import finding_text, incomplete, truncated_files, verdict_blockers, who
 from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
 
 _CELL = re.compile(r"([\\`*_{}\[\]<>()#+!|~])")
@@ -33,18 +33,22 @@ def render_markdown(analysis) -> str:
     errors = sum(n for r, n in counts.items() if RULES[r][0] == "error")
     out: list[str] = ["## hazsan check", ""]
     if analysis.errors:
-        out.append(f"**Unusable input** ({s.get('malformed', len(analysis.errors))} malformed line(s)); "
-                   "the first ones:")
+        malformed = s.get("malformed", 0)
+        out.append(f"**Unusable input** ({malformed} malformed line(s)); the first errors:" if malformed
+                   else "**Unusable input**:")
         out.append("")
         out.append(code_block([str(e) for e in analysis.errors[:10]]))
     elif counts:
         mark = ":x:" if errors else ":warning:"
-        out.append(f"{mark} **{s['findings']} finding(s)** in {s['events']:,} events, {s['ranks']} rank(s)")
+        out.append(f"{mark} **{s['findings']} finding(s)** in {s['events']:,} events, {who(s)}")
+    elif verdict_blockers(s):
+        out.append(f":x: **No verdict**: no hazard found in {s['events']:,} events, {who(s)}, "
+                   "but the capture is **INCOMPLETE**: hazards may be missing")
     elif incomplete(s):
-        out.append(f":warning: **No hazards found** in {s['events']:,} events, {s['ranks']} rank(s), "
+        out.append(f":warning: **No hazards found** in {s['events']:,} events, {who(s)}, "
                    "but the capture is **INCOMPLETE**: hazards may be missing")
     else:
-        out.append(f":white_check_mark: **No hazards** in {s['events']:,} events, {s['ranks']} rank(s)")
+        out.append(f":white_check_mark: **No hazards** in {s['events']:,} events, {who(s)}")
     out.append("")
     lost = incomplete(s)
     if lost:

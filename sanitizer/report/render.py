@@ -15,6 +15,9 @@ from sanitizer.rules.findings import RULES, SEVERITY_ORDER, Finding
 
 #: The reader's warning for a file that ends early: "FILE:LINE: trace truncated (WHY)".
 _TRUNCATED = re.compile(r"(?s)(?P<file>.+?):(?P<line>\d+): trace truncated \((?P<why>.*)\)$")
+#: The driver's per-file warnings of events lost (sanitizer/rules/driver.py).
+_DROPPED = re.compile(r"(?s)(?P<file>.+?): capture dropped \d+ event\(s\)")
+_HOOK_ERRORS = re.compile(r"(?s)(?P<file>.+?): \d+ capture hook error\(s\) were caught")
 #: Files named in an `incomplete` reason; the warnings (and json's `incomplete_files`) list every one.
 NAMED_FILES = 20
 
@@ -49,6 +52,31 @@ def incomplete(summary: dict) -> list[str]:
     return out
 
 
+def verdict_blockers(summary: dict) -> list[str]:
+    """The reasons of `incomplete` that leave no clean verdict: events that may have held a
+    hazard are missing. A trace cut after its last step's end (a server killed in its shutdown)
+    holds every step's events (progress.STEPS_COMPLETE): it is named, but does not block; nor do
+    malformed lines that --lenient skipped."""
+    from sanitizer.trace.progress import STEPS_COMPLETE
+
+    out = []
+
+    def files(pattern: re.Pattern) -> str:      # the files the per-file warnings name (driver.py)
+        named = [m["file"] for w in summary.get("warnings", []) if isinstance(w, str) and (m := pattern.match(w))]
+        return f" in {', '.join(named[:NAMED_FILES])}{' ...' if len(named) > NAMED_FILES else ''}" if named else ""
+
+    if summary.get("dropped_events"):
+        out.append(f"{summary['dropped_events']} event(s) dropped by capture{files(_DROPPED)}")
+    if summary.get("hook_errors"):
+        out.append(f"{summary['hook_errors']} capture hook failure(s){files(_HOOK_ERRORS)}")
+    cut = [t["file"] for t in truncated_files(summary) if STEPS_COMPLETE not in t["why"]]
+    if cut:
+        names = ", ".join(cut[:NAMED_FILES])
+        more = f" and {len(cut) - NAMED_FILES} more" if len(cut) > NAMED_FILES else ""
+        out.append(f"{len(cut)} trace(s) truncated: {names}{more}")
+    return out        # malformed lines skipped: --lenient asked for that, and says how many
+
+
 def _dumps(doc) -> str:
     """JSON text of a report. Sums read from a trace (drop counts over many lines, step numbers)
     can pass 64 bits, which orjson refuses: then the standard library writes them."""
@@ -63,7 +91,8 @@ def render_json(analysis) -> str:
     doc = {
         "findings": [f.to_dict() for f in analysis.findings],
         "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors],
-                    "complete": not lost, "incomplete": lost,
+                    "complete": not lost and not analysis.errors, "incomplete": lost,
+                    "verdict_blockers": verdict_blockers(analysis.summary),
                     "incomplete_files": truncated_files(analysis.summary)},
     }
     return _dumps(doc)
@@ -123,30 +152,73 @@ def finding_text(f: Finding) -> list[str]:
         out.append(f"  reference: {_describe_op(f.op)}")
         out.extend(_stack_lines((f.op or {}).get("stack"), (f.op or {}).get("site")))
         return out
-    if f.overlap:
-        out.append(f"  overlapping range {_range(*f.overlap)}")
+    # As ASan: what went wrong first (the access, the allocation over the buffer, the free), then
+    # the op it races with and where that was enqueued, then where the memory was allocated.
     if f.rule == "unordered-access":
         out.append(f"  {f.detail}")
-        out.append(f"  access at: {f.site or '(no site)'}")
-        out.append(f"  memory: {_describe_block(f.block)}")
+        out.append("  Access at:")
+        out.extend(_stack_lines(None, f.site))
     else:
-        verb = {"reuse-in-flight": "Allocation of", "free-in-flight": "Free of",
+        verb = {"reuse-in-flight": "Allocation of", "free-in-flight": f"Free (line {f.line}) of",
                 "graph-buffer-released": "Release of"}.get(f.rule, "")
         out.append(f"  {verb} {_describe_block(f.block)}")
         if f.detail:
             out.append(f"  ({f.detail})")
-        out.append("  Block allocated at:")
-        out.extend(_stack_lines((f.block or {}).get("stack"), (f.block or {}).get("site")))
+    if f.overlap:
+        out.append(f"  overlapping range {_range(*f.overlap)}")
     out.append(f"  collides with {_describe_op(f.op)}")
     out.append("  Op enqueued at:")
     out.extend(_stack_lines((f.op or {}).get("stack"), (f.op or {}).get("site")))
+    if f.rule == "unordered-access":
+        out.append(f"  Memory: {_describe_block(f.block)}")
+    out.append("  Memory allocated at:")
+    out.extend(_stack_lines((f.block or {}).get("stack"), (f.block or {}).get("site")))
     return out
 
 
-def render_text(analysis) -> str:
+def who(summary: dict) -> str:
+    """The processes judged: '2 rank(s)', '2 rank(s) and 1 process without a rank' (a launcher),
+    '1 process' (a program that is not distributed)."""
+    ranks, unranked = summary.get("ranks", 0), summary.get("unranked", 0)
+    if not ranks:
+        return f"{unranked} process(es)" if unranked != 1 else "1 process"
+    extra = f" and {unranked} process(es) without a rank" if unranked else ""
+    return f"{ranks} rank(s){extra}"
+
+
+def summary_line(analysis, fail_on: str = "error") -> str:
+    """One line, the verdict, as ASan's SUMMARY: the first finding's rule and site and how many
+    there are, what was suppressed, or why there is no verdict."""
+    s = analysis.summary
+    suppressed = s.get("suppressed", 0)
+    extra = f"; {suppressed} suppressed" if suppressed else ""
+    if analysis.errors:
+        return f"SUMMARY: hazsan: unusable input: {analysis.errors[0]}{extra}"
+    if analysis.findings:       # the one the report leads with: most severe, in the rules' order
+        order = list(RULES)
+        first = min(analysis.findings, key=lambda f: (SEVERITY_ORDER[f.severity], order.index(f.rule),
+                                                      f.rank, f.file, f.line))
+        sites = {f.group_key() for f in analysis.findings}
+        more = f" and {len(sites) - 1} more site(s)" if len(sites) > 1 else ""
+        return (f"SUMMARY: hazsan: {first.rule} at {first.headline_site() or '(unknown site)'}{more}; "
+                f"{s.get('findings', len(analysis.findings))} finding(s){extra}")
+    blockers = verdict_blockers(s)
+    if blockers:
+        return f"SUMMARY: hazsan: no verdict: the capture is INCOMPLETE ({', '.join(blockers)}){extra}"
+    return f"SUMMARY: hazsan: no hazards in {s.get('events', 0)} events, {who(s)}{extra}"
+
+
+_COLOURS = {"error": "\033[1;31m", "warning": "\033[1;33m", "ok": "\033[1;32m", "dim": "\033[2m"}
+_RESET = "\033[0m"
+
+
+def render_text(analysis, color: bool = False) -> str:
+    def paint(text: str, what: str) -> str:
+        return f"{_COLOURS[what]}{text}{_RESET}" if color else text
+
     lines: list[str] = []
     for e in analysis.errors:
-        lines.append(f"hazsan: error: {e}")
+        lines.append(paint(f"hazsan: error: {e}", "error"))
     groups: dict[tuple, list[Finding]] = {}
     for f in analysis.findings:
         groups.setdefault(f.group_key(), []).append(f)
@@ -157,35 +229,48 @@ def render_text(analysis) -> str:
         rule, site, _ = key
         sev = RULES[rule][0]
         lines.append("=" * 78)
-        lines.append(f"hazsan {sev.upper()}: {rule}  at {site or '(unknown site)'}  [{len(fs)} listed]")
+        lines.append(paint(f"hazsan {sev.upper()}: {rule}  at {site or '(unknown site)'}  [{len(fs)} listed]", sev))
         lines.append(f"  {RULES[rule][1]}")
         lines.extend(finding_text(fs[0]))
         if len(fs) > 1:
             more = ", ".join(f"rank {f.rank} step {f.step} line {f.line}" for f in fs[1:6])
             lines.append(f"  ... and {len(fs) - 1} more like this: {more}{' ...' if len(fs) > 6 else ''}")
     s = analysis.summary
+    if analysis.errors and not s.get("events"):
+        # nothing could be judged: no count of events, no "no hazards", only why (exit 2)
+        malformed = s.get("malformed", 0)
+        lines.append(f"hazsan: {malformed} malformed line(s): the input is unusable (exit 2); --lenient skips them"
+                     if malformed else "hazsan: the input is unusable (exit 2): see the error above")
+        lines.append(summary_line(analysis))
+        return "\n".join(lines) + "\n"
     lines.append("=" * 78)
     for w in s.get("warnings", []):
         lines.append(f"hazsan: warning: {w}")
     lost = incomplete(s)
+    blockers = verdict_blockers(s)
     if counts:
         total = ", ".join(f"{rule}: {counts[rule]}" for rule in RULES if rule in counts)
-        lines.append(f"hazsan: {s['findings']} finding(s) in {s['events']} events, {s['ranks']} rank(s): {total}")
+        lines.append(f"hazsan: {s['findings']} finding(s) in {s['events']} events, {who(s)}: {total}")
         if lost:
-            lines.append(f"hazsan: INCOMPLETE capture ({', '.join(lost)}): more hazards may be missing")
+            lines.append(paint(f"hazsan: INCOMPLETE capture ({', '.join(lost)}): more hazards may be missing", "warning"))
+    elif blockers:
+        lines.append(paint(f"hazsan: no verdict: no hazard found in {s['events']} events, {who(s)}, but the "
+                           f"capture is INCOMPLETE ({', '.join(lost)}): hazards may be missing (exit 2; "
+                           "--allow-incomplete accepts it)", "warning"))
     elif lost:
-        lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s), but the capture "
+        lines.append(f"hazsan: no hazards found in {s['events']} events, {who(s)}, but the capture "
                      f"is INCOMPLETE ({', '.join(lost)}): hazards may be missing")
     else:
-        lines.append(f"hazsan: no hazards found in {s['events']} events, {s['ranks']} rank(s)")
+        lines.append(paint(f"hazsan: no hazards found in {s['events']} events, {who(s)}", "ok"))
     for t in truncated_files(s):
         lines.append(f"hazsan: INCOMPLETE: {t['file']}: {t['why']}")
     if analysis.errors:
-        malformed = s.get("malformed", len(analysis.errors))
+        malformed = s.get("malformed", 0)
         if malformed:
             lines.append(f"hazsan: {malformed} malformed line(s): the input is unusable (exit 2); --lenient skips them")
         else:  # a file that cannot be read at all (no header, a limit reached): no line to skip
             lines.append("hazsan: the input is unusable (exit 2): see the error above")
+    lines.append(summary_line(analysis))
     return "\n".join(lines) + "\n"
 
 
@@ -193,7 +278,7 @@ def render_sarif(analysis) -> str:
     """SARIF 2.1.0, so CI systems can annotate the call sites."""
     results = []
     for f in analysis.findings:
-        site = f.site or (f.block or {}).get("site") or (f.op or {}).get("site")
+        site = f.headline_site()
         loc = {"physicalLocation": {"artifactLocation": {"uri": f.file}, "region": {"startLine": f.line}}}
         locations = [loc]
         if site and ":" in site:

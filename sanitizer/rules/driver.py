@@ -17,7 +17,8 @@ from sanitizer.limits import Limits
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
 # engine choice, re-exported: callers and tests name it here
 from sanitizer.rules.select import CHOICES, ENV, REQUIRE_ENV, compiled_available, load_engine  # noqa: F401
-from sanitizer.trace.reader import TraceError, TraceFile, TypedEvents, expand_paths, open_trace
+from sanitizer.trace import runs
+from sanitizer.trace.reader import TraceError, TraceFile, TypedEvents, open_trace
 
 BATCH = 4096  # lines read from one rank before moving to the next
 # Lines decoded and applied at a time. The decoded events of a chunk are freed together; a small
@@ -37,12 +38,27 @@ class Analysis:
     summary: dict
     errors: list[TraceError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: the trace files judged (of one run: sanitizer.trace.runs), in the order read
+    files: list[str] = field(default_factory=list)
 
-    def exit_code(self, fail_on: str = "error") -> int:
+    def exit_code(self, fail_on: str = "error", allow_incomplete: bool = False) -> int:
+        """2 unusable input; 1 a finding at or above `fail_on`; 2 no finding but a capture that
+        lost events (report.render.verdict_blockers: what was lost may have held one), unless
+        `allow_incomplete`; else 0."""
         if self.errors:
             return 2
         threshold = {"error": ("error",), "warning": ("error", "warning")}[fail_on]
-        return 1 if any(f.severity in threshold for f in self.findings) else 0
+        if any(f.severity in threshold for f in self.findings):
+            return 1
+        if not allow_incomplete and self.blockers():
+            return 2
+        return 0
+
+    def blockers(self) -> list[str]:
+        """Why no clean verdict can be given (empty: it can): see report.render.verdict_blockers."""
+        from sanitizer.report.render import verdict_blockers
+
+        return verdict_blockers(self.summary)
 
 
 def new_analyzer(eng, file: str, rank: int, sink, matcher, peer_completion: str, limits: Limits):
@@ -95,7 +111,8 @@ class RankReader:
 
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
             max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
-            matcher=None, live=(), limits: Limits | None = None) -> Analysis:
+            matcher=None, live=(), limits: Limits | None = None, run: str | None = None,
+            suppress=None) -> Analysis:
     """Analyse rank trace files (or directories of them) together.
 
     Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
@@ -113,6 +130,13 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     running): read up to their last flush, their missing end record is not a truncated trace.
 
     `limits`: what reading each file, and each rank in the engine, may cost (default: Limits()).
+
+    `run`: the run to judge where the paths hold several (sanitizer.trace.runs: files of two runs
+    are never judged together; of one folder's runs the newest is, and a warning says so). Paths
+    holding runs in several folders raise runs.SeveralRuns: `analyze_runs` judges each.
+
+    `suppress`: callable(finding) -> bool (allowlist.Suppressions): what it accepts is counted in the
+    summary's `suppressed`, never listed or counted as a finding.
     """
     # Millions of short-lived decoded events, no reference cycles among them: the cyclic
     # collector's passes over them cost time and find nothing.
@@ -120,29 +144,32 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     gc.disable()
     try:
         return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher, live,
-                        limits or Limits())
+                        limits or Limits(), run, suppress)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher, live,
-             limits: Limits) -> Analysis:
+             limits: Limits, run: str | None, suppress=None) -> Analysis:
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
-    sink = FindingSink(max_per_group=max_per_group)
+    sink = FindingSink(max_per_group=max_per_group, suppress=suppress)
     try:
         eng, engine_kind, fallback = load_engine(engine)
     except (ValueError, RuntimeError) as exc:
-        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, None), [TraceError(ENV, None, str(exc))], [])
+        return Analysis([], _summary(0, 0, sink, [], 0, 0, 0, None), [TraceError(ENV, None, str(exc))], [])
     errors: list[TraceError] = []
     # auto, and the compiled engine is missing: say so once (it runs at about half the speed)
     warnings: list[str] = [f"running the interpreted engine: {fallback}"] if fallback else []
     skipped = 0
     try:
-        files = expand_paths(paths)
+        files, notes = runs.choose(paths, run)
+    except runs.SeveralRuns:
+        raise
     except TraceError as exc:
-        return Analysis([], _summary(0, 0, sink, [str(exc)], 0, 0, 0, engine_kind), [exc], [])
+        return Analysis([], _summary(0, 0, sink, [], 0, 0, 0, engine_kind), [exc], [])
+    warnings.extend(notes)
     traces: list[TraceFile] = []
     live = {os.path.realpath(p) for p in live}
     for p in files:
@@ -194,6 +221,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     for r in readers:
         a = r.analyzer
         a.finish()
+        r.trace.steps_contradict(a.steps_seen)
         events += a.events
         drops += a.counted_drops
         hook_errors += a.hook_errors
@@ -218,10 +246,11 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     if sink.omitted:
         warnings.append(f"{sink.omitted} repeated finding(s) counted but not listed (max {sink.max_per_group} per rule and call site)")
     findings = sorted(sink.findings, key=_finding_order)
-    summary = _summary(events, len(readers), sink, warnings, skipped, drops, hook_errors, engine_kind)
+    summary = _summary(events, len(readers), sink, warnings, skipped, drops, hook_errors, engine_kind,
+                       unranked=sum(1 for r in readers if r.analyzer.rank < 0))
     summary["malformed"] = error_total
     summary["steps_by_rank"] = {r.analyzer.rank: sorted(r.analyzer.steps_seen) for r in readers}
-    return Analysis(findings, summary, errors, warnings)
+    return Analysis(findings, summary, errors, warnings, [str(f) for f in files])
 
 
 def coverage_warnings(file: str, header: dict) -> list[str]:
@@ -247,10 +276,13 @@ def _finding_order(f: Finding):
     return (0 if f.severity == ERROR else 1, f.rule, f.rank, f.file, f.line)
 
 
-def _summary(events, ranks, sink, warnings, skipped, drops, hook_errors, engine_kind) -> dict:
+def _summary(events, files, sink, warnings, skipped, drops, hook_errors, engine_kind, unranked: int = 0) -> dict:
+    """`ranks`: the files of ranks; `unranked`: those of processes without one (a launcher such as
+    mp.spawn's parent or torchrun, a program that is not distributed: header rank -PID)."""
     return {
         "events": events,
-        "ranks": ranks,
+        "ranks": files - unranked,
+        "unranked": unranked,
         "engine": engine_kind,
         "by_rule": dict(sorted(sink.by_rule.items())),
         "findings": sum(sink.by_rule.values()),
@@ -259,4 +291,45 @@ def _summary(events, ranks, sink, warnings, skipped, drops, hook_errors, engine_
         "dropped_events": drops,
         "hook_errors": hook_errors,
         "warnings": warnings,
+        "malformed": 0,
+        "steps_by_rank": {},
+        "suppressed": sum(sink.suppressed.values()),
+        "suppressed_by_rule": dict(sorted(sink.suppressed.items())),
     }
+
+
+def analyze_runs(paths, analyze_fn=None, **kwargs) -> Analysis:
+    """`analyze_fn(paths, **kwargs)` (default `analyze`); where the paths hold runs in several
+    folders (runs.SeveralRuns: the pytest plugin's session folder), each run judged on its own and
+    the verdicts joined: findings of every run, summed counts, and `runs` in the summary."""
+    analyze_fn = analyze_fn or analyze
+    try:
+        return analyze_fn(paths, **kwargs)
+    except runs.SeveralRuns as exc:
+        several = exc.runs
+    kwargs.pop("run", None)
+    parts = [analyze_fn([str(f) for f in r.files], **kwargs) for r in several]
+    return join_runs(parts, [r.label() for r in several])
+
+
+def join_runs(parts: list[Analysis], labels: list[str]) -> Analysis:
+    """Analyses of separate runs as one report (never one verdict over their events together)."""
+    findings = sorted((f for a in parts for f in a.findings), key=_finding_order)
+    summary: dict = {"runs": labels, "engine": parts[0].summary.get("engine") if parts else None}
+    for key in ("events", "ranks", "unranked", "findings", "listed", "skipped_lines", "dropped_events",
+                "hook_errors", "malformed", "suppressed"):
+        summary[key] = sum(a.summary.get(key, 0) or 0 for a in parts)
+    by_rule: dict[str, int] = {}
+    for a in parts:
+        for rule, n in a.summary.get("by_rule", {}).items():
+            by_rule[rule] = by_rule.get(rule, 0) + n
+    summary["by_rule"] = dict(sorted(by_rule.items()))
+    warnings = [f"judged {len(parts)} runs, each on its own: " + "; ".join(labels)]
+    warnings += [w for a in parts for w in a.warnings]
+    summary["warnings"] = warnings
+    summary["steps_by_rank"] = {}
+    for a in parts:
+        for rank, steps in a.summary.get("steps_by_rank", {}).items():
+            summary["steps_by_rank"].setdefault(rank, []).extend(steps)
+    return Analysis(findings, summary, [e for a in parts for e in a.errors], warnings,
+                    [f for a in parts for f in a.files])

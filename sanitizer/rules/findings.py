@@ -12,9 +12,14 @@ RULES: dict[str, tuple[str, str]] = {
     "unordered-access": (ERROR, "an op accesses a range that an op not done for its stream writes (or reads, if it writes)"),
     "graph-buffer-released": (ERROR, "a captured op's buffer was freed or reallocated while its CUDA graph lives"),
     "asymmetric-offset": (ERROR, "the same collective uses window buffers at different offsets or sizes on different ranks"),
-    "free-in-flight": (WARNING, "a block was freed while an op not done for its stream uses it, without record_stream (the latent cause)"),
-    "transient-in-window": (WARNING, "a block inside a symmetric window was freed without ever being a collective buffer"),
+    "free-in-flight": (ERROR, "a block was freed while an op not done for its stream uses it, without record_stream (the latent cause)"),
+    "transient-in-window": (ERROR, "a block inside a symmetric window was freed without ever being a collective buffer"),
 }
+#: The rules that flag only a hazard's cause (a free, a placement), never an allocation or an access
+#: that met in-flight work: the latent hazards of docs/hazard-model.md. They are errors all the same:
+#: the collision they make possible depends on the shape, the hazard does not, and CI must fail on it
+#: at the shapes where nothing collided. The proof's `steps_realised` leaves them out.
+LATENT_ONLY = frozenset({"free-in-flight", "transient-in-window"})
 
 
 def severity_of(rule: str) -> str:
@@ -167,11 +172,15 @@ class Finding:
             out["detail"] = self.detail
         return out
 
+    def headline_site(self) -> str | None:
+        """Where it went wrong, as ASan leads: the bad access (`site`, for unordered-access), else
+        the event's block (the allocation over the buffer, the freed block, the transient; for
+        asymmetric-offset this rank's collective), else the op. Every format leads with it."""
+        return self.site or (self.block or {}).get("site") or (self.op or {}).get("site")
+
     def group_key(self) -> tuple:
-        """Findings that a reader wants to see once: same rule, same two call sites."""
-        block_site = (self.block or {}).get("site") or self.site
-        op_site = (self.op or {}).get("site")
-        return (self.rule, block_site, op_site)
+        """Findings that a reader wants to see once: same rule, same headline site, same op site."""
+        return (self.rule, self.headline_site(), (self.op or {}).get("site"))
 
 
 @dataclass
@@ -187,8 +196,15 @@ class FindingSink:
     by_rule: dict[str, int] = field(default_factory=dict)
     group_counts: dict[tuple, int] = field(default_factory=dict)
     omitted: int = 0
+    #: callable(finding) -> bool: a finding it accepts is counted in `suppressed`, not reported
+    #: (allowlist.Suppressions: `hazsan check --suppressions`)
+    suppress: object = None
+    suppressed: dict[str, int] = field(default_factory=dict)
 
     def add(self, finding: Finding) -> None:
+        if self.suppress is not None and self.suppress(finding):
+            self.suppressed[finding.rule] = self.suppressed.get(finding.rule, 0) + 1
+            return
         self.by_rule[finding.rule] = self.by_rule.get(finding.rule, 0) + 1
         key = finding.group_key()
         n = self.group_counts.get(key, 0) + 1

@@ -29,7 +29,8 @@ from sanitizer.limits import Limits
 from sanitizer.rules import driver, select
 from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import Finding, FindingSink
-from sanitizer.trace.reader import TraceError, expand_paths
+from sanitizer.trace import runs
+from sanitizer.trace.reader import TraceError
 
 # Warnings the driver computes over all files at once: recomputed after the join.
 _AGGREGATE_WARNINGS = ("--lenient: skipped ", " more malformed line(s) not listed",
@@ -102,14 +103,14 @@ class SignatureRecorder:
 
 
 def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int,
-                engine: str | None, limits: Limits):
+                engine: str | None, limits: Limits, suppress=None):
     """Worker: one rank file, within `limits` (the parent's, passed as a value: spawned workers
     and Dask's share no module state with it). Returns plain data (TraceError does not survive
     pickling)."""
     recorder = SignatureRecorder()
     a = driver.analyze([path], peer_completion=peer_completion, lenient=lenient,
                        max_per_group=max_per_group, max_errors=max_errors, engine=engine,
-                       matcher=lambda sink, enabled, ranks=None: recorder, limits=limits)
+                       matcher=lambda sink, enabled, ranks=None: recorder, limits=limits, suppress=suppress)
     errors = [(e.path, e.line, e.message) if isinstance(e, TraceError) else (path, None, str(e))
               for e in a.errors]
     steps = a.summary.get("steps_by_rank", {})
@@ -143,11 +144,17 @@ def _progress(total_bytes: int, enabled: bool | None):
 
 def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenient: bool = False,
                      max_per_group: int = 100, max_errors: int = 50, progress: bool | None = None,
-                     engine: str | None = None, limits: Limits | None = None) -> Analysis:
-    """The driver's `analyze`, with rank files analysed in `jobs` processes and joined."""
+                     engine: str | None = None, limits: Limits | None = None, run: str | None = None,
+                     suppress=None) -> Analysis:
+    """The driver's `analyze`, with rank files analysed in `jobs` processes and joined. The files
+    are those of one run (sanitizer.trace.runs; runs.SeveralRuns is raised as by `analyze`)."""
     limits = limits or Limits()
+    notes: list[str] = []
     try:
-        files = [str(p) for p in expand_paths(paths)]
+        chosen, notes = runs.choose(paths, run)
+        files = [str(p) for p in chosen]
+    except runs.SeveralRuns:
+        raise
     except TraceError:
         files = []
     try:
@@ -156,7 +163,8 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
         eng = None                     # the serial run reports it, as an error
     if jobs <= 1 or len(files) <= 1 or eng is None or peer_completion not in ("local", "successor"):
         return driver.analyze(paths, peer_completion=peer_completion, lenient=lenient,
-                              max_per_group=max_per_group, max_errors=max_errors, engine=engine, limits=limits)
+                              max_per_group=max_per_group, max_errors=max_errors, engine=engine, limits=limits,
+                              run=run, suppress=suppress)
     sizes = {}
     for f in files:
         try:
@@ -171,15 +179,18 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
     try:
         with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=_pool_context()) as pool:
             futures = [pool.submit(analyze_one, f, peer_completion, lenient, max_per_group, max_errors,
-                                   engine_kind, limits)
+                                   engine_kind, limits, suppress)
                        for f in files]
             for fut in as_completed(futures):
                 res = fut.result()
                 results[res[0]] = res
                 if bar is not None:
                     bar.update(sizes.get(res[0], 0))
-        return join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors,
-                    engine=eng, engine_kind=engine_kind, fallback=fallback)
+        joined = join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors,
+                      engine=eng, engine_kind=engine_kind, fallback=fallback, suppress=suppress)
+        joined.warnings[:0] = notes
+        joined.files = files
+        return joined
     finally:
         if bar is not None:
             bar.close()
@@ -192,7 +203,7 @@ def _finding_order(f: Finding):
 
 
 def join(parts, *, max_per_group: int, max_errors: int, engine, engine_kind: str,
-         fallback: str | None) -> Analysis:
+         fallback: str | None, suppress=None) -> Analysis:
     """One Analysis from per-file results (in file order), as the driver's analyze would give.
     `engine`: the engine module whose CollectiveMatcher makes the cross-rank findings."""
     warnings: list[str] = [f"running the interpreted engine: {fallback}"] if fallback else []
@@ -207,7 +218,7 @@ def join(parts, *, max_per_group: int, max_errors: int, engine, engine_kind: str
 
     # asymmetric-offset: a collective seen on every rank of its communicator with one signature
     # gives nothing; every other one goes to the engine's own matcher, which makes the findings.
-    cross = FindingSink(max_per_group=0)
+    cross = FindingSink(max_per_group=0, suppress=suppress)
     matcher = engine.CollectiveMatcher(cross, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(opened))
     unmatched = 0
     if matcher.enabled:
@@ -244,8 +255,11 @@ def join(parts, *, max_per_group: int, max_errors: int, engine, engine_kind: str
     every: list[Finding] = []
     events = skipped = drops = hook_errors = malformed = available = 0
     steps_by_rank: dict = {}
+    suppressed: dict = dict(cross.suppressed)
     errors: list[TraceError] = []
     for path, rank, findings, summary, errs, warns, _ in parts:
+        for rule, n in summary.get("suppressed_by_rule", {}).items():
+            suppressed[rule] = suppressed.get(rule, 0) + n
         every.extend(findings)
         for rule, n in summary.get("by_rule", {}).items():
             by_rule[rule] = by_rule.get(rule, 0) + n
@@ -287,7 +301,8 @@ def join(parts, *, max_per_group: int, max_errors: int, engine, engine_kind: str
         warnings.append(f"{omitted} repeated finding(s) counted but not listed (max {max_per_group} per rule and call site)")
     summary = {
         "events": events,
-        "ranks": len(opened),
+        "ranks": sum(1 for p in opened if p[1] >= 0),
+        "unranked": sum(1 for p in opened if p[1] < 0),
         "engine": engine_kind,
         "by_rule": dict(sorted(by_rule.items())),
         "findings": total,
@@ -298,5 +313,7 @@ def join(parts, *, max_per_group: int, max_errors: int, engine, engine_kind: str
         "warnings": warnings,
         "malformed": malformed,
         "steps_by_rank": steps_by_rank,
+        "suppressed": sum(suppressed.values()),
+        "suppressed_by_rule": dict(sorted(suppressed.items())),
     }
     return Analysis(listed, summary, listed_errors, warnings)

@@ -14,6 +14,11 @@ time flush. A process killed with SIGKILL runs no code, so this is all there is 
 """
 from __future__ import annotations
 
+#: What a trace cut after its last step's end proves (said in its reason, and read back by
+#: report.render.verdict_blockers): every event of every step is in the file, so a verdict on the
+#: steps stands; only what the process did after its last step (its shutdown) may be missing.
+STEPS_COMPLETE = "nothing recorded during a step is missing"
+
 HEADER_ONLY = ("header only, no end record: the process was killed, or ended without a clean exit, "
                "before its first flush; its events are missing")
 
@@ -49,7 +54,7 @@ def no_end_record(header: dict, header_only: bool) -> tuple[bool, str]:
     step, ended = _int(progress.get("step")), progress.get("step_ended")
     if step is not None and ended is True:
         where = (f"after its last step ({step}): every event up to the end of step {step} is in the "
-                 f"file, so nothing recorded during a step is missing; only what it recorded after "
+                 f"file, so {STEPS_COMPLETE}; only what it recorded after "
                  f"step {step} ended, {window}, may be missing")
     elif step is not None and ended is False:
         where = (f"during step {step}: what it recorded after its last flush, {window}, may be "

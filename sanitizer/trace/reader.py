@@ -49,6 +49,8 @@ class TraceFile:
     path: Path
     header: dict
     truncated: bool = False  # set once the last line turned out cut short (a killed writer)
+    #: (index of its warning, line, why) of the truncation, once found
+    truncation: tuple | None = None
     ended: bool = False      # the writer's end record was read (header "end_record": true)
     compressed: bool = False
     #: "jsonl" or "binary" (sanitizer.trace.binary)
@@ -250,6 +252,24 @@ class TraceFile:
             self.warnings.append(f"{self.path}:{line_no}: still being written: read up to line {line_no - 1}")
             return
         self.warnings.append(f"{self.path}:{line_no}: trace truncated ({why})")
+        self.truncation = (len(self.warnings) - 1, line_no, why)
+
+    def steps_contradict(self, steps_seen) -> None:
+        """The header's `progress` says its last step ended (nothing of a step is missing), but the
+        events read stop before that step: the file was cut after the header was written (a copy, a
+        disk), and events of steps are missing. The truncation's reason says so instead."""
+        from sanitizer.trace.progress import STEPS_COMPLETE
+
+        cut = self.truncation
+        if cut is None or STEPS_COMPLETE not in cut[2]:
+            return
+        progress = self.header.get("progress") if isinstance(self.header, dict) else None
+        claimed = progress.get("step") if isinstance(progress, dict) else None
+        if type(claimed) is int and (not steps_seen or max(steps_seen) < claimed):
+            last = max(steps_seen) if steps_seen else None
+            self.warnings[cut[0]] = (f"{self.path}:{cut[1]}: trace truncated (no end record, and its events end "
+                                     f"{f'in step {last}' if last is not None else 'before any step'}, though its "
+                                     f"header says step {claimed} ended: events of steps are missing)")
 
     def close(self) -> None:
         if self._stream is not None:

@@ -230,10 +230,11 @@ def test_engine_accepts_the_trace(which, full, alloc):
 
 def test_level_setting():
     from sanitizer.capture.config import Settings
-    assert Settings.from_env({}) == (Settings(level="alloc"), [])
-    assert Settings.from_env({"HAZSAN_LEVEL": " FULL "})[0].level == "full"
+    # full by default: the level that sees an access racing an asynchronous collective
+    assert Settings.from_env({}) == (Settings(level="full"), [])
+    assert Settings.from_env({"HAZSAN_LEVEL": " ALLOC "})[0].level == "alloc"
     settings, problems = Settings.from_env({"HAZSAN_LEVEL": "kernels"})
-    assert settings.level == "alloc" and problems == ["HAZSAN_LEVEL='kernels' is not one of alloc|full; using 'alloc'"]
+    assert settings.level == "full" and problems == ["HAZSAN_LEVEL='kernels' is not one of alloc|full; using 'full'"]
 
 
 def test_an_allocation_over_a_held_block_writes_its_free_done_first():

@@ -24,8 +24,9 @@ def _native_here():
 
 def _env(traces, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN") or k == "HAZSAN_NATIVE_CACHE"}
+    # level alloc unless asked: packed runs hold the allocation records (launches are not packed)
     env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_NATIVE="1", HAZSAN_RAISE="1",
-               HAZSAN_TRACE_FORMAT="binary", PYTHONPATH=str(ROOT))
+               HAZSAN_TRACE_FORMAT="binary", HAZSAN_LEVEL="alloc", PYTHONPATH=str(ROOT))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -47,14 +47,14 @@ def test_exit_codes_and_fail_on(tmp_path, capsys):
     assert check(capsys, clean)[0] == 0
     code, out, _ = check(capsys, bad)
     assert code == 1 and "reuse-in-flight" in out and "free-in-flight" in out
-    # Only the warning: exit 0 by default, 1 with --fail-on warning.
+    # Only the latent early free: an error too (docs/hazard-model.md), at either threshold.
     t = Trace()
     t.alloc(1, 0x1000, 4096, stream="s0")
     t.coll(1, stream="comm", bufs=[(0x1000, 4096, "rw")])
     t.free(1)
-    warn = t.write(tmp_path / "warn.jsonl")
-    assert check(capsys, warn)[0] == 0
-    assert check(capsys, warn, "--fail-on", "warning")[0] == 1
+    latent = t.write(tmp_path / "latent.jsonl")
+    assert check(capsys, latent)[0] == 1
+    assert check(capsys, latent, "--fail-on", "warning")[0] == 1
     assert check(capsys, tmp_path / "missing.jsonl")[0] == 2
 
 
@@ -62,8 +62,12 @@ def test_text_report_groups_and_totals(tmp_path, capsys):
     code, out, _ = check(capsys, hazard_trace().write(tmp_path / "r.jsonl"))
     # errors first, then warnings, then totals
     assert out.index("reuse-in-flight") < out.index("free-in-flight")
-    assert "Block allocated at:" in out and "Op enqueued at:" in out and "#0 m.py:1:f" in out
-    assert out.strip().splitlines()[-1].startswith("hazsan: 2 finding(s) in 4 events, 1 rank(s)")
+    assert "Memory allocated at:" in out and "Op enqueued at:" in out and "#0 m.py:1:f" in out
+    # what went wrong, then the op, then where the memory came from (ASan's order)
+    assert out.index("Allocation of block") < out.index("collides with") < out.index("Memory allocated at:")
+    last = out.strip().splitlines()
+    assert last[-2].startswith("hazsan: 2 finding(s) in 4 events, 1 rank(s)")
+    assert last[-1].startswith("SUMMARY: hazsan: reuse-in-flight at ")
 
 
 def test_json_format(tmp_path, capsys):
@@ -85,7 +89,7 @@ def test_sarif_format(tmp_path, capsys):
     results = doc["runs"][0]["results"]
     assert doc["version"] == "2.1.0" and {r["ruleId"] for r in results} == {"reuse-in-flight", "free-in-flight"}
     free = next(r for r in results if r["ruleId"] == "free-in-flight")
-    assert free["level"] == "warning"
+    assert free["level"] == "error"       # a latent hazard is an error (docs/hazard-model.md)
     assert free["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == "m.py"
     assert free["locations"][0]["physicalLocation"]["region"]["startLine"] == 1
 

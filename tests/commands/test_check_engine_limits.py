@@ -27,19 +27,22 @@ def trace(tmp_path, kind: str, n: int):
     return p
 
 
+FLAG = {"streams": "--max-streams", "events": "--max-event-ids", "comms": "--max-comms"}
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", ["streams", "events", "comms"])
 def test_one_more_than_the_limit_is_an_error_on_its_line(tmp_path, capsys, monkeypatch, engine, kind):
     monkeypatch.setenv("HAZSAN_ENGINE", engine)
     p = trace(tmp_path, kind, 6)
-    code = main(["check", f"--max-{kind}", "5", str(p)])
+    code = main(["check", FLAG[kind], "5", str(p)])
     out = capsys.readouterr()
     err = out.out + out.err
     assert code == 2
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1, err
-    assert f"{p}:7:" in errors[0] and f"--max-{kind}" in errors[0] and "limit of 5 " in errors[0]
+    assert f"{p}:7:" in errors[0] and FLAG[kind] in errors[0] and "limit of 5 " in errors[0]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -47,7 +50,7 @@ def test_one_more_than_the_limit_is_an_error_on_its_line(tmp_path, capsys, monke
 def test_at_the_limit_is_clean_and_the_default_is_generous(tmp_path, capsys, monkeypatch, engine, kind):
     monkeypatch.setenv("HAZSAN_ENGINE", engine)
     p = trace(tmp_path, kind, 5)
-    assert main(["check", f"--max-{kind}", "5", str(p)]) == 0
+    assert main(["check", FLAG[kind], "5", str(p)]) == 0
     p = trace(tmp_path, kind, 2000)
     assert main(["check", str(p)]) == 0
     assert getattr(Limits(), f"max_{kind}") == 100_000
@@ -58,7 +61,7 @@ def test_limits_are_a_value_passed_to_analyze(tmp_path, kind):
     """A command's limits do not outlive it: analyze() takes them as a value, and a later call
     without them has the defaults."""
     p = trace(tmp_path, kind, 6)
-    assert main(["check", f"--max-{kind}", "5", str(p)]) == 2
+    assert main(["check", FLAG[kind], "5", str(p)]) == 2
     assert analyze([p]).exit_code() == 0
     a = analyze([p], limits=Limits(**{f"max_{kind}": 5}))
     assert a.exit_code() == 2 and "limit of 5 " in str(a.errors[0])

@@ -102,7 +102,8 @@ def test_capture_counts_summed_past_64_bits_still_render_as_json(tmp_path, capsy
     monkeypatch.setenv("HAZSAN_ENGINE", ENGINES[-1])
     code = main(["check", "--format", "json", str(p)])
     out = capsys.readouterr()
-    assert code == 0, out.err
+    assert code == 2, out.err                        # hook failures: no verdict without a finding
+    assert f"{3 * big} capture hook failure(s) in {p}" in out.err
     doc = json.loads(out.out)
     assert doc["summary"]["hook_errors"] == 3 * big
     assert doc["summary"]["complete"] is False

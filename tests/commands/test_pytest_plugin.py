@@ -6,6 +6,7 @@ real gloo process groups, the real testbed's rank processes.
 from __future__ import annotations
 
 import json
+import re
 import os
 import textwrap
 
@@ -66,6 +67,7 @@ PROJECT = textwrap.dedent('''
 
 
     @pytest.mark.hazsan_allow(rule="reuse-in-flight", site="test_project.py:*:_release_early", reason="known")
+    @pytest.mark.hazsan_allow(rule="free-in-flight", site="test_project.py:*:_release_early", reason="its cause")
     def test_release_allowed_by_marker():
         spawn(_release_early, 2, window_bytes=8 << 20, timeout=120)
 
@@ -101,6 +103,11 @@ ALLOW = textwrap.dedent('''
     rule = "reuse-in-flight"
     test = "*::test_release_allowed_by_file"
     reason = "the reference case, kept to show the report"
+
+    [[allow]]
+    rule = "free-in-flight"
+    test = "*::test_release_allowed_by_file"
+    reason = "the reference case's early free, the collision's cause"
 ''')
 
 
@@ -152,16 +159,21 @@ def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank
     failure = text[text.index("_ test_release_under_collective _"):text.index("= hazsan =")]
     assert "hazsan ERROR: reuse-in-flight" in failure
     assert "collides with collective all_reduce" in failure and "(comm 'tp', seq 1)" in failure
-    block_stack = failure[failure.index("Block allocated at:"):failure.index("collides with")]
-    op_stack = failure[failure.index("Op enqueued at:"):]
-    assert "test_project.py:" in block_stack and "_release_early" in block_stack
+    # the first line, what CI summaries show, is the verdict
+    first = failure.splitlines()[1]
+    assert re.fullmatch(r"E?\s*reuse-in-flight at \S*test_project.py:\d+:_release_early \(2 findings\); "
+                        r"also free-in-flight", first), first
+    block_stack = failure[failure.index("Allocation of block"):failure.index("collides with")]
+    op_stack = failure[failure.index("Op enqueued at:"):failure.index("Memory allocated at:")]
+    memory_stack = failure[failure.index("Memory allocated at:"):]
+    assert "test_project.py:" in memory_stack and "_release_early" in memory_stack
     assert "test_project.py:" in op_stack and "_release_early" in op_stack
-    # free-in-flight is a warning: below the default --hazsan-fail-on error, listed, not failing
+    assert "window 'tp'" in block_stack
+    # free-in-flight, the early free that caused it, is an error too (docs/hazard-model.md)
     summary = text[text.index("= hazsan ="):]
     assert "test_project.py::test_release_under_collective:" in summary
-    assert "FAIL: reuse-in-flight x2" in summary
-    assert "below --hazsan-fail-on: free-in-flight x2" in summary
-    assert "allowed: reuse-in-flight x2" in summary
+    assert "FAIL: reuse-in-flight x2" in summary and "FAIL: free-in-flight x2" in summary
+    assert "allowed: reuse-in-flight x2" in summary and "allowed: free-in-flight x2" in summary
     assert "4 test(s) captured" in summary and "1 failed on hazards" in summary
 
     traces = pytester.path / "traces"
@@ -238,6 +250,7 @@ def test_plugin_under_xdist_with_the_ini_option(pytester):
     assert "FAILED test_project.py::test_release_under_collective" in text
     summary = text[text.index("= hazsan ="):]
     assert "FAIL: reuse-in-flight x2" in summary and "allowed: reuse-in-flight x2" in summary
+    assert "FAIL: free-in-flight x2" in summary and "allowed: free-in-flight x2" in summary
     assert "3 test(s) captured" in summary
     workers = {d.name.split("-")[0] for d in (pytester.path / "traces" / "tests").iterdir()}
     assert workers <= {"gw0", "gw1"} and workers, workers

@@ -139,4 +139,5 @@ def test_fuzz_logscan_parses_and_renders_anything(tmp_path, lines, threshold):
             assert 0 <= parsed.accept_len <= 1e6
     render_text(res, 10)  # holds the histogram the HTML report shows (its plot: the test above)
     render_json(res)
-    assert res.exit_code() in (0, 1)
+    # 2 exactly when the file held no line of either format (not a server log), else 1 iff flagged
+    assert res.exit_code() == (2 if res.formats()[str(log)] == "none" else 1 if res.flagged else 0)

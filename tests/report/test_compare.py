@@ -175,12 +175,13 @@ def test_findings_outside_any_step_make_the_fixed_side_unclean(tmp_path, capsys)
     assert next(m for m in doc["measures"] if m["name"] == "steps")["fixed"]["k"] == 0
 
 
-def test_fail_on_error_ignores_warnings_on_the_fixed_side(tmp_path, capsys):
+def test_a_transient_in_the_window_keeps_the_fixed_side_unclean_at_every_threshold(tmp_path, capsys):
+    """transient-in-window is an error (docs/hazard-model.md): a fixed build that still places a
+    transient in the window is not clean, at --fail-on error as at warning."""
     stock = make_run(tmp_path, "stock", 20, {0: range(20)})
     fixed = tmp_path / "fixed"
     fixed.mkdir()
     ev = rank_trace(0, 20, (), world=1)
-    # a transient in a symmetric window: warning only, reported per site
     ev[1:1] = [{"ev": "window", "addr": 1 << 20, "size": 1 << 20, "comm": "tp"}]
     ev += [{"ev": "alloc", "id": f"t{i}", "addr": (1 << 20) + 4096 * i, "size": 4096, "stream": "s0", "pool": "symm",
             "site": "mhc.py:10:hc_pre"} for i in range(3)]
@@ -191,7 +192,7 @@ def test_fail_on_error_ignores_warnings_on_the_fixed_side(tmp_path, capsys):
     assert doc["fixed"]["transient_in_window"] == {"frees": 3, "bytes": 3 * 4096, "sites": 1}
     assert doc["fixed"]["by_rule"] == {"transient-in-window": {"findings": 1, "steps": 0}}
     code, doc, _ = _json(capsys, "--fail-on", "error", stock, fixed)
-    assert code == 0 and doc["verdict"]["fixed_clean"]
+    assert code == 1 and not doc["verdict"]["fixed_clean"]
 
 
 # ------------------------------------------------------------------------------ outcomes
@@ -377,3 +378,137 @@ def test_primary_measure_needing_outcomes_is_unavailable_without_them(tmp_path, 
     code, doc, _ = _json(capsys, "--primary", "corrupted", stock, fixed)
     assert code == 1 and not doc["verdict"]["significant"] and doc["verdict"]["fixed_clean"]
     assert "unavailable (needs outcomes.jsonl on both sides)" in doc["verdict"]["text"]
+
+
+# ------------------------------------------------------------------------------ runs without decode steps (issue 49)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
+
+
+def stepless_run(root: Path, name: str, hazards: int, clean: int = 2, ranks=(0,)) -> Path:
+    """A small program's run: the same per-block pattern as `rank_trace`, but no `step` event."""
+    d = root / name
+    d.mkdir()
+    for rank in ranks:
+        ev = rank_trace(rank, hazards + clean, range(hazards), world=len(ranks))
+        _write(d / f"rank{rank}.jsonl", [e for e in ev if e.get("ev") != "step"])
+    return d
+
+
+def test_runs_without_steps_are_judged_on_findings(tmp_path, capsys):
+    stock = stepless_run(tmp_path, "stock", hazards=4)  # 4 free-in-flight + 4 reuse-in-flight: 8 errors
+    fixed = stepless_run(tmp_path, "fixed", hazards=0)
+    code, doc, _ = _json(capsys, stock, fixed)
+    assert code == 0
+    v = doc["verdict"]
+    assert v["confirmed"] and v["basis"] == "findings" and v["fixed_clean"]
+    assert v["significant"] is None  # no test was made
+    assert v["stock_findings"] == 8 and v["steps_marked"] == {"stock": 0, "fixed": 0}
+    assert "no decode steps were marked on either side" in v["steps_note"]
+    assert "sanitizer.step(n)" in v["steps_note"] and "`step` event" in v["steps_note"]
+    assert v["text"].startswith("FIX CONFIRMED on findings: stock 8 finding(s) at or above warning")
+    assert "not statistics" in v["text"] and "bounds no rate" in v["text"]
+    assert doc["stock"]["steps"] == 0 and doc["stock"]["outside_steps"] == {"free-in-flight": 4, "reuse-in-flight": 4}
+    code = main(["compare", str(stock), str(fixed)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "FIX CONFIRMED on findings" in out and "FIX NOT CONFIRMED" not in out
+    assert "Note: no decode steps were marked on either side" in out and "the verdict is judged on findings" in out
+    assert "no decode steps marked on either side" in out  # the per-step section
+    code = main(["compare", "--format", "markdown", str(stock), str(fixed)])
+    assert code == 0 and "**FIX CONFIRMED on findings" in capsys.readouterr().out
+
+
+def test_runs_without_steps_from_the_example_traces(tmp_path, capsys):
+    """examples/traces/unordered-access.jsonl vs clean.jsonl with their `step` lines removed."""
+    for name, src in (("stock", "unordered-access.jsonl"), ("fixed", "clean.jsonl")):
+        (tmp_path / name).mkdir()
+        lines = (EXAMPLES / src).read_text().splitlines(keepends=True)
+        (tmp_path / name / "rank0.jsonl").write_text("".join(x for x in lines if '"ev":"step"' not in x))
+    code, doc, _ = _json(capsys, tmp_path / "stock", tmp_path / "fixed")
+    assert code == 0 and doc["verdict"]["basis"] == "findings"
+    assert "unordered-access 1" in doc["verdict"]["text"]
+    code, doc, _ = _json(capsys, tmp_path / "fixed", tmp_path / "stock")  # the wrong way round
+    assert code == 1 and doc["verdict"]["fixed_problems"] and "nothing for the fix to remove" in doc["verdict"]["text"]
+
+
+def test_runs_without_steps_fixed_side_with_findings_is_not_confirmed(tmp_path, capsys):
+    stock = stepless_run(tmp_path, "stock", hazards=4)
+    fixed = stepless_run(tmp_path, "fixed", hazards=1)
+    code, doc, _ = _json(capsys, stock, fixed)
+    v = doc["verdict"]
+    assert code == 1 and not v["confirmed"] and v["basis"] == "findings"
+    assert v["fixed_problems"][0].startswith("2 finding(s) at or above warning")
+    assert v["text"].startswith("FIX NOT CONFIRMED: fixed side not clean: 2 finding(s)")
+    assert "no decode steps were marked" in v["text"]
+
+
+def test_runs_without_steps_and_a_clean_stock_side_have_nothing_to_confirm(tmp_path, capsys):
+    stock = stepless_run(tmp_path, "stock", hazards=0)
+    fixed = stepless_run(tmp_path, "fixed", hazards=0)
+    code, doc, _ = _json(capsys, stock, fixed)
+    v = doc["verdict"]
+    assert code == 1 and v["fixed_clean"] and v["stock_findings"] == 0
+    assert "the stock side has no finding at or above warning: nothing for the fix to remove" in v["text"]
+
+
+def test_runs_without_steps_cut_short_fixed_trace_is_not_confirmed(tmp_path, capsys):
+    stock = stepless_run(tmp_path, "stock", hazards=4)
+    fixed = stepless_run(tmp_path, "fixed", hazards=0)
+    trace = fixed / "rank0.jsonl"
+    trace.write_bytes(trace.read_bytes()[:-15])
+    code, doc, _ = _json(capsys, stock, fixed)
+    assert code == 1 and "a trace was cut short" in doc["verdict"]["fixed_problems"]
+
+
+@pytest.mark.parametrize("stepped", ["stock", "fixed"])
+def test_steps_on_one_side_only_are_named_and_judged_on_findings(tmp_path, capsys, stepped):
+    n = 12
+    stock = (make_run(tmp_path, "stock", n, {0: range(n)}) if stepped == "stock"
+             else stepless_run(tmp_path, "stock", hazards=n))
+    fixed = (make_run(tmp_path, "fixed", n, {0: ()}) if stepped == "fixed"
+             else stepless_run(tmp_path, "fixed", hazards=0, clean=n))
+    code, doc, _ = _json(capsys, stock, fixed)
+    v = doc["verdict"]
+    assert code == 0 and v["basis"] == "findings" and v["significant"] is None
+    lacks = "fixed" if stepped == "stock" else "stock"
+    assert f"the {stepped} run marks {n} decode step(s), the {lacks} run none" in v["text"]
+    assert f"was the {lacks} run made without `sanitizer.step(n)`?" in v["text"]
+    assert v["steps_marked"] == {stepped: n, lacks: 0}
+
+
+def test_steps_realised_without_steps_needs_an_error_on_the_stock_side(tmp_path, capsys):
+    stock = stepless_run(tmp_path, "stock", hazards=3)
+    fixed = stepless_run(tmp_path, "fixed", hazards=0)
+    code, doc, _ = _json(capsys, "--primary", "steps_realised", stock, fixed)
+    assert code == 0 and doc["verdict"]["basis"] == "findings" and doc["verdict"]["stock_severity"] == "error"
+
+
+def test_primary_corrupted_keeps_its_test_without_steps(tmp_path, capsys):
+    """`corrupted` counts requests, not steps: its Fisher test stands; the missing steps are noted."""
+    stock = stepless_run(tmp_path, "stock", hazards=3)
+    fixed = stepless_run(tmp_path, "fixed", hazards=0)
+    _write(stock / "outcomes.jsonl", _outcomes(20, 1, corrupted=set(range(20)), ranks=(0,)))
+    _write(fixed / "outcomes.jsonl", _outcomes(20, 1, ranks=(0,)))
+    code, doc, _ = _json(capsys, "--primary", "corrupted", stock, fixed)
+    v = doc["verdict"]
+    assert code == 0 and v["basis"] == "statistics" and v["significant"] is True
+    assert v["text"].startswith("FIX CONFIRMED: fixed side clean, 0 of 20 corrupted requests")
+    assert "no decode steps were marked on either side" in v["text"]
+
+
+def test_primary_requests_without_outcomes_or_steps_stays_unavailable(tmp_path, capsys):
+    stock = stepless_run(tmp_path, "stock", hazards=3)
+    fixed = stepless_run(tmp_path, "fixed", hazards=0)
+    code, doc, _ = _json(capsys, "--primary", "requests", stock, fixed)
+    assert code == 1 and doc["verdict"]["basis"] == "statistics"
+    assert "unavailable (needs outcomes.jsonl on both sides)" in doc["verdict"]["text"]
+
+
+def test_runs_with_steps_keep_the_statistical_basis(tmp_path, capsys):
+    stock = make_run(tmp_path, "stock", 12, {0: range(12)})
+    fixed = make_run(tmp_path, "fixed", 12, {0: ()})
+    code, doc, _ = _json(capsys, stock, fixed)
+    v = doc["verdict"]
+    assert code == 0 and v["basis"] == "statistics" and v["steps_note"] is None and v["significant"] is True
+    assert v["steps_marked"] == {"stock": 12, "fixed": 12}

@@ -53,7 +53,7 @@ def test_markdown_summary(capsys):
     assert ":x: **9 finding(s)**" in out
     assert "| `reuse-in-flight` | error | 1 |" in out
     assert out.count("<details>") == out.count("</details>") >= 5
-    assert "Block allocated at:" in out and "Op enqueued at:" in out    # both stacks
+    assert "Memory allocated at:" in out and "Op enqueued at:" in out    # both stacks
     rc, out = _check(capsys, TRACES / "clean.jsonl", "--format", "markdown")
     assert rc == 0 and ":white_check_mark: **No hazards**" in out and "<details>" not in out
 

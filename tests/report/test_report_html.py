@@ -70,7 +70,7 @@ def test_report_is_self_contained_and_holds_the_data(decode_report):
     assert _group_paths(svgs, "hazsan-steps") >= 2            # findings per decode step
     for rule in ("reuse-in-flight", "free-in-flight", "unordered-access", "transient-in-window"):
         assert f'<b class="error">{rule}</b>' in page or f'<b class="warning">{rule}</b>' in page
-    assert "Block allocated at:" in page and "Op enqueued at:" in page
+    assert "Memory allocated at:" in page and "Op enqueued at:" in page
 
 
 def test_report_escapes_everything_from_a_trace(tmp_path):
@@ -126,4 +126,6 @@ def test_report_on_unusable_input_exits_2_with_one_line(tmp_path, capsys):
     assert "nope: no such file or directory" in capsys.readouterr().err
     (tmp_path / "rank0.jsonl").write_text('{"hazsan": 1, "rank": 0}\n{"ev": "free", "id": 9}\n')
     assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 2
-    assert "Unusable input" in (tmp_path / "r.html").read_text()
+    # no page that could pass for a report: the error, on stderr, naming file and line
+    assert not (tmp_path / "r.html").exists()
+    assert "rank0.jsonl:2: " in capsys.readouterr().err

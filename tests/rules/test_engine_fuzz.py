@@ -47,4 +47,6 @@ def test_no_line_makes_hazsan_raise(tmp_path, engine, body):
     for e in a.errors:
         assert str(e).startswith(f"{p}:") and "\n" not in str(e)
     lenient = analyze([p], engine=engine, lenient=True)
-    assert lenient.exit_code() in (0, 1) and lenient.summary["skipped_lines"] == a.summary["malformed"]
+    # lenient: never unusable, but a body that counts dropped events or hook failures gives no verdict
+    assert lenient.exit_code() in ((0, 1, 2) if lenient.blockers() else (0, 1))
+    assert not lenient.errors and lenient.summary["skipped_lines"] == a.summary["malformed"]

@@ -229,9 +229,9 @@ def test_transient_in_window_grouped_per_site(tmp_path):
     tw = [f for f in a.findings if f.rule == "transient-in-window"]
     assert len(tw) == 1
     assert (tw[0].site, tw[0].count, tw[0].bytes, tw[0].line) == ("mhc.py:10:hc_pre", 2, KB4 + 2048, first)
-    assert tw[0].block["window_offset"] == 0 and tw[0].severity == "warning"
+    assert tw[0].block["window_offset"] == 0 and tw[0].severity == "error"
     assert tw[0].by_step == {None: 2}
-    assert a.exit_code("error") == 0 and a.exit_code("warning") == 1
+    assert a.exit_code("error") == 1 and a.exit_code("warning") == 1
 
 
 def test_transient_counts_per_step_and_steps_seen(tmp_path):

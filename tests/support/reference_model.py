@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 
 SEVERITY = {
     "reuse-in-flight": "error",
-    "free-in-flight": "warning",
-    "transient-in-window": "warning",
+    # the latent hazards are errors too (docs/hazard-model.md, "Severity: every hazard is an error")
+    "free-in-flight": "error",
+    "transient-in-window": "error",
     "unordered-access": "error",
     "graph-buffer-released": "error",
     "asymmetric-offset": "error",
