@@ -57,6 +57,7 @@ CONFIGS = {
     "eager-full": (True, "full", False, "native"),
     "eager-native": (True, "alloc-native", False, "native"),
     "eager-full-native": (True, "full-native", False, "native"),
+    "eager-default": (True, "default", False, "native"),
     "compiled-bare": (False, None, False, "native"),
     "compiled-alloc": (False, "alloc", False, "native"),
     "compiled-full": (False, "full", False, "native"),
@@ -70,7 +71,8 @@ CONFIGS = {
 }
 # `alloc-native`: level alloc, allocations from the native recorder (HAZSAN_NATIVE=1,
 # sanitizer/capture/native; `hazsan native build` first); `full-native`: level full, launches from
-# the recorder's RecordFunction observer; the other levels pin the dispatch mode.
+# the recorder's RecordFunction observer; `default`: HAZSAN=1 and nothing else, the README's recipe
+# (level full, the native recorder where it is built); the other levels pin the dispatch mode.
 # TP collectives as the two paths record them (collectives.py: the dispatcher's op names)
 ALL_REDUCE = {"_C.shm_allreduce", "c10d.allreduce_"}
 ALL_GATHER = {"_C.shm_all_gather", "c10d._allgather_base_", "c10d.allgather_"}
@@ -166,7 +168,9 @@ def config_env(name: str, work: Path) -> dict:
                VLLM_CACHE_ROOT=str(work / "vllm-cache" / name),
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor" / name),
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
-    if level is not None:
+    if level == "default":
+        env.update(HAZSAN="1", HAZSAN_DIR=str(traces))
+    elif level is not None:
         env.update(HAZSAN="1", HAZSAN_DIR=str(traces), HAZSAN_LEVEL=level.split("-")[0],
                    HAZSAN_NATIVE="1" if level.endswith("-native") else "0")
     if kernels == "avx2":
@@ -235,7 +239,7 @@ def check_capture(name: str, work: Path, version: str, problems: list) -> dict:
             fail(f"rank {r}: header versions {header.get('versions')} do not name vLLM {version}")
         installed = header["hooks"]["installed"]
         source = header["hooks"].get("alloc", {}).get("source")
-        if source != ("native" if level.endswith("-native") else "dispatch-mode"):
+        if source != ("native" if level.endswith("-native") or level == "default" else "dispatch-mode"):
             fail(f"rank {r}: allocations recorded by {source} ({header['hooks'].get('alloc')})")
         if "vllm.GPUModelRunner.execute_model" not in installed:
             fail(f"rank {r}: step hook not installed: {installed}")

@@ -30,8 +30,8 @@ def judge(args, paths):
         from sanitizer.rules.parallel import analyze_parallel
 
         analysis = analyze_runs(paths, analyze_parallel, jobs=jobs, run=getattr(args, "run", None), **common)
-    else:
-        analysis = analyze_runs(paths, analyze, run=getattr(args, "run", None), **common)
+    else:                    # a bar of the bytes read on a terminal, as --jobs shows
+        analysis = analyze_runs(paths, analyze, run=getattr(args, "run", None), progress=None, **common)
     rule = getattr(args, "rule", None)
     return narrowed(analysis, rule) if rule else analysis
 

@@ -1,4 +1,5 @@
-"""`hazsan export --perfetto TRACES -o trace.json`: Chrome Trace Event Format, for ui.perfetto.dev."""
+"""`hazsan export TRACES -o trace.json`: Chrome Trace Event Format, for ui.perfetto.dev (the default
+format, and so far the only one: `--format perfetto`, or the older `--perfetto`)."""
 from __future__ import annotations
 
 import sys
@@ -10,9 +11,13 @@ HELP = "export rank traces for other tools (--perfetto: Chrome trace format for 
 
 def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", metavar="TRACE_OR_DIR")
-    p.add_argument("--perfetto", action="store_true", required=True,
-                   help="Chrome Trace Event Format (JSON): streams, collectives, memory, findings")
+    p.add_argument("--format", choices=("perfetto",), default="perfetto",
+                   help="perfetto (the default): Chrome Trace Event Format (JSON) for ui.perfetto.dev: "
+                        "streams, collectives, memory, findings")
+    p.add_argument("--perfetto", action="store_const", dest="format", const="perfetto",
+                   help="the same as --format perfetto")
     p.add_argument("-o", "--output", required=True, metavar="FILE")
+    options.add_run_choice(p)
     options.add_peer_completion(p)
     options.add_lenient(p)
 
@@ -22,14 +27,21 @@ def run(args) -> int:
     from sanitizer.rules.driver import analyze
     from sanitizer.trace.reader import TraceError
 
-    analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient, max_per_group=0)
+    from sanitizer.trace.runs import SeveralRuns
+
+    try:
+        analysis = analyze(args.paths, peer_completion=args.peer_completion, lenient=args.lenient,
+                           max_per_group=0, run=args.run)
+    except SeveralRuns as exc:        # one timeline is one run: name them
+        print(f"hazsan: error: {exc}", file=sys.stderr)
+        return 2
     for err in analysis.errors:
         print(f"hazsan: error: {err}", file=sys.stderr)
     if analysis.errors:
         return 2
     try:
         with open(args.output, "wb") as fh:
-            done = export_perfetto(args.paths, analysis.findings, fh, peer_completion=args.peer_completion)
+            done = export_perfetto(analysis.files, analysis.findings, fh, peer_completion=args.peer_completion)
     except TraceError as exc:
         print(f"hazsan: error: {exc}", file=sys.stderr)
         return 2

@@ -112,7 +112,7 @@ class RankReader:
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
             max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
             matcher=None, live=(), limits: Limits | None = None, run: str | None = None,
-            suppress=None) -> Analysis:
+            suppress=None, progress: bool | None = False) -> Analysis:
     """Analyse rank trace files (or directories of them) together.
 
     Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
@@ -137,6 +137,8 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
 
     `suppress`: callable(finding) -> bool (allowlist.Suppressions): what it accepts is counted in the
     summary's `suppressed`, never listed or counted as a finding.
+
+    `progress`: a bar of the bytes read on stderr (None: when stderr is a terminal; `hazsan check`).
     """
     # Millions of short-lived decoded events, no reference cycles among them: the cyclic
     # collector's passes over them cost time and find nothing.
@@ -144,14 +146,14 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     gc.disable()
     try:
         return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher, live,
-                        limits or Limits(), run, suppress)
+                        limits or Limits(), run, suppress, progress)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher, live,
-             limits: Limits, run: str | None, suppress=None) -> Analysis:
+             limits: Limits, run: str | None, suppress=None, progress: bool | None = False) -> Analysis:
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
     sink = FindingSink(max_per_group=max_per_group, suppress=suppress)
@@ -191,8 +193,13 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
                for t in traces]
     error_total = 0
     # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
+    bar = _read_progress(traces, progress)
+    rounds = 0
     active = list(readers)
     while active:
+        rounds += 1
+        if bar is not None and rounds % 16 == 0:
+            bar.update(sum(t.consumed() for t in traces) - bar.n)
         still = []
         for r in active:
             problems: list = []
@@ -216,6 +223,8 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
             still.append(r)
         active = still
         matcher.end_round()
+    if bar is not None:
+        bar.close()
     matcher.finish()
     events = drops = hook_errors = 0
     for r in readers:
@@ -251,6 +260,21 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     summary["malformed"] = error_total
     summary["steps_by_rank"] = {r.analyzer.rank: sorted(r.analyzer.steps_seen) for r in readers}
     return Analysis(findings, summary, errors, warnings, [str(f) for f in files])
+
+
+def _read_progress(traces, enabled: bool | None):
+    """A progress bar of the bytes the files hold, or None (not asked, not a terminal, no tqdm)."""
+    if enabled is False:
+        return None
+    from sanitizer.rules.parallel import progress_bar
+
+    total = 0
+    for t in traces:
+        try:
+            total += os.path.getsize(t.path)
+        except OSError:
+            pass
+    return progress_bar(total, enabled)
 
 
 def coverage_warnings(file: str, header: dict) -> list[str]:

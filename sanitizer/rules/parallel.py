@@ -124,7 +124,7 @@ def _pool_context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _progress(total_bytes: int, enabled: bool | None):
+def progress_bar(total_bytes: int, enabled: bool | None):
     """A tqdm bar on stderr when it is a terminal (and tqdm is installed), else None."""
     if enabled is None:
         enabled = sys.stderr.isatty()
@@ -171,7 +171,7 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
             sizes[f] = os.path.getsize(f)
         except OSError:
             sizes[f] = 0
-    bar = _progress(sum(sizes.values()), progress)
+    bar = progress_bar(sum(sizes.values()), progress)
     results = {}
     # the results are many small objects without cycles (as in analyze): no cyclic GC passes
     was_enabled = gc.isenabled()

@@ -463,8 +463,9 @@ class SymmetricCommunicator:
         import torch
         from torch.utils._python_dispatch import _disable_current_modes
         # This thread is the comm stream: its own tensors are scratch, not program allocations,
-        # so no dispatch mode (hazsan capture's included) sees them.
-        with _disable_current_modes(), torch.inference_mode():
+        # so no dispatch mode (hazsan capture's included) sees them, nor capture's native op
+        # observer (recorder.device_work).
+        with _disable_current_modes(), torch.inference_mode(), self.recorder.device_work():
             while True:
                 job = self._queue.get()
                 if job is None:

@@ -53,6 +53,12 @@ class Recorder:
     def flush(self) -> None:
         pass
 
+    def device_work(self):
+        """Context for the comm thread's body: the collectives' own loads and stores, which a real
+        NCCL kernel makes out of the host's sight. Nothing to hide without capture."""
+        import contextlib
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         pass
 
@@ -118,6 +124,23 @@ class CaptureRecorder(Recorder):
         self._ids = itertools.count(ID_BASE)
         self._cids = itertools.count(ID_BASE)
         self._claimed: dict = {}
+
+    def device_work(self):
+        """The comm thread is the device's comm stream: its torch ops (the sums into the window)
+        are the collective's own work, recorded as its `coll`, never as the program's launches.
+        The dispatch mode is off there already (comm.py); capture's native op observer sees
+        every thread, and is told to stand aside as inside a collective's wait."""
+        import contextlib
+        from sanitizer.capture import block_table
+
+        @contextlib.contextmanager
+        def quiet():
+            block_table.entering_quiet()
+            try:
+                yield
+            finally:
+                block_table.leaving_quiet()
+        return quiet()
 
     def emit(self, ev: dict, site: bool = False) -> None:
         try:

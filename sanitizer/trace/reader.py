@@ -68,6 +68,21 @@ class TraceFile:
     limits: Limits = field(default_factory=Limits)
     _stream: io.BufferedIOBase | None = None
 
+    def __post_init__(self):
+        # the bytes under the stream, kept for consumed() once the iteration has taken the stream
+        self._raw = getattr(self._stream, "raw", None)
+
+    def consumed(self) -> int:
+        """Bytes of the file read so far (of the .gz file for a compressed one): a progress bar's."""
+        raw = self._raw
+        try:
+            if raw is None:
+                return 0
+            packed = raw.compressed_source
+            return packed.tell() if packed is not None else raw.produced
+        except (AttributeError, OSError, ValueError):
+            return 0
+
     @property
     def rank(self) -> int:
         return self.header.get("rank", 0)
@@ -460,7 +475,9 @@ def open_trace(path: str | os.PathLike, limits: Limits | None = None) -> TraceFi
         header = orjson.loads(first)
     except orjson.JSONDecodeError as exc:
         stream.close()
-        raise TraceError(path, 1, f"header is not JSON: {exc}") from exc
+        # what it is not, then the parser's detail last: a newcomer's wrong file reads as such
+        raise TraceError(path, 1, f"not a hazsan trace: its first line is not the JSON header "
+                                  f'{{"hazsan": 1, "rank": ...}} (header is not JSON: {exc.msg})') from exc
     return _checked(path, header, TraceFile(path=path, header=header, compressed=compressed, _stream=stream,
                                             limits=limits))
 

@@ -11,6 +11,8 @@ their own; a file whose header cannot be read joins the run chosen, so that its 
 
 What is judged (`choose`):
   * one run: its files;
+  * files or folders named together that one run wrote (a pytest session's test folders named by a
+    glob): judged together, as asked;
   * files named one by one that hold several runs: an error naming them (never a mixed verdict);
   * one directory holding several runs (the same HAZSAN_DIR used twice): the newest, and a note
     naming the others and how to pick one (`--run`);
@@ -89,10 +91,11 @@ def _run_folders(d: Path, depth: int) -> list[tuple[Path, list[Path]]]:
     return out
 
 
-def _groups(paths) -> tuple[list[tuple[Path, list[Path]]], bool]:
-    """(directory, files) groups the paths name, and whether any path is a file named directly."""
+def _groups(paths) -> tuple[list[tuple[Path, list[Path]]], bool, bool]:
+    """(directory, files) groups the paths name, whether any path is a file named directly, and
+    whether any folder was found by searching below a path (not named)."""
     groups: dict[Path, list[Path]] = {}
-    named = False
+    named = found_below = False
     for p in paths:
         p = Path(p)
         if p.is_dir():
@@ -104,6 +107,7 @@ def _groups(paths) -> tuple[list[tuple[Path, list[Path]]], bool]:
             if not below:
                 raise TraceError(p, None, "directory holds no *.jsonl, *.hzs or .gz trace files "
                                           "(nor do its subfolders)")
+            found_below = True
             for d, files in below:
                 groups.setdefault(d, []).extend(files)
         elif p.exists():
@@ -111,7 +115,7 @@ def _groups(paths) -> tuple[list[tuple[Path, list[Path]]], bool]:
             groups.setdefault(p.parent, []).append(p)
         else:
             raise TraceError(p, None, "no such file or directory")
-    return list(groups.items()), named
+    return list(groups.items()), named, found_below
 
 
 def _split(directory: Path, files: list[Path]) -> list[Run]:
@@ -165,20 +169,20 @@ def _shared_ranks(a: Run, b: Run) -> bool:
     return bool(ra & rb)
 
 
-def find_runs(paths) -> tuple[list[Run], bool]:
-    """Every run the paths hold, and whether files were named one by one. Raises TraceError for
-    a path that does not exist or holds no trace."""
-    groups, named = _groups(paths)
+def find_runs(paths) -> tuple[list[Run], bool, bool]:
+    """Every run the paths hold, whether files were named one by one, and whether folders were
+    found below a path. Raises TraceError for a path that does not exist or holds no trace."""
+    groups, named, found_below = _groups(paths)
     runs: list[Run] = []
     for directory, files in groups:
         runs.extend(_split(directory, files))
-    return runs, named
+    return runs, named, found_below
 
 
 def choose(paths, run: str | None = None) -> tuple[list[Path], list[str]]:
     """The files to judge together, and notes on what was left out (module doc). Raises TraceError
     (files of several runs named together, an unknown `run`) or SeveralRuns."""
-    runs, named = find_runs(paths)
+    runs, named, found_below = find_runs(paths)
     where = Path(paths[0]) if len(paths) == 1 else Path(os.path.commonpath([os.path.abspath(p) for p in paths]))
     if run is not None:
         picked = [r for r in runs if r.id is not None and (r.id == run or run in r.id.split("+"))]
@@ -188,6 +192,11 @@ def choose(paths, run: str | None = None) -> tuple[list[Path], list[str]]:
         runs = picked
     if len(runs) == 1:
         return runs[0].files, []
+    ids = {r.id for r in runs}
+    if len(ids) == 1 and None not in ids and not found_below:
+        # folders or files named together that one run wrote (a session's test folders, named by
+        # a glob): judged together, as asked
+        return sorted(f for r in runs for f in r.files), []
     if named:
         listing = "; ".join(f"{r.label()}: {', '.join(f.name for f in r.files[:4])}"
                             + (" ..." if len(r.files) > 4 else "") for r in runs)

@@ -83,7 +83,8 @@ def test_the_programs_results_are_unchanged_and_its_trace_clean(tmp_path):
     assert cap.returncode == 0, cap.stderr
     assert cap.stdout == bare.stdout
     ((path, events),) = _trace(traces).items()
-    assert events[0]["hooks"]["alloc"] == {"source": "native"}
+    # the default level, full: the launches from the recorder's op observer too
+    assert events[0]["hooks"]["alloc"] == {"source": "native", "launches": "record-function"}
     assert "native-recorder" in events[0]["hooks"]["installed"]
     assert "dispatch-mode" not in events[0]["hooks"]["installed"]
     allocs = [e for e in events[1:] if e["ev"] == "alloc"]

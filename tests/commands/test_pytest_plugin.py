@@ -66,8 +66,7 @@ PROJECT = textwrap.dedent('''
         spawn(_release_early, 2, window_bytes=8 << 20, timeout=120)
 
 
-    @pytest.mark.hazsan_allow(rule="reuse-in-flight", site="test_project.py:*:_release_early", reason="known")
-    @pytest.mark.hazsan_allow(rule="free-in-flight", site="test_project.py:*:_release_early", reason="its cause")
+    @pytest.mark.hazsan_allow(site="test_project.py:*:_release_early", reason="known: every rule at its site")
     def test_release_allowed_by_marker():
         spawn(_release_early, 2, window_bytes=8 << 20, timeout=120)
 
@@ -105,9 +104,9 @@ ALLOW = textwrap.dedent('''
     reason = "the reference case, kept to show the report"
 
     [[allow]]
-    rule = "free-in-flight"
+    site = "test_project.py:*:_release_early"
     test = "*::test_release_allowed_by_file"
-    reason = "the reference case's early free, the collision's cause"
+    reason = "the reference case's causes: its early free and its transient in the window"
 ''')
 
 
@@ -162,7 +161,7 @@ def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank
     # the first line, what CI summaries show, is the verdict
     first = failure.splitlines()[1]
     assert re.fullmatch(r"E?\s*reuse-in-flight at \S*test_project.py:\d+:_release_early \(2 findings\); "
-                        r"also free-in-flight", first), first
+                        r"also free-in-flight, transient-in-window", first), first
     block_stack = failure[failure.index("Allocation of block"):failure.index("collides with")]
     op_stack = failure[failure.index("Op enqueued at:"):failure.index("Memory allocated at:")]
     memory_stack = failure[failure.index("Memory allocated at:"):]
@@ -172,8 +171,8 @@ def test_plugin_fails_hazards_passes_clean_and_allowed_tests_captures_every_rank
     # free-in-flight, the early free that caused it, is an error too (docs/hazard-model.md)
     summary = text[text.index("= hazsan ="):]
     assert "test_project.py::test_release_under_collective:" in summary
-    assert "FAIL: reuse-in-flight x2" in summary and "FAIL: free-in-flight x2" in summary
-    assert "allowed: reuse-in-flight x2" in summary and "allowed: free-in-flight x2" in summary
+    for rule in ("reuse-in-flight", "free-in-flight", "transient-in-window"):
+        assert f"FAIL: {rule} x2" in summary and f"allowed: {rule} x2" in summary, rule
     assert "4 test(s) captured" in summary and "1 failed on hazards" in summary
 
     traces = pytester.path / "traces"
@@ -251,6 +250,7 @@ def test_plugin_under_xdist_with_the_ini_option(pytester):
     summary = text[text.index("= hazsan ="):]
     assert "FAIL: reuse-in-flight x2" in summary and "allowed: reuse-in-flight x2" in summary
     assert "FAIL: free-in-flight x2" in summary and "allowed: free-in-flight x2" in summary
+    assert "FAIL: transient-in-window x2" in summary and "allowed: transient-in-window x2" in summary
     assert "3 test(s) captured" in summary
     workers = {d.name.split("-")[0] for d in (pytester.path / "traces" / "tests").iterdir()}
     assert workers <= {"gw0", "gw1"} and workers, workers

@@ -17,11 +17,12 @@ streams x[m, k, h] (the arithmetic of examples/mhc_decode/model.py):
 The variants (HAZSAN_MHC_VARIANT) differ only in where the float32 einsums of hc_pre and of the
 mixing allocate: `stock` runs them inside SGLang's `use_symmetric_memory(get_tp_group())` (every
 float32 transient is placed in the window, as SGLang's SM120 fallback did); `fixed` runs them
-outside and allocates only the combine's output inside. The partial is a temporary: nothing
-references it once the all-reduce is issued, and the testbed's collective holds none (an NCCL
-symmetric kernel neither), so its block is free while the all-reduce still loads from it. Only in
-`stock` can a mixing transient be placed on those bytes while the load is pending; whether it is
-depends on the step's token count, which SGLang's scheduler and NGRAM's draft depth decide.
+outside, allocates only the combine's output inside, and keeps the partial referenced until the
+all-reduce's wait. In `stock` the partial is a temporary: nothing references it once the all-reduce
+is issued, and the testbed's collective holds none (an NCCL symmetric kernel neither), so its block
+is free while the all-reduce still loads from it (free-in-flight), and a mixing transient can be
+placed on those bytes while the load is pending; whether it is depends on the step's token count,
+which SGLang's scheduler and NGRAM's draft depth decide.
 `bare`: no testbed, SGLang's own gloo all-reduce and no symmetric scope (the reference tokens).
 
 The scope and the all-reduce reach the testbed through testbed_comm.install(); the checkpoint is
@@ -166,7 +167,9 @@ class MHCBlock(nn.Module):
             # combine's output, dead after the block's first norm), as examples/mhc_decode does
             with tb.overlap(into=y):
                 y_sum = tensor_model_parallel_all_reduce(partial)
-                del partial                  # a temporary: nothing keeps it alive (module doc)
+                if mhc.variant == "stock":
+                    del partial              # a temporary: nothing keeps it alive (module doc)
+                # fixed: held until the overlap's wait (its early free is a hazard of its own)
                 mixed = mhc.mix(x, comb)
         return mhc.post(mixed, post, y_sum)
 

@@ -17,11 +17,12 @@ speculative decoding are vLLM's):
 The two variants (HAZSAN_MHC_VARIANT) differ only in where the float32 einsums of hc_pre and
 the mixing allocate: `stock` runs them inside the symmetric scope (every float32 transient is
 placed in the window, as SGLang's SM120 fallback did); `fixed` runs them outside and allocates
-only the combine's output inside. The partial is a temporary: nothing references it once the
-all-reduce is issued, and the testbed's collective holds no reference (an NCCL symmetric kernel
-neither), so its block is free while the all-reduce still loads from it, here and on the peer.
-That latent early free is in both variants; only in `stock` can a mixing transient be placed on
-those bytes while the load is pending, and then every rank sums garbage. Whether that happens
+only the combine's output inside, and keeps the partial referenced until the all-reduce's wait.
+In `stock` the partial is a temporary: nothing references it once the all-reduce is issued, and
+the testbed's collective holds no reference (an NCCL symmetric kernel neither), so its block is
+free while the all-reduce still loads from it, here and on the peer (free-in-flight), and a
+mixing transient can be placed on those bytes while the load is pending: then every rank sums
+garbage. Whether that happens
 depends on the step's token count (pool occupancy), which vLLM's scheduler decides.
 `bare` runs the same model on vLLM's own communicator, without the testbed: the reference.
 
@@ -168,7 +169,9 @@ class MHCBlock(nn.Module):
             # combine's output, dead after the block's first norm), as examples/mhc_decode does.
             with tb.overlap(into=y):
                 y_sum = tensor_model_parallel_all_reduce(partial)
-                del partial                  # a temporary: nothing keeps it alive (see module doc)
+                if mhc.variant == "stock":
+                    del partial              # a temporary: nothing keeps it alive (module doc)
+                # fixed: held until the overlap's wait (its early free is a hazard of its own)
                 mixed = mhc.mix(x, comb)
         return mhc.post(mixed, post, y_sum)
 
