@@ -5,9 +5,11 @@ import os
 from dataclasses import dataclass
 
 STACK_MODES = ("none", "site", "full")
-# HAZSAN_LEVEL: what is recorded. `alloc`: allocations, collectives, windows, scopes, streams,
-# events and graphs (every rule but `unordered-access` on kernels); `full`: adds one `launch` per
-# op with the ranges it reads and writes.
+# HAZSAN_LEVEL: what is recorded. `full` (the default everywhere: HAZSAN=1, `hazsan run`, the pytest
+# plugin): allocations, collectives, windows, scopes, streams, events and graphs, and one `launch`
+# per op with the ranges it reads and writes, which the commonest asynchronous bug (a tensor touched
+# before its collective's wait) needs; `alloc`: no launches, cheaper, every rule but
+# `unordered-access` on kernels.
 LEVELS = ("alloc", "full")
 # HAZSAN_ALLOC_SOURCE: where CUDA block facts come from. `dispatch`: the dispatch mode alone;
 # `history`: also the caching allocator's own record (allocator_history.py: real segments, and
@@ -80,7 +82,7 @@ class Settings:
     step_flush_seconds: float = 0.05       # HAZSAN_STEP_FLUSH_SECONDS: a step's end flushes if the last flush is this old
     window_bytes: int = 1 << 30            # HAZSAN_WINDOW_BYTES: CPU model of one symmetric window
     max_stack: int = 16                    # frames kept with HAZSAN_STACKS=full
-    level: str = "full"                    # HAZSAN_LEVEL: full | alloc (docs/capture.md, "Levels")
+    level: str = "full"                    # HAZSAN_LEVEL: full | alloc (docs/capture.md, "Settings")
     alloc_source: str = "dispatch"         # HAZSAN_ALLOC_SOURCE: dispatch | history
     alloc_history_entries: int = 1 << 20   # HAZSAN_ALLOC_HISTORY_ENTRIES: allocator ring buffer per step
     trace_format: str | None = None        # HAZSAN_TRACE_FORMAT: binary | jsonl (None: the writer's default, binary)

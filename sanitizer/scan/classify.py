@@ -9,6 +9,8 @@ The algorithm, in one place:
    `alloc` (an output allocation: torch.empty & co.), `copy` (one copy or cast: .contiguous(),
    .to(), torch.cat, transposes, copy_), or `compute` (everything else: torch ops, compiled
    extension ops, sub-module calls, and every callee it cannot resolve, marked unresolved).
+   An operator expression on tensors (`x @ w`, `h * mix`, `-x`: operands.py says which) is an op
+   too: `compute`, listed as `operator @`. Operators on numbers, strings and shapes are not.
 2. A callee defined in the scanned tree is followed, to `depth` levels, and takes the kind of its
    own body (compute if anything in it computes or leaves a transient behind).
 3. An allocating call is an output when its result outlives the region (bound to a name used
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from sanitizer.scan.catalog import (ALLOC, COMPUTE, COPY, EXTENSION_ROOTS, KERNEL, KIND_RANK, NEUTRAL,
                                     OUT_KEYWORDS, CallCatalog, is_inplace_method)
+from sanitizer.scan.operands import OperandTyper, operator_symbol
 from sanitizer.scan.resolve import Func, Resolver, Target, Where, own_nodes
 from sanitizer.scan.scopes import ScopeSite
 
@@ -120,7 +123,7 @@ def kernels_of(records: list[CallRecord]) -> list[CallRecord]:
 
 class BodyClassifier:
     def __init__(self, resolver: Resolver, catalog: CallCatalog, depth: int, scope_nodes: set[int],
-                 settled_calls=None):
+                 settled_calls=None, scope_functions: set[int] = frozenset()):
         self.resolver = resolver
         self.settled_calls = settled_calls  # callable(names) -> allow entry or None (`call:` entries)
         self.catalog = catalog
@@ -129,6 +132,8 @@ class BodyClassifier:
         self._summaries: dict[tuple[int, int], Summary] = {}
         self._in_progress: set[int] = set()
         self._uses: dict[int, NameUses] = {}
+        # ids of the function nodes that enter a scope: their parameters are tensors by default
+        self.operands = OperandTyper(resolver, catalog, scope_functions)
         from sanitizer.scan.fallback import Conditions
         self.conditions = Conditions()
 
@@ -172,15 +177,20 @@ class BodyClassifier:
     def _records(self, body, where: Where, escapes: set[str], remaining: int,
                  nested: list[int], stop: ast.AST | None = None) -> list[CallRecord]:
         records = []
-        for call in self._calls(body, nested):
-            rec = self._categorize(call, where, escapes, remaining)
+        for node in self._operations(body, nested):
+            if isinstance(node, ast.Call):
+                rec = self._categorize(node, where, escapes, remaining)
+            else:
+                rec = self._operator_record(node, where, escapes)
             if rec is not None:
-                rec.conditions = self.conditions.within(where.module, call, stop)
+                rec.conditions = self.conditions.within(where.module, node, stop)
                 records.append(rec)
         records.sort(key=lambda r: r.line)
         return records
 
-    def _calls(self, body, nested: list[int]):
+    def _operations(self, body, nested: list[int]):
+        """The calls and operator expressions of a body, in source order (annotations, which
+        never run as arithmetic, left out)."""
         stack = list(reversed(body))
         while stack:
             node = stack.pop()
@@ -189,9 +199,23 @@ class BodyClassifier:
             if isinstance(node, (ast.With, ast.AsyncWith)) and id(node) in self.scope_nodes:
                 nested.append(node.lineno)
                 continue
-            if isinstance(node, ast.Call):
+            if isinstance(node, ast.Call) or operator_symbol(node) is not None:
                 yield node
-            stack.extend(reversed(list(ast.iter_child_nodes(node))))
+            if isinstance(node, ast.AnnAssign):
+                children = [node.target] + ([node.value] if node.value is not None else [])
+            else:
+                children = list(ast.iter_child_nodes(node))
+            stack.extend(reversed(children))
+
+    def _operator_record(self, node: ast.expr, where: Where, escapes: set[str]) -> CallRecord | None:
+        """An operator expression on tensors: an op like the call it stands for (`x @ w` is
+        torch.matmul), so compute; None for arithmetic on numbers, strings and shapes."""
+        reason = self.operands.tensor_arithmetic(node, where)
+        if reason is None:
+            return None
+        fate = _fate(node, where.module, escapes, self.catalog)
+        return CallRecord(f"operator {operator_symbol(node)}", where.module.rel, node.lineno, COMPUTE,
+                          True, reason, result_transient=fate == "transient")
 
     def _categorize(self, call: ast.Call, where: Where, escapes: set[str],
                     remaining: int) -> CallRecord | None:
@@ -286,8 +310,9 @@ class BodyClassifier:
 
 
 # -- where a result goes ---------------------------------------------------------------------
-def _fate(call: ast.Call, module, escapes: set[str], catalog: CallCatalog) -> str:
-    """'output' when the allocation outlives the region, else 'transient'."""
+def _fate(call: ast.expr, module, escapes: set[str], catalog: CallCatalog) -> str:
+    """'output' when the allocation (a call's, or an operator's result) outlives the region,
+    else 'transient'."""
     node: ast.AST = call
     while True:
         parent = module.parent(node)

@@ -30,9 +30,13 @@ from sanitizer.scan.catalog import CallCatalog
 DEFAULT_SCOPES = (
     "use_symmetric_memory",             # SGLang: returns SymmetricMemoryContext or nullcontext
     "SymmetricMemoryContext",           # SGLang: the context itself
+    "sanitizer.symmetric_scope",        # hazsan's own (dotted: other projects' `symmetric_scope`
+                                        # helpers are not hazsan's, and are found by what they enter)
     "torch.cuda.use_mem_pool",          # any MemPool, incl. torch.distributed._symmetric_memory.get_mem_pool
     "torch.cuda.memory.use_mem_pool",
 )
+# Scopes that are symmetric windows by their name alone (use_mem_pool's pool decides for it).
+WINDOW_SCOPES = ("use_symmetric_memory", "SymmetricMemoryContext", "sanitizer.symmetric_scope")
 # torch.distributed._symmetric_memory has no scope of its own: its pool is entered as
 # `torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device))`, which the use_mem_pool entries catch
 # (the scope's `pool` field then names get_mem_pool, and `symmetric` says so).

@@ -8,7 +8,7 @@ from pathlib import Path
 from sanitizer.scan.allow import AllowEntry, AllowList
 from sanitizer.scan.classify import (BodyClassifier, CallRecord, kernels_of, known_compute, records_under,
                                      region_class)
-from sanitizer.scan.config import ScanConfig
+from sanitizer.scan.config import WINDOW_SCOPES, ScanConfig
 from sanitizer.scan.fallback import (BASELINE, Assumption, Condition, PathFinder, needs_particular_hardware, parse_condition,
                                      path_survives)
 from sanitizer.scan.pools import WindowPools
@@ -224,7 +224,8 @@ class Scanner:
         sites = self._sites(modules, matcher, tree)
         classifier = BodyClassifier(resolver, self.config.catalog, self.config.depth,
                                     {id(s.node) for s in sites if not isinstance(s.node, ast.Call)},
-                                    self.allow.settle if self.allow.has_calls else None)
+                                    self.allow.settle if self.allow.has_calls else None,
+                                    {id(s.where.func.node) for s in sites if s.where.func is not None})
         reports, report_sites = [], []
         for site in sites:
             try:
@@ -359,12 +360,13 @@ def _recognise(m, matcher: ScopeMatcher, site: ScopeSite, pools: WindowPools
                ) -> tuple[str | None, bool | None, dict]:
     """The pool a scope enters, whether it is a symmetric window, and how the scan knows.
 
-    By name: SGLang's scopes and any configured scope other than `use_mem_pool` are windows.
+    By name: SGLang's scopes, hazsan's `sanitizer.symmetric_scope` and any configured scope other
+    than `use_mem_pool` are windows.
     A `use_mem_pool` scope is inferred to be one when its pool is (pools.py: a known symmetric
     pool, or one the tree registers as a window); any other pool is private (False)."""
     chain = [*m.via, f"{_one_line(m.call)} ({m.call_module.rel}:{m.call.lineno})"]
     if "use_mem_pool" not in m.scope:
-        symmetric = True if m.scope in ("use_symmetric_memory", "SymmetricMemoryContext") else None
+        symmetric = True if m.scope in WINDOW_SCOPES else None
         return None, symmetric, {"how": "name", "name": m.scope, "chain": chain}
     arg = m.call.args[0] if m.call.args else next(
         (k.value for k in m.call.keywords if k.arg == "pool"), None)

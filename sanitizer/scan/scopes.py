@@ -142,9 +142,14 @@ class ScopeMatcher:
     def _match_call(self, call: ast.Call, where: Where, chain: int) -> ScopeMatch | None:
         qualified = self.resolver.qualify(call.func, where)
         if qualified:
-            name = self.name_matches(qualified)
-            if name is not None:
-                return ScopeMatch(name, call, where.module, [], [], where)
+            # a bare name the file does not import may come from a `from pkg import *`
+            # (`from sanitizer import *` then `symmetric_scope(...)`)
+            candidates = [qualified] + ([f"{base}.{qualified}" for base in where.module.star_imports]
+                                        if "." not in qualified else [])
+            for candidate in candidates:
+                name = self.name_matches(candidate)
+                if name is not None:
+                    return ScopeMatch(name, call, where.module, [], [], where)
         if not self.factories and not self.class_factories:
             return None
         target = self.resolver.resolve_call(call, where)

@@ -258,3 +258,58 @@ def test_internal_error_is_one_line_exit_2_unless_raise_is_set(monkeypatch, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("hazsan check: internal error: ZeroDivisionError: boom")
+
+
+def test_suppressions_generated_then_filled_in_accept_exactly_their_findings(tmp_path, capsys):
+    bad = hazard_trace().write(tmp_path / "bad.jsonl")
+    code, out, _ = check(capsys, bad, "--gen-suppressions")
+    assert code == 1
+    entries = out[out.index("# hazsan suppressions"):]
+    gen = tmp_path / "allow.toml"
+    gen.write_text(entries)
+    # as generated, every reason is empty: refused, naming file and line, until someone says why
+    code, _, err = check(capsys, bad, "--suppressions", gen)
+    assert code == 2 and f"{gen}:" in err and "reason" in err
+    # the free's entry filled in: that finding is suppressed and counted, the other still fails
+    text = entries.split("[[allow]]")
+    free_entry = next(e for e in text if 'rule = "free-in-flight"' in e)
+    gen.write_text("[[allow]]" + free_entry.replace('reason = ""', 'reason = "the test\'s own"'))
+    code, out, _ = check(capsys, bad, "--suppressions", gen, "--format", "json")
+    doc = json.loads(out)
+    assert code == 1 and doc["summary"]["by_rule"] == {"reuse-in-flight": 1}
+    assert doc["summary"]["suppressed"] == 1 and doc["summary"]["suppressed_by_rule"] == {"free-in-flight": 1}
+    code, out, _ = check(capsys, bad, "--suppressions", gen)
+    assert out.strip().splitlines()[-1].endswith("; 1 finding(s); 1 suppressed")
+    # --jobs gives the same, per file (two copies: two suppressed, two left)
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(bad.read_bytes())
+    code, out, _ = check(capsys, bad, copy, "--suppressions", gen, "--jobs", "2", "--format", "json")
+    doc = json.loads(out)["summary"]
+    assert doc["suppressed"] == 2 and doc["by_rule"] == {"reuse-in-flight": 2}
+
+
+def test_log_file_rule_and_colour(tmp_path, capsys):
+    bad = hazard_trace().write(tmp_path / "bad.jsonl")
+    log = tmp_path / "report.txt"
+    code, out, err = check(capsys, bad, "-o", log)
+    assert code == 1 and out == "" and "hazsan ERROR: reuse-in-flight" in log.read_text()
+    assert err.startswith("SUMMARY: hazsan: reuse-in-flight") and str(log) in err
+    code, out, _ = check(capsys, bad, "--rule", "free-in-flight")
+    assert code == 1 and "reuse-in-flight" not in out.split("SUMMARY")[0].split("=" * 78)[-2]
+    code, out, _ = check(capsys, bad, "--color", "always")
+    assert "\x1b[1;31mhazsan ERROR: reuse-in-flight" in out
+    code, out, _ = check(capsys, bad)
+    assert "\x1b[" not in out                       # not a terminal: plain
+
+
+def test_version_and_exit_codes_in_help(capsys):
+    from sanitizer import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"hazsan {__version__}"
+    for argv, words in ((["--help"], "exit status"), (["check", "--help"], "(--allow-incomplete: 0)"),
+                        (["run", "--help"], "its own exit status")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert words in capsys.readouterr().out.replace("\n", " ").replace("  ", " "), argv
