@@ -558,7 +558,7 @@ class TraceWriter(TraceFile, TimeFlush):
 
     def _file_removed(self) -> None:
         """The trace file was unlinked (its folder removed mid-run): what it held is lost. Count
-        it, and let the next _open make the folder and the file again."""
+        it (where it held events), and let the next _open make the folder and the file again."""
         lost = self._in_file
         self._close_header_fd()
         try:
@@ -567,8 +567,9 @@ class TraceWriter(TraceFile, TimeFlush):
             pass
         self._fd = None
         self.path = None
-        self.count_drop(lost, "trace-file-removed")
-        self.hook_failed("writer.flush", FileNotFoundError(f"trace file removed while running ({lost} events lost)"))
+        if lost:    # a file that held its header alone loses nothing: made again, nothing to count
+            self.count_drop(lost, "trace-file-removed")
+            self.hook_failed("writer.flush", FileNotFoundError(f"trace file removed while running ({lost} events lost)"))
 
     def _warn(self, exc: BaseException) -> None:
         if self._warned:

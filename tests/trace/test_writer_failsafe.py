@@ -158,6 +158,22 @@ def test_folder_removed_mid_run_is_made_again_with_the_loss_counted(tmp_path, mo
     assert not a.errors and incomplete(a.summary)
 
 
+def test_a_removed_file_that_held_no_event_loses_nothing(tmp_path, monkeypatch, trace_format):
+    """A launcher's folder cleaned by the program it starts (examples/mhc_decode's --out): the file
+    held its header alone, so it is made again and the capture stays complete."""
+    d = tmp_path / "t"
+    w = _writer(d, monkeypatch)
+    w.open_now()                       # the header alone, as capture writes it at torch's import
+    assert (d / name("rank0", trace_format)).exists()
+    shutil.rmtree(d)
+    w.emit({"ev": "step", "n": 1})
+    w.close()
+    lines = _lines(d / name("rank0", trace_format))
+    assert [e["ev"] for e in lines[1:]] == ["step", "end"]
+    a = analyze([d])
+    assert a.summary["dropped_events"] == 0 and a.summary["hook_errors"] == 0 and not incomplete(a.summary)
+
+
 def test_past_the_event_cap_the_file_stops_growing(tmp_path, monkeypatch):
     w = _writer(tmp_path, monkeypatch, max_events=10)
     for n in range(2000):
