@@ -104,7 +104,10 @@ def test_sigkill_after_a_flush_names_the_file_and_keeps_the_events(tmp_path, tra
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         path = traces / name(f"pid{proc.pid}", trace_format)
-        assert _wait_for(lambda: sum(e["ev"] == "alloc" for e in _load(path)[1:]) >= 5)
+        # killed once idle: the events in the file, and the header saying so (the time flush's
+        # next look after writing them: later under load)
+        assert _wait_for(lambda: sum(e["ev"] == "alloc" for e in _load(path)[1:]) >= 5
+                         and _load(path)[0]["progress"]["quiet"] is True)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
