@@ -67,9 +67,11 @@ def write_report(args, analysis) -> None:
     if args.gen_suppressions and analysis.findings:
         from sanitizer.allowlist import suppression_entries
 
-        text += "\n" + suppression_entries(analysis.findings) if args.format == "text" else ""
-        if args.format != "text":
-            print(suppression_entries(analysis.findings), file=sys.stderr)
+        entries = suppression_entries(analysis.findings)
+        if args.format == "text":
+            text += "\n" + entries
+        else:                   # machine-read stdout holds the report alone
+            print(entries, file=sys.stderr)
     if args.log_file:
         with open(args.log_file, "w", encoding="utf-8") as fh:
             fh.write(text)
