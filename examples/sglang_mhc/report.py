@@ -234,8 +234,8 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
         "linear.py), and the TP all-reduce is the group's `all_reduce`; scope and all-reduce are routed to "
         "hazsan's CPU symmetric-window testbed (one-sided, on a comm thread, buffers placed by the "
         "caching-allocator model), as `make vllm-proof` does for vLLM. Stock: the combine and mixing "
-        "compute with `einsum` in float32 inside the scope. Fixed: they compute outside; only the combine's "
-        f"output is allocated inside. {results['requests']} requests of {results['output_tokens']} greedy "
+        "compute with `einsum` in float32 inside the scope. Fixed: they compute outside, only the combine's "
+        f"output is allocated inside, and the partial is held until the all-reduce's wait. {results['requests']} requests of {results['output_tokens']} greedy "
         f"tokens (`max_running_requests={results['max_running_requests']}`), every run captured (`HAZSAN=1`, "
         f"level `{results['capture']}`, `HAZSAN_FLUSH_SECONDS={results['flush_seconds']}`, "
         f"{results['idle_before_shutdown_s']} s idle before `Engine.shutdown()`, which SIGKILLs the "
@@ -287,9 +287,10 @@ def write_report(results: dict, out: Path, runs_root: Path | None = None) -> Non
                 if runs.get(f"stock-d{d}", {}).get("corrupted") or (c.get("verdict") or {}).get("confirmed")]
     if verdicts:
         lines += ["## The proof (`hazsan compare STOCK FIXED --primary corrupted --fail-on error`)", "",
-                  "`--fail-on error`: the fixed build keeps the latent early free of the partial (a "
-                  "`free-in-flight` warning, in both builds); the fix removes the transients from the "
-                  "window, the realised collisions (`reuse-in-flight`, an error) and the corruption.", ""]
+                  "The fix removes the transients from the window and the early free of the partial (the "
+                  "fixed build holds it until the all-reduce's wait), so the latent hazards "
+                  "(`transient-in-window`, `free-in-flight`), the realised collisions (`reuse-in-flight`) "
+                  "and the corruption: the fixed build has no finding.", ""]
         for d, c in verdicts:
             text = (c.get("verdict") or {}).get("text", "?")
             lines.append(f"- depth {d} (exit {c.get('exit')}): {text}")

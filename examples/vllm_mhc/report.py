@@ -76,7 +76,8 @@ def write_report(sweep: dict, out: Path, runs_root: Path | None = None) -> None:
         "all-reduce (vLLM's `tensor_model_parallel_all_reduce`) runs over hazsan's symmetric-memory testbed "
         "through a vLLM general plugin, one-sided on a comm thread, buffers placed by the caching-allocator "
         "model. Stock: the mHC combine and mixing compute with `einsum` in float32 inside the symmetric "
-        "scope. Fixed: they compute outside; only the combine's output is allocated inside. vLLM's "
+        "scope. Fixed: they compute outside, only the combine's output is allocated inside, and the "
+        "row-parallel partial is held until the all-reduce's wait. vLLM's "
         f"scheduler, continuous batching ({sweep['requests']} requests, `max_num_seqs={sweep['max_num_seqs']}`) "
         "and ngram speculative decoding at each draft depth make the batch shapes. Every run is captured "
         f"(`HAZSAN=1`, level `{sweep['capture']}`); corruption is counted against the greedy tokens of a bare "
@@ -117,9 +118,10 @@ def write_report(sweep: dict, out: Path, runs_root: Path | None = None) -> None:
                 if (c.get("verdict") or {}).get("confirmed") or runs.get(f"stock-d{d}", {}).get("corrupted")]
     if verdicts:
         lines += ["## The proof (`hazsan compare STOCK FIXED --primary corrupted --fail-on error`)", "",
-                  "`--fail-on error`: the fixed build keeps the latent early free of the partial (a "
-                  "`free-in-flight` warning, in both builds); the fix removes the transients from the "
-                  "window, the realised collisions (`reuse-in-flight`, an error) and the corruption.", ""]
+                  "The fix removes the transients from the window and the early free of the partial (the "
+                  "fixed build holds it until the all-reduce's wait), so the latent hazards "
+                  "(`transient-in-window`, `free-in-flight`), the realised collisions (`reuse-in-flight`) "
+                  "and the corruption: the fixed build has no finding.", ""]
         for d, c in verdicts:
             lines.append(f"- depth {d} (exit {c.get('exit')}): {c['verdict']['text']}")
         lines.append("")
