@@ -442,6 +442,10 @@ class BlockTable:
         """Whether frees recorded natively inside a wait may be held back (native_table.py)."""
         return False
 
+    def launches_here(self, on: bool) -> None:
+        """Whether this thread's ops are launches. The dispatch mode is per thread already: a
+        thread that disables it launches nothing (the native recorder's table overrides this)."""
+
     def release_deferred(self) -> None:
         """Write the frees of the blocks that died inside this thread's wait, now that the wait
         recorded what it completed. Called by the waits themselves (collectives.py), once the

@@ -128,19 +128,22 @@ class CaptureRecorder(Recorder):
     def device_work(self):
         """The comm thread is the device's comm stream: its torch ops (the sums into the window)
         are the collective's own work, recorded as its `coll`, never as the program's launches.
-        The dispatch mode is off there already (comm.py); capture's native op observer sees
-        every thread, and is told to stand aside as inside a collective's wait."""
+        The dispatch mode is off there already (comm.py); capture's native op observer sees every
+        thread, and is told this one launches nothing. Its allocations are recorded as before."""
         import contextlib
-        from sanitizer.capture import block_table
+
+        blocks = self.capture.blocks
 
         @contextlib.contextmanager
-        def quiet():
-            block_table.entering_quiet()
+        def no_launches():
+            if blocks is not None:
+                blocks.launches_here(False)
             try:
                 yield
             finally:
-                block_table.leaving_quiet()
-        return quiet()
+                if blocks is not None:
+                    blocks.launches_here(True)
+        return no_launches()
 
     def emit(self, ev: dict, site: bool = False) -> None:
         try:

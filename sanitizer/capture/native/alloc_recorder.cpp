@@ -675,8 +675,10 @@ std::string observer_error() {
 }
 
 // The calling thread's ops are launches (the dispatch mode's threads: capture calls it where it
-// would push the mode).
-void launches_on_this_thread() { launches_here = true; }
+// would push the mode), or, `on` false, are not: a thread that disables the dispatch mode for its
+// own work (the testbed's comm thread, sanitizer/testbed/comm.py: the collective's own loads and
+// stores, as an NCCL kernel's are out of the host's sight). Its allocations are recorded as ever.
+void launches_on_this_thread(bool on) { launches_here = on; }
 
 // A registered collective op returned: record its `coll` (cid, comm, seq and the op's label as
 // Python names them, `values` its tensor arguments then its result, `codes` each one's access:
@@ -1442,7 +1444,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alive", &alive);
   m.def("enable_launches", &enable_launches);
   m.def("mark_op", &mark_op);
-  m.def("launches_on_this_thread", &launches_on_this_thread);
+  m.def("launches_on_this_thread", &launches_on_this_thread, py::arg("on") = true);
   m.def("observer_error", &observer_error);
   m.def("set_poll", &set_poll);
   m.def("want_poll", &want_poll);

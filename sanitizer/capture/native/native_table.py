@@ -336,6 +336,11 @@ class NativeBlockTable(BlockTable):
             return
         super()._release(b)
 
+    def launches_here(self, on: bool) -> None:
+        """Whether this thread's ops are launches: the recorder's op observer sees every thread,
+        so a thread that disables the dispatch mode for its own work says so here."""
+        self.lib.launches_on_this_thread(on)
+
     def native_deferred(self) -> bool:
         return True        # (which thread's, and whether any, is known only once drained)
 
