@@ -159,6 +159,14 @@ def _register_import_hooks(cap) -> None:
     hook(SGLANG_ALLOCATOR, on_allocator)
     hook(SGLANG_SCHEDULER, on_scheduler)
     hook(SGLANG_ENGINE, on_engine)
+
+    def on_unrecorded(module):       # collective paths not recorded: coverage gaps once used
+        from sanitizer.capture import sglang_hooks
+        sglang_hooks.on_unrecorded_collectives(cap, module)
+
+    for name in ("sglang.srt.layers.flashinfer_comm_fusion",
+                 "sglang.srt.distributed.device_communicators.custom_all_reduce_v2"):
+        hook(name, on_unrecorded)
     for name in PYNCCL_WRAPPERS:
         hook(name, on_wrapper)
     for name in PYNCCL_COMMUNICATORS:

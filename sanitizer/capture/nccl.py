@@ -17,14 +17,33 @@ What each method becomes
   * ncclSend / ncclRecv (alone, or a group whose parts all talk to one peer): comm
     "<comm>:p2p:<lo>-<hi>" (the pair of ranks in the communicator), so seq is equal on both ends.
   * ncclMemAlloc / ncclMemFree -> `segment` / `segment_free` (pool "ncclMemAlloc");
-    ncclCommWindowRegister / Deregister -> `window` / `window_free`, only for a window NCCL made.
-    NCCL >= 2.29 (src/dev_runtime.cc) sets `*win = nullptr` and returns ncclSuccess without a
-    window when the communicator has no symmetric support (no cuMem, ...), and SGLang
-    (pynccl_allocator.allocate_symmetric_buffer) treats that NULL as "no window": so does capture,
-    and it remembers the communicator (`no_symmetric`: the pool windows SGLang's C++ plugin
-    registers for it, out of Python's sight, are not windows either). The registration is a task
-    run at group end: inside ncclGroupStart/End the handle is written by the outermost
-    ncclGroupEnd, so the decision waits for it. Windows are keyed by (communicator, address).
+    ncclCommWindowRegister / Deregister -> `window` / `window_free`, only for a symmetric window:
+    the one kind peers access by offset (NCCL runs its symmetric kernels only on windows whose
+    winFlags carry NCCL_WIN_COLL_SYMMETRIC on both sides: src/scheduler/symmetric_sched.cc,
+    src/enqueue.cc, 2.28.9). What NCCL hands back is not always one (src/dev_runtime.cc):
+      - 2.29+: `*win = nullptr` and ncclSuccess when the communicator has no symmetric support
+        (`if (!comm->symmetricSupport) return ncclSuccess;`): no window. SGLang
+        (pynccl_allocator.allocate_symmetric_buffer: `window = window if window.value else None`)
+        reads that NULL as "no window", and so does capture;
+      - 2.28: ncclDevrWindowRegisterInGroup registers the buffer locally (ncclCommRegister) and,
+        where `!comm->symmetricSupport`, returns that local-registration handle as the window:
+        non-NULL, and no window ("2.28.x returns a local-registration handle", SGLang says; "the
+        returned flag means a symmetric window only on NCCL >= 2.29.2"). symmetricSupport is
+        `isAllCudaP2p && ncclParamWinEnable() && ncclCuMemEnable()` (src/init.cc, 2.28.9 and
+        2.29.2, which adds `&& (ginSupport || nNodes == 1)`): capture reads the environment half
+        of it when the communicator is made (NCCL_WIN_ENABLE=0 or NCCL_CUMEM_ENABLE=0: SGLang sets
+        the latter to 0 unless --enable-symm-mem or the KV-shard gather asks for cuMem,
+        entrypoints/engine.py), and a handle on such a communicator is a local registration;
+      - a registration without NCCL_WIN_COLL_SYMMETRIC in winFlags (NCCL_WIN_DEFAULT) is never
+        run by a symmetric kernel, whatever the handle: not a window either.
+    None of these three is written to the trace (a local registration gives peers no access).
+    The communicator of a NULL or local handle is remembered (`no_symmetric`: the pool windows
+    SGLang's C++ plugin registers for it, out of Python's sight, are not windows either). A
+    2.28 handle on a communicator whose environment allows symmetric support is taken for a
+    window: the missing half (every rank CUDA-P2P-reachable) is not visible from Python.
+    The registration is a task run at group end: inside ncclGroupStart/End the handle is written
+    by the outermost ncclGroupEnd, so the decision waits for it. Windows are keyed by
+    (communicator, address).
   * ncclCommInitRank(Config) -> the communicator is learnt: its rank count, this process's rank in
     it, and its name. The name is "pynccl:<group_name>" when a PyNcclCommunicator creates it (the
     ProcessGroup it is built on; equal on every rank), else "nccl:<hash of the unique id>".
@@ -45,6 +64,9 @@ import threading
 
 # ncclDataType_t -> bytes per element (nccl.h: int8, uint8, int32, uint32, int64, uint64, half,
 # float, double, bfloat16, then the fp8 types e4m3 and e5m2).
+# nccl.h (2.27+): the winFlags bit asking for a window symmetric kernels may use
+NCCL_WIN_COLL_SYMMETRIC = 0x01
+
 DTYPE_SIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
 
 # method -> (argument names after self, how the buffers are read from them)
@@ -82,8 +104,10 @@ class NcclCalls:
         self.comms: dict[int, Comm] = {}       # ncclComm_t value -> Comm
         self.seq: dict[str, int] = {}
         self.windows: dict[tuple[str, int], object] = {}   # (comm, addr) -> its ncclWindow_t
-        self.no_symmetric: set[str] = set()     # comms whose registration returned a NULL window
+        self.no_symmetric: set[str] = set()     # comms without symmetric support: a NULL window
+                                                # returned, or the environment rules it out
         self.local = threading.local()          # .group_depth, .parts, .windows, .pending_name
+        self.version: int | None = None         # ncclGetRawVersion's answer (22903 = 2.29.3)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ communicators
@@ -93,6 +117,8 @@ class NcclCalls:
             raw = bytes(bytearray(getattr(unique_id, "internal", b"") or b""))
             name = "nccl:" + hashlib.sha1(raw).hexdigest()[:10]
         self.comms[_int(comm)] = Comm(name, int(nranks), int(rank))
+        if not symmetric_env_allows():
+            self.no_symmetric.add(name)
 
     def comm(self, handle) -> Comm:
         key = _int(handle)
@@ -213,21 +239,31 @@ class NcclCalls:
     def mem_free(self, ptr) -> None:
         self.capture.event({"ev": "segment_free", "addr": _int(ptr), "pool": "ncclMemAlloc"}, with_site=False)
 
-    def window_register(self, comm, buff, size, window) -> None:
-        """`window`: the ncclWindow_t object the call filled (or will fill at group end)."""
-        entry = (self.comm(comm).name, _int(buff), int(size), window)
+    def window_register(self, comm, buff, size, window, flags) -> None:
+        """`window`: the ncclWindow_t object the call filled (or will fill at group end);
+        `flags`: the winFlags passed (None: not known, taken as symmetric, what SGLang passes)."""
+        entry = (self.comm(comm).name, _int(buff), int(size), window, flags)
         if getattr(self.local, "group_depth", 0):
             self.local.windows.append(entry)
         else:
             self._window_made(*entry)
 
-    def _window_made(self, name, addr, size, window) -> None:
+    def _window_made(self, name, addr, size, window, flags) -> None:
         if not _int(window):
-            self.no_symmetric.add(name)        # success without a window: no symmetric support
+            self.no_symmetric.add(name)        # 2.29+: success without a window, no symmetric support
             return
-        self.no_symmetric.discard(name)
+        if flags is not None and not int(flags) & NCCL_WIN_COLL_SYMMETRIC:
+            return                             # asked for no symmetric use: no symmetric kernel reads it
+        if name in self.no_symmetric and self.version_below(22902):
+            return                             # 2.28: the local-registration handle, not a window
+        self.no_symmetric.discard(name)        # 2.29+: a handle proves symmetric support
         self.windows[(name, addr)] = window
         self.capture.event({"ev": "window", "addr": addr, "size": size, "comm": name})
+
+    def version_below(self, raw: int) -> bool:
+        """Whether the NCCL in use is older than `raw` (ncclGetRawVersion's encoding), or unknown:
+        a handle proves symmetric support only on 2.29.2 and later."""
+        return self.version is None or self.version < raw
 
     def window_deregister(self, comm, window) -> None:
         name, handle = self.comm(comm).name, _int(window)
@@ -238,6 +274,23 @@ class NcclCalls:
                 del self.windows[key]
                 self.capture.event({"ev": "window_free", "addr": key[1], "comm": name}, with_site=False)
                 return
+
+
+def symmetric_env_allows() -> bool:
+    """False where the environment alone rules out NCCL's symmetric support for a communicator
+    made now: `comm->symmetricSupport = isAllCudaP2p && ncclParamWinEnable() && ncclCuMemEnable()`
+    (src/init.cc; NCCL_WIN_ENABLE defaults to 1, NCCL_CUMEM_ENABLE to -2 = use cuMem where the
+    driver supports it: src/misc/cudawrap.cc). An integer that NCCL would read as 0 disables it;
+    anything else leaves the decision to NCCL (nccl.conf files are not read here)."""
+    import os
+    for var in ("NCCL_WIN_ENABLE", "NCCL_CUMEM_ENABLE"):
+        value = os.environ.get(var, "").strip()
+        try:
+            if value and int(value, 0) == 0:
+                return False
+        except ValueError:
+            pass
+    return True
 
 
 def _current_device() -> int:
@@ -358,6 +411,7 @@ def hook_library(capture, cls, label: str) -> list[str]:
             try:
                 v = int(r)     # 22903 -> "2.29.3" (NCCL >= 2.9's encoding: major*10000 + minor*100 + patch)
                 capture.versions[f"nccl({label})"] = f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+                calls.version = v
             except Exception as exc:
                 failed(f"{label}.ncclGetRawVersion", exc)
             return r
@@ -375,7 +429,8 @@ def hook_library(capture, cls, label: str) -> list[str]:
         "ncclMemFree": mem_free,
         "ncclCommWindowRegister": after("ncclCommWindowRegister",
                                         lambda r, comm, buff, size, *a, **k:
-                                        calls.window_register(comm, buff, size, r)),
+                                        calls.window_register(comm, buff, size, r,
+                                                              a[0] if a else k.get("win_flags"))),
         "ncclCommWindowDeregister": deregister,
     }
     for method, make in others.items():

@@ -10,7 +10,9 @@ and a missing one is a counted hook failure, never an error in the server.
     registers the pool's new segments with ncclCommWindowRegister, out of Python's sight) ->
     `segment` and `window` events for every segment of the pool's own snapshot not yet reported
     for that communicator. (allocate_symmetric_buffer goes through NCCLLibrary.ncclMemAlloc and
-    ncclCommWindowRegister: nccl.py records those.)
+    ncclCommWindowRegister: nccl.py records those.) The snapshot is read again only when the
+    allocator made or released a segment since the last read (PoolView): an eager prefill step
+    exits hundreds of scopes, almost all without growing the pool.
   * A CUDA allocation inside the scope that lands in a pool segment not yet reported: that
     segment will be registered for the scope's communicator at this scope's exit (the plugin
     registers every segment it allocated since the comm's last registration), so its `segment`
@@ -19,6 +21,13 @@ and a missing one is a counted hook failure, never an error in the server.
     the window it shifts. The segment is found in the pool's snapshot only when an allocation
     falls outside every segment known: once per new segment.
   * pynccl_wrapper.NCCLLibrary and pynccl.PyNcclCommunicator: nccl.py's class-level hooks.
+  * Collective paths not recorded, written to the header's `coverage` once the process uses them
+    (`hazsan check` warns, and its verdict says what it could not check):
+    FlashInferWorkspaceManager.initialize leaving a workspace, or
+    resolve_flashinfer_allreduce_fusion_backend naming a backend (layers/flashinfer_comm_fusion.py:
+    the fused all-reduce + residual + RMSNorm kernel, flashinfer.comm.allreduce_fusion, works on
+    that workspace's IPC buffers); custom all-reduce v2's _allocate_symmetric_memory (its push and
+    pull planes in torch symmetric memory, which its fused kernels also use).
   * Scheduler.run_batch(batch) -> a `step` event per batch (phase = the batch's forward mode,
     tokens = the token count of the step's model forward: `step_tokens`) and a flush: SGLang's
     decode-step boundary; when it returns, a flush and the step's end in the header (what a
@@ -83,14 +92,15 @@ def on_pynccl_allocator(capture, module) -> None:
         raise RuntimeError("sglang: SymmetricMemoryContext._register_segments_for_comm not found; "
                            "pool windows are not recorded")
     reported: set = set()     # (segment address, comm) already written
-    early = PoolSegments(capture, module, reported)
+    view = PoolView(module)
+    early = PoolSegments(capture, module, reported, view)
     if capture.blocks is not None:
         capture.blocks.scope_allocs["symm"] = early.allocated
 
     def _register_segments_for_comm(self, *args, **kwargs):
         r = register(self, *args, **kwargs)
         try:
-            _report_pool_windows(capture, module, self, reported)
+            _report_pool_windows(capture, module, self, reported, view)
         except Exception as exc:
             capture.failed("sglang.windows", exc)
         return r
@@ -100,12 +110,61 @@ def on_pynccl_allocator(capture, module) -> None:
     capture.installed.append("sglang.pool-windows")
 
 
+class PoolView:
+    """The symmetric pool's segments [(address, size)], from its snapshot, read again only when
+    the caching allocator's segment counters moved since the last read.
+
+    c10's DeviceStats count every segment the device's allocator maps (`segment`: allocated and
+    freed, cumulative; `reserved_bytes`), the pool's own included: a pool grows only through a
+    new segment (pools with a custom allocator, like SGLang's ncclMemAlloc pool, have no
+    expandable segments: c10/cuda/CUDACachingAllocator.cpp). torch._C._cuda_memoryStats answers
+    them as a dict of counters, without walking any block; the snapshot builds a dict per segment
+    and per block. The counters are read before the snapshot: a segment made in between moves
+    them again, so the next read takes a fresh snapshot. Without the counters (a build that has
+    none, an error) every read is a snapshot, as before."""
+
+    def __init__(self, module):
+        self.module = module
+        self.pool = None
+        self.mark = None             # the counters when `segments` was read
+        self.segments: list[tuple[int, int]] = []
+        self.snapshots = 0
+
+    def current(self) -> list[tuple[int, int]]:
+        pool = getattr(self.module, "_mem_pool", None)
+        if pool is None:
+            return []
+        mark = _segment_counters(getattr(self.module, "_cur_device", None))
+        if mark is None or mark != self.mark or pool is not self.pool:
+            self.segments = [(int(seg["address"]), int(seg["total_size"])) for seg in _pool_segments(pool)]
+            self.pool, self.mark = pool, mark
+            self.snapshots += 1
+        return self.segments
+
+
+def _segment_counters(device) -> tuple | None:
+    """(segments allocated, segments freed, reserved bytes) of the device's caching allocator,
+    or None where torch cannot say (a CPU build, CUDA not ready)."""
+    import sys
+    torch = sys.modules.get("torch")
+    stats = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
+    if stats is None:
+        return None
+    try:
+        s = stats(int(device or 0))
+        seg = s["segment"]["all"]
+        return int(seg["allocated"]), int(seg["freed"]), int(s["reserved_bytes"]["all"]["current"])
+    except Exception:
+        return None
+
+
 class PoolSegments:
     """The symmetric pool's segments, learnt at the first allocation inside a scope that lands in
     one (block_table.BlockTable calls `allocated` before writing that allocation)."""
 
-    def __init__(self, capture, module, reported: set):
+    def __init__(self, capture, module, reported: set, view: PoolView | None = None):
         self.capture, self.module, self.reported = capture, module, reported
+        self.view = view if view is not None else PoolView(module)
         self.starts: list[int] = []         # known segments, sorted by address
         self.ends: list[int] = []
 
@@ -119,11 +178,7 @@ class PoolSegments:
             if self._known(ptr):
                 return
             import bisect
-            pool = getattr(self.module, "_mem_pool", None)
-            if pool is None:
-                return
-            for seg in _pool_segments(pool):
-                addr, size = int(seg["address"]), int(seg["total_size"])
+            for addr, size in self.view.current():
                 if not self._known(addr):
                     i = bisect.bisect_right(self.starts, addr)
                     self.starts.insert(i, addr)
@@ -136,10 +191,10 @@ class PoolSegments:
 
 def _report_segment(capture, addr: int, size: int, comm: str, reported: set) -> None:
     """`segment` (once per address) and `window` (once per (address, comm)) of a pool segment."""
+    if (addr, comm) in reported:        # the usual case at a scope exit: one set lookup
+        return
     if not any(a == addr for a, _ in reported):
         capture.event({"ev": "segment", "addr": addr, "size": size, "pool": "symm"})
-    if (addr, comm) in reported:
-        return
     reported.add((addr, comm))
     # the C++ plugin drops the ncclWindow_t it gets; a communicator whose registrations through
     # NCCLLibrary came back NULL (no symmetric support: nccl.py) gets NULL ones here too
@@ -148,14 +203,14 @@ def _report_segment(capture, addr: int, size: int, comm: str, reported: set) -> 
         capture.event({"ev": "window", "addr": addr, "size": size, "comm": comm})
 
 
-def _report_pool_windows(capture, module, ctx, reported: set) -> None:
+def _report_pool_windows(capture, module, ctx, reported: set, view: PoolView | None = None) -> None:
     """`segment` + `window` for the pool's segments newly registered with ctx's communicator."""
-    pool = getattr(module, "_mem_pool", None)
-    if pool is None:
+    segments = (view if view is not None else PoolView(module)).current()
+    if not segments:
         return
     comm = getattr(ctx, "_hazsan_comm", None) or _comm_name(ctx)
-    for seg in _pool_segments(pool):
-        _report_segment(capture, int(seg["address"]), int(seg["total_size"]), comm, reported)
+    for addr, size in segments:
+        _report_segment(capture, addr, size, comm, reported)
 
 
 def _pool_segments(pool) -> list:
@@ -187,6 +242,94 @@ def on_pynccl(capture, module) -> None:
     label = module.__name__.split(".")[0] + ".PyNcclCommunicator"
     if nccl.hook_communicator(capture, cls, label):
         capture.installed.append(label)
+
+
+# Modules whose collective paths capture does not record: their use is a coverage gap.
+FLASHINFER_FUSION = "sglang.srt.layers.flashinfer_comm_fusion"
+CUSTOM_AR_V2 = "sglang.srt.distributed.device_communicators.custom_all_reduce_v2"
+UNRECORDED_COLLECTIVES = (FLASHINFER_FUSION, CUSTOM_AR_V2)
+
+
+def flashinfer_fusion_gap(backend) -> str:
+    return (f"FlashInfer fused all-reduce (--flashinfer-allreduce-fusion-backend, backend {backend}): "
+            "flashinfer.comm.allreduce_fusion and its IPC workspace are not recorded; hazards on the "
+            "buffers it reads and writes (all-reduce input, residual, outputs) are not checked")
+
+
+CUSTOM_AR_V2_GAP = ("SGLang custom all-reduce v2 workspace (torch symmetric memory, "
+                    "_SymmetricMemory.empty_strided_p2p): its push and pull planes, and the fused kernels "
+                    "that use them (all-reduce + RMSNorm fusion, K3, vocab gather), are not recorded; "
+                    "hazards on them are not checked (its custom_all_reduce calls are recorded)")
+
+
+def coverage_gap(capture, sentence: str) -> None:
+    """Add `sentence` to the header's coverage.unseen (once)."""
+    from sanitizer.capture.collective_state import CoverageGaps
+    gaps = getattr(capture, "coverage", None)
+    if not isinstance(gaps, CoverageGaps):     # collectives not installed (yet): they adopt it
+        gaps = capture.coverage = CoverageGaps()
+    if sentence not in gaps.static:
+        gaps.static.append(sentence)
+
+
+def on_unrecorded_collectives(capture, module) -> None:
+    """Record, once used, the collective paths of `module` that capture cannot record: not at
+    import (every CUDA server imports custom_all_reduce_v2 through dp_attention), but where the
+    process turns them on."""
+    name = module.__name__
+    if name == FLASHINFER_FUSION:
+        resolve = getattr(module, "resolve_flashinfer_allreduce_fusion_backend", None)
+        manager = getattr(module, "FlashInferWorkspaceManager", None)
+        initialize = getattr(manager, "initialize", None)
+        if resolve is None or initialize is None:
+            raise RuntimeError(f"{name}: resolve_flashinfer_allreduce_fusion_backend or "
+                               "FlashInferWorkspaceManager.initialize not found; the fused all-reduce's "
+                               "use is not reported")
+        if getattr(resolve, "_hazsan", False):
+            return
+
+        def resolve_backend(*args, **kwargs):
+            backend = resolve(*args, **kwargs)
+            try:
+                if backend is not None:          # the option is on: every fused layer runs it
+                    coverage_gap(capture, flashinfer_fusion_gap(backend))
+            except Exception as exc:
+                capture.failed("sglang.flashinfer-fusion", exc)
+            return backend
+
+        def initialize_workspace(self, *args, **kwargs):
+            r = initialize(self, *args, **kwargs)
+            try:
+                if getattr(self, "workspace", None) is not None:
+                    coverage_gap(capture, flashinfer_fusion_gap(getattr(self, "backend", None)))
+            except Exception as exc:
+                capture.failed("sglang.flashinfer-fusion", exc)
+            return r
+
+        for fn in (resolve_backend, initialize_workspace):
+            fn._hazsan = True
+        module.resolve_flashinfer_allreduce_fusion_backend = resolve_backend
+        manager.initialize = initialize_workspace
+        capture.installed.append("sglang.flashinfer-fusion(coverage)")
+    elif name == CUSTOM_AR_V2:
+        allocate = getattr(module, "_allocate_symmetric_memory", None)
+        if allocate is None:
+            raise RuntimeError(f"{name}: _allocate_symmetric_memory not found; custom all-reduce v2's "
+                               "workspace is not reported")
+        if getattr(allocate, "_hazsan", False):
+            return
+
+        def allocate_workspace(*args, **kwargs):
+            r = allocate(*args, **kwargs)
+            try:
+                coverage_gap(capture, CUSTOM_AR_V2_GAP)
+            except Exception as exc:
+                capture.failed("sglang.custom-ar-v2", exc)
+            return r
+
+        allocate_workspace._hazsan = True
+        module._allocate_symmetric_memory = allocate_workspace
+        capture.installed.append("sglang.custom-ar-v2(coverage)")
 
 
 def on_scheduler(capture, module) -> None:

@@ -18,6 +18,8 @@ _TRUNCATED = re.compile(r"(?s)(?P<file>.+?):(?P<line>\d+): trace truncated \((?P
 #: The driver's per-file warnings of events lost (sanitizer/rules/driver.py).
 _DROPPED = re.compile(r"(?s)(?P<file>.+?): capture dropped \d+ event\(s\)")
 _HOOK_ERRORS = re.compile(r"(?s)(?P<file>.+?): \d+ capture hook error\(s\) were caught")
+#: The driver's per-file coverage warnings (rules/driver.py coverage_warnings: the header's `coverage`).
+_COVERAGE = re.compile(r"(?s)(?P<file>.+?): coverage: (?P<gap>.*)$")
 #: Files named in an `incomplete` reason; the warnings (and json's `incomplete_files`) list every one.
 NAMED_FILES = 20
 
@@ -49,6 +51,17 @@ def incomplete(summary: dict) -> list[str]:
         out.append(f"{len(truncated)} trace(s) truncated: {names}{more}")
     if summary.get("skipped_lines"):
         out.append(f"{summary['skipped_lines']} malformed line(s) skipped")
+    return out
+
+
+def coverage_gaps(summary: dict) -> list[str]:
+    """The collective paths some trace says capture could not record (each once, whatever the
+    number of ranks): the verdict does not cover hazards on their buffers."""
+    out: list[str] = []
+    for w in summary.get("warnings", []):
+        m = _COVERAGE.match(w) if isinstance(w, str) else None
+        if m is not None and m["gap"] not in out:
+            out.append(m["gap"])
     return out
 
 
@@ -93,6 +106,7 @@ def render_json(analysis) -> str:
         "summary": {**analysis.summary, "errors": [str(e) for e in analysis.errors],
                     "complete": not lost and not analysis.errors, "incomplete": lost,
                     "verdict_blockers": verdict_blockers(analysis.summary),
+                    "coverage_gaps": coverage_gaps(analysis.summary),
                     "incomplete_files": truncated_files(analysis.summary)},
     }
     return _dumps(doc)
@@ -262,6 +276,11 @@ def render_text(analysis, color: bool = False) -> str:
                      f"is INCOMPLETE ({', '.join(lost)}): hazards may be missing")
     else:
         lines.append(paint(f"hazsan: no hazards found in {s['events']} events, {who(s)}", "ok"))
+    gaps = coverage_gaps(s)
+    if gaps:      # the verdict above holds for what was recorded; say at once what it leaves out
+        lines.append(paint(f"hazsan: NOT CHECKED: {len(gaps)} collective path(s) capture could not record "
+                           "(coverage warnings above): hazards on their buffers are not in this verdict",
+                           "warning"))
     for t in truncated_files(s):
         lines.append(f"hazsan: INCOMPLETE: {t['file']}: {t['why']}")
     if analysis.errors:

@@ -82,6 +82,7 @@ class FakePool:
         self.id = (1, 0)
         self.segments: list[dict] = []
         self.requests: list[tuple] = []       # what _cuda_memorySnapshot was asked for
+        self._seen: set = set()               # every (address, size) it ever held
         pools = getattr(torch._C, "_hazsan_fake_pools", None)
         if pools is None:
             pools = torch._C._hazsan_fake_pools = {}
@@ -96,6 +97,17 @@ class FakePool:
             torch._C._cuda_memorySnapshot = memory_snapshot
         pools[self.id] = self
 
+    def memory_stats(self) -> dict:
+        """The counters torch._C._cuda_memoryStats(device) nests (c10 DeviceStats, StatType
+        "all"): segments mapped and released so far, cumulative, and the bytes they reserve now,
+        as the caching allocator keeps them for the segments this pool holds."""
+        for seg in self.segments:
+            self._seen.add((int(seg["address"]), int(seg["total_size"])))
+        now = {(int(seg["address"]), int(seg["total_size"])) for seg in self.segments}
+        return {"segment": {"all": {"allocated": len(self._seen), "freed": len(self._seen - now),
+                                    "current": len(now)}},
+                "reserved_bytes": {"all": {"current": sum(size for _, size in now)}}}
+
     def snapshot(self, include_traces=True):
         import torch
         return torch.cuda.memory.MemPool.snapshot(self, include_traces)
@@ -108,11 +120,16 @@ class FakeNccl:
     communicator without symmetric support (`symmetric = False` here: NCCL without cuMem, one
     rank, ...) returns ncclSuccess with the window still NULL; otherwise the registration is a
     task queued inside ncclGroupStartInternal/EndInternal, so inside the caller's
-    ncclGroupStart/End the handle is written only when the outermost ncclGroupEnd runs."""
+    ncclGroupStart/End the handle is written only when the outermost ncclGroupEnd runs.
+    With `version` below 22902 (2.28.x, src/dev_runtime.cc of v2.28.9-1): the registration is
+    queued whatever the support (NCCL_LOCAL_REGISTER defaults to 1), and
+    ncclDevrWindowRegisterInGroup writes ncclCommRegister's local-registration handle where
+    `!comm->symmetricSupport`: non-NULL, no window."""
 
-    def __init__(self, rank: int, symmetric: bool = True):
+    def __init__(self, rank: int, symmetric: bool = True, version: int = NCCL_VERSION):
         self.rank = rank
         self.symmetric = symmetric
+        self.version = version
         self.calls: list[tuple] = []
         self.buffers: dict[int, object] = {}   # ncclMemAlloc: ptr -> ctypes buffer kept alive
         self._next_comm = 0x5000 + rank
@@ -127,7 +144,7 @@ class FakeNccl:
             return fn
 
         def get_version(ptr):
-            ptr._obj.value = NCCL_VERSION
+            ptr._obj.value = self.version
             return 0
 
         def unique_id(ptr):
@@ -154,9 +171,10 @@ class FakeNccl:
         def window_register(comm, buff, size, win, flags):
             win._obj.value = None                       # *win = nullptr
             self.calls.append(("ncclCommWindowRegister", comm, buff, size, flags))
-            if not self.symmetric:
+            if not self.symmetric and self.version >= 22902:
                 return 0                                # success, no window
-            handle = 0x7000 + len(self.calls)
+            # 2.28 without symmetric support: the local registration's handle (0x9000...)
+            handle = (0x7000 if self.symmetric else 0x9000) + len(self.calls)
             if self._group_depth:
                 self._queued_windows.append((win._obj, handle))
             else:
@@ -216,6 +234,9 @@ class Boundary:
             setattr(torch._C, name, lambda *a: None)
 
         self.pool = FakePool()
+        # the allocator's counters (absent from a CPU build) over the same state the pool's
+        # snapshot answers from
+        torch._C._cuda_memoryStats = lambda device: self.pool.memory_stats()
         self.registered: list[int] = []
 
         def register(comm_ptr):
