@@ -1,5 +1,12 @@
 """The CUDA caching allocator's own record, on stock PyTorch (HAZSAN_ALLOC_SOURCE=history).
 
+EXPERIMENTAL, never the default (config.Settings.alloc_source is `dispatch`): on an H200 with torch
+2.11 a program under this source died of SIGSEGV at a step boundary in four runs of five, inside
+torch's own calls of the drain (`_cuda_memoryStats` right after the history was cleared, or the
+snapshot; reports/gpu-kit/README.md, h200-run6-c4-crash.json). The cause is not established: the
+GPU kit's C4 probe (gpu_selfcheck_history.py) tells the ranked candidates apart the next time a GPU
+is available. A process that starts capture with this source says so on stderr (install).
+
 Source: `torch.cuda.memory._record_memory_history` makes c10's DeviceCachingAllocator append one
 TraceEntry per action to a per-device ring buffer of `max_entries`; `_snapshot()` returns them as
 `device_traces` (one list per device, oldest first). The entry format, from torch/cuda/memory.py
@@ -37,6 +44,7 @@ Every entry point swallows and counts its exceptions (Capture.failed): nothing r
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -44,6 +52,10 @@ from collections import Counter
 from sanitizer.trace.binary import ORDER, position
 
 _ALLOC, _ADDR, _STREAM = ORDER["alloc"][0], position("alloc", "addr"), position("alloc", "stream")
+
+#: what a process that starts capture with this source says on stderr
+EXPERIMENTAL_NOTE = ("hazsan: HAZSAN_ALLOC_SOURCE=history is experimental: torch 2.11 crashed (SIGSEGV) in it "
+                     "on a GPU, cause not established (reports/gpu-kit); the default source, dispatch, is not affected")
 
 # every TraceEntry action c10 writes (memory_snapshot.cpp action_to_str)
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
@@ -131,7 +143,14 @@ class AllocatorHistory:
         self.converter = HistoryConverter(capture.streams.of_handle, lambda: next(table._ids))
         self.seen: dict = {}               # addr -> streams of the dispatch mode's CUDA allocs there
                                            # since the last drain, oldest first
-        self._lock = threading.Lock()
+        # held around a drain's read and clear. A signal handler's close() drains again: the lock
+        # is one of the writer's guards, so a handler that interrupts a drain on this thread runs
+        # when the drain has ended (drain() calls run_deferred); reentrant, so that whatever still
+        # comes back here on the same thread is skipped and counted (drain), never a deadlock
+        self._lock = threading.RLock()
+        guard = getattr(getattr(capture, "writer", None), "guard", None)
+        if guard is not None:
+            guard(self._lock)
         self._base: dict = {}              # device -> counters after the last clear
         self._cheap_read = True
         import torch
@@ -202,30 +221,44 @@ class AllocatorHistory:
         """Read and clear the ring buffers; write segments, count agreement and losses."""
         if not self.enabled:
             return
+        if self._lock._is_owned():
+            # re-entered on this thread inside a drain (a finalizer, a handler that was not
+            # deferred): the outer drain reads and clears everything this one would have
+            self.totals["reentered"] += 1
+            self.capture.failed("alloc_history.drain", RuntimeError(
+                "drain re-entered on its own thread: skipped, the interrupted drain reads it all"))
+            return
         t0 = time.perf_counter()
         try:
-            with self._lock:
-                devices = sorted(self._base)
-                before = {d: self._read_counters(d) for d in devices}
-                traces = self._read_traces()
-                if self._cheap_read and not any(traces) and \
-                        any(before[d] != self._base.get(d) for d in devices):
-                    # this build filters the traces by pool too: read them all from now on
-                    self._cheap_read = False
-                    traces = self._read_traces()
-                self._record(clear=True)
-                after = {d: self._read_counters(d) for d in devices}
-                seen, self.seen = self.seen, {}
-                for d, entries in enumerate(traces):
-                    self._account(d, entries, before.get(d), after.get(d))
-                    for ev in self.converter.convert(entries, d):
-                        self._reconcile(ev, seen)
-                self.totals["dispatch_only"] += sum(len(v) for v in seen.values())
-                self.totals["drains"] += 1
+            self._drain_locked()
         except Exception as exc:
             self.capture.failed("alloc_history.drain", exc)
         finally:
             self.totals["drain_us"] += int((time.perf_counter() - t0) * 1e6)
+        # a signal that arrived inside the drain (its handler deferred by the writer) runs now
+        run_deferred = getattr(getattr(self.capture, "writer", None), "run_deferred", None)
+        if run_deferred is not None:
+            run_deferred()
+
+    def _drain_locked(self) -> None:
+        with self._lock:
+            devices = sorted(self._base)
+            before = {d: self._read_counters(d) for d in devices}
+            traces = self._read_traces()
+            if self._cheap_read and not any(traces) and \
+                    any(before[d] != self._base.get(d) for d in devices):
+                # this build filters the traces by pool too: read them all from now on
+                self._cheap_read = False
+                traces = self._read_traces()
+            self._record(clear=True)
+            after = {d: self._read_counters(d) for d in devices}
+            seen, self.seen = self.seen, {}
+            for d, entries in enumerate(traces):
+                self._account(d, entries, before.get(d), after.get(d))
+                for ev in self.converter.convert(entries, d):
+                    self._reconcile(ev, seen)
+            self.totals["dispatch_only"] += sum(len(v) for v in seen.values())
+            self.totals["drains"] += 1
 
     def _account(self, device, entries, before, after) -> None:
         """Count what the ring buffer lost (overwritten) or what the read/clear window lost."""
@@ -297,6 +330,8 @@ def install(capture, table):
     inherits it and records from its own initialisation). A CPU build of torch has nothing to record:
     the dispatch path is left untouched and nothing is queued."""
     from sanitizer.capture import cuda_state
+    if getattr(capture, "speaks", False):
+        print(EXPERIMENTAL_NOTE, file=sys.stderr)
     if not cuda_state.compiled():
         return None
     import torch

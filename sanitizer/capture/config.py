@@ -13,7 +13,8 @@ STACK_MODES = ("none", "site", "full")
 LEVELS = ("alloc", "full")
 # HAZSAN_ALLOC_SOURCE: where CUDA block facts come from. `dispatch`: the dispatch mode alone;
 # `history`: also the caching allocator's own record (allocator_history.py: real segments, and
-# each block's address and stream checked against the allocator's).
+# each block's address and stream checked against the allocator's). `history` is experimental and
+# never the default: torch 2.11 crashed in it on a GPU (allocator_history.py).
 ALLOC_SOURCES = ("dispatch", "history")
 OFF_VALUES = ("", "0", "false", "no", "off")
 # HAZSAN_TRACE_FORMAT: what the trace files hold. `binary` (the default: rank<R>.hzs, frames of

@@ -48,7 +48,10 @@ class CudaOrdering:
     def __init__(self, capture):
         self.capture = capture
         self.streams = capture.streams
-        self._lock = threading.Lock()
+        # reentrant: a collection inside a locked section (any allocation may start one) runs
+        # finalizers on this thread, BlockTable.died -> on_free and an Event's deletion among them;
+        # the sections that walk `pending` walk a copy, which such an on_free cannot change
+        self._lock = threading.RLock()
         self._tick = itertools.count(1)
         self.recorded_on: dict = {}   # event handle -> (stream id, tick of the record)
         # block id -> [streams not yet seen finished, tick of the free, (start, end) of its bytes]
@@ -171,7 +174,7 @@ class CudaOrdering:
             end = ptr + nbytes
             done = []
             with self._lock:
-                for bid, entry in list(self.pending.items()):
+                for bid, entry in self.pending.copy().items():
                     lo, hi = entry[2]
                     if lo < end and ptr < hi:
                         del self.pending[bid]
@@ -188,7 +191,7 @@ class CudaOrdering:
             return
         done = []
         with self._lock:
-            for bid, entry in list(self.pending.items()):
+            for bid, entry in self.pending.copy().items():
                 left, tick = entry[0], entry[1]
                 for s in [s for s in left if covers(s, tick)]:
                     left.discard(s)

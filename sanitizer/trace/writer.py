@@ -142,7 +142,12 @@ class TraceWriter(TraceFile, TimeFlush):
         self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
         self._buf_lock = threading.RLock()  # the buffer append/swap only
         self._count_lock = threading.RLock() # drop and hook-error counts: hooks add, a flush (any thread) takes
-        self._deferred: list = []    # actions a signal handler asked for while this thread was inside the writer
+        # (thread ident, action): what a signal handler asked for while its thread was inside the
+        # writer or one of its guards; run by that thread alone, as it leaves (_run_deferred)
+        self._deferred: list = []
+        # other capture locks (RLocks) that a signal handler's flush or close would take again: a
+        # thread holding one counts as inside the writer (guard())
+        self._guards: list = []
         # What the header says about the file's progress (docs/trace-format.md, "progress"): whether
         # everything recorded is in the file (`quiet`), the last step and whether it ended, a
         # termination signal received. Rewritten in place when it changes.
@@ -425,21 +430,49 @@ class TraceWriter(TraceFile, TimeFlush):
 
     # ------------------------------------------------------------------ signal handlers
     def when_outside(self, fn) -> None:
-        """Run `fn` now, or, when this thread is inside the writer (a signal handler: Python runs
-        them on the main thread between any two bytecodes, also in the middle of a flush or an
-        append), as soon as it leaves: a flush nested there would write events out of order or
-        lose the batch being appended to."""
+        """Run `fn` now, or, when this thread is inside the writer or one of its guards (a signal
+        handler: Python runs them on the main thread between any two bytecodes, also in the middle
+        of a flush, an append or a drain of the allocator history), as soon as it leaves: a flush
+        nested there would write events out of order or lose the batch being appended to, and a
+        close nested in a drain would wait for the drain's own lock for ever."""
         if self._inside():
-            self._deferred.append(fn)
+            self._deferred.append((threading.get_ident(), fn))
         else:
             fn()
 
+    def guard(self, lock) -> None:
+        """Make `lock` (an RLock) one of the writer's guards: a signal handler that arrives while
+        its thread holds it is deferred until the lock is released, and the holder calls
+        run_deferred() right after releasing it (the allocator history's drain, which close()
+        runs again)."""
+        self._guards.append(lock)
+
+    def run_deferred(self) -> None:
+        """What a signal handler deferred on this thread, now that it left a guard."""
+        if self._deferred:
+            self._run_deferred()
+
     def _inside(self) -> bool:
-        return self._lock._is_owned() or self._buf_lock._is_owned() or self._count_lock._is_owned()
+        if self._lock._is_owned() or self._buf_lock._is_owned() or self._count_lock._is_owned():
+            return True
+        for lock in self._guards:
+            if lock._is_owned():
+                return True
+        return False
 
     def _run_deferred(self) -> None:
+        # Only the thread that deferred an action runs it: the time flush, leaving a flush of its
+        # own, must not close the trace under the main thread's interrupted drain, nor take a
+        # default action that only the main thread may (signal.signal raises elsewhere).
+        me = threading.get_ident()
         while self._deferred and not self._inside():
-            self._deferred.pop(0)()
+            for i, (tid, fn) in enumerate(self._deferred):
+                if tid == me:
+                    del self._deferred[i]
+                    break
+            else:
+                return
+            fn()
 
     # ------------------------------------------------------------------ identity
 

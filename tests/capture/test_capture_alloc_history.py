@@ -423,3 +423,23 @@ def test_torchs_lazy_call_before_initialisation_only_queues(monkeypatch):
     torch.cuda._lazy_call(lambda: ran.append(1))
     assert ran == [] and len(torch.cuda._queued_calls) == before + 1
     assert not torch.cuda.is_initialized()
+
+
+def test_history_is_experimental_and_never_the_default(tmp_path):
+    """Issue 50 item 10: until the C4 crash (torch 2.11, SIGSEGV in the drain) is understood, the
+    default source is the dispatch mode, whatever else is set, and a run that asks for the
+    history hears that it is experimental, once, from the process that speaks for the run."""
+    from sanitizer.capture.config import Settings
+    assert Settings().alloc_source == "dispatch"
+    assert Settings.from_env({})[0].alloc_source == "dispatch"
+    assert Settings.from_env({"HAZSAN_LEVEL": "alloc", "HAZSAN": "1"})[0].alloc_source == "dispatch"
+    prog = "import torch; torch.ones(2)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAZSAN")}
+    env.update(HAZSAN="1", HAZSAN_DIR=str(tmp_path / "h"), HAZSAN_ALLOC_SOURCE="history")
+    out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count(ah.EXPERIMENTAL_NOTE) == 1, out.stderr
+    env.pop("HAZSAN_ALLOC_SOURCE")
+    env["HAZSAN_DIR"] = str(tmp_path / "d")
+    out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and ah.EXPERIMENTAL_NOTE not in out.stderr, out.stderr
