@@ -73,6 +73,18 @@ class StorageBlock(weakref.ref):
     __slots__ = ("id", "key", "real", "nbytes", "addr", "size", "model", "stream", "recorded")
 
 
+class BorrowedBlock(StorageBlock):
+    """A storage over bytes no allocator handed to it: made over another storage's memory (an
+    alias: `torch::from_blob` as sgl_kernel's weak_ref_tensor makes it, `torch.from_dlpack`,
+    `torch.frombuffer` / `torch.as_tensor` over a tensor's memory) or over memory torch's
+    allocators never held (numpy's, a ctypes buffer, another process's). Not an allocation: no
+    `alloc` or `free` is written for it. Its ranges are its bytes in the trace: an alias's are its
+    owner's trace addresses (`addr`: the owner's, at the alias's offset, fixed when first seen),
+    other memory's its own address. `id` is None. (BlockTable._new: which storages these are.)"""
+
+    __slots__ = ()
+
+
 def new_block(storage, callback, bid, key, real, nbytes, addr, size, model, stream="cpu") -> StorageBlock:
     """A StorageBlock for `storage` (callback: called with the block when the storage dies, or None)."""
     b = StorageBlock(storage, callback)
@@ -170,6 +182,11 @@ class BlockTable:
         self.unowned: dict = {}              # collectives only C++ waits for: polled before each op
         self.slot = DispatchSlot()           # per thread: inside a collective's own call?
         self._died = self.died               # every block's weakref callback (one bound method)
+        # storages that are not allocations (BorrowedBlock), by StorageImpl address: kept apart
+        # from `live`, which is what the allocator handed out (raw-pointer lookups, a new
+        # trace's and a forked child's live blocks)
+        self.borrowed: dict[int, BorrowedBlock] = {}
+        self._borrowed_died = self.borrowed_died
 
     def classify(self, func):
         """The handler for op func (False: an ordinary op), cached in self.special."""
@@ -233,6 +250,15 @@ class BlockTable:
             reads, writes = [], []
             device = None
             n = len(args)
+            if fresh and out is not None and self.borrowed:
+                # a result made over an argument's bytes (sgl_kernel's weak_ref_tensor: from_blob
+                # over its input, schema `-> Tensor`) was neither allocated nor written by the op;
+                # an op whose every result is one and that writes no argument is a view op
+                out, views = self._made_by_op(out, args, kwargs, reads_at, writes_at)
+                if views and not out and not any(
+                        (args[i] if i < n else (kwargs.get(key) if kwargs else None)) is not None
+                        for i, key in writes_at):
+                    return
             for i, key in reads_at:
                 v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
                 if v is not None:
@@ -256,6 +282,30 @@ class BlockTable:
                 cap.host_work_unsynced = True
         except Exception as exc:
             self.capture.failed("launch", exc)
+
+    def _made_by_op(self, out, args, kwargs, reads_at, writes_at):
+        """(the results of a fresh-result op that it made, how many are views of its arguments):
+        a view is a BorrowedBlock storage whose first byte lies in an argument's storage (the
+        native recorder's exit_op applies the same rule: alloc_recorder.cpp, views_an_argument)."""
+        outs = [out] if type(out) in _PLAIN else [o for o in out if type(o) in _PLAIN] \
+            if type(out) in (list, tuple) else []
+        spans = []
+        n = len(args)
+        for i, key in tuple(reads_at) + tuple(writes_at):
+            v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
+            for a in ([v] if type(v) in _PLAIN else v if type(v) in (list, tuple) else ()):
+                if type(a) in _PLAIN and a.layout == _STRIDED:
+                    st = a.untyped_storage()
+                    if st.data_ptr():
+                        spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        made, views = [], 0
+        for o in outs:
+            b = self.borrowed.get(_STORAGE_KEY(o)) if o.layout == _STRIDED else None
+            if b is not None and any(lo <= b.real < hi for lo, hi in spans):
+                views += 1
+            else:
+                made.append(o)
+        return made, views
 
     def _ranges(self, v, acc, device):
         """Append the trace ranges of tensor(s) v to acc; return the device of the work (a CUDA
@@ -333,11 +383,23 @@ class BlockTable:
     # ------------------------------------------------------------------ allocation
     def _new(self, t, s, opname, live, placed_by_scope=True, where=None, key=None):
         """Record a storage not seen before. Everything that can fail runs before the block is
-        registered, so a failing hook never leaves a block whose free would have no alloc."""
+        registered, so a failing hook never leaves a block whose free would have no alloc.
+
+        A storage that is not resizable was not handed its memory by an allocator: torch makes
+        those with a DataPtr from an allocator and resizable (at::empty, the caching allocators,
+        MemPools), while `torch::from_blob` (sgl_kernel's weak_ref_tensor, `torch.from_dlpack`,
+        `torch.frombuffer`, `torch.from_numpy` / `torch.as_tensor` over an array or a
+        `__cuda_array_interface__`) and CUDA IPC storages are made not resizable over memory
+        someone else owns. Such a storage is a BorrowedBlock, not an allocation."""
+        b = self.borrowed.get(key if key is not None else s._cdata) if self.borrowed else None
+        if b is not None and b() is not None:
+            return b
         nbytes = s.nbytes()
         real = s.data_ptr()
         if nbytes == 0 or real == 0:       # meta tensors and empty storages hold no memory
             return None
+        if not s.resizable():
+            return self._borrow(s, key, real, nbytes)
         dtype = self._dtypes.get(t.dtype)
         if dtype is None:
             dtype = self._dtypes[t.dtype] = str(t.dtype).replace("torch.", "")
@@ -400,6 +462,44 @@ class BlockTable:
         live[key] = b
         return b
 
+    def _borrow(self, s, key, real, nbytes) -> BorrowedBlock:
+        """The BorrowedBlock of storage s: at its owner's trace addresses when its first byte lies
+        in a live block (an alias), else at its own address."""
+        owner = self._holder_addr(real)
+        b = BorrowedBlock(s, self._borrowed_died)
+        b.id = None
+        b.key = key if key is not None else s._cdata
+        b.real = real
+        b.nbytes = nbytes
+        b.addr = real if owner is None else owner
+        b.size = nbytes
+        b.model = None
+        b.stream = None
+        b.recorded = None
+        self.borrowed[b.key] = b
+        return b
+
+    def _holder_addr(self, real: int) -> int | None:
+        """The trace address of host or device byte `real` in the live block that holds it, or None."""
+        b = self.ranges.find(real)
+        return None if b is None else b.addr + (real - b.real)
+
+    def borrowed_died(self, b: BorrowedBlock) -> None:
+        """Weakref callback of a BorrowedBlock: nothing was allocated, nothing is freed. A gloo
+        Work that held it let go of it, though (WorkHeldTensors)."""
+        try:
+            if self.borrowed.get(b.key) is b:
+                del self.borrowed[b.key]
+            if self.held_by_work:
+                self.on_held_death(b.addr, b.size)
+        except Exception as exc:
+            self.capture.failed("free", exc)
+
+    def known(self, key) -> StorageBlock | None:
+        """The block of the storage at StorageImpl address `key`: an allocation or a BorrowedBlock."""
+        b = self.live.get(key)
+        return b if b is not None else self.borrowed.get(key)
+
     def _release(self, b: StorageBlock) -> None:
         if self.stashed:
             self.on_stash_release(b.addr, b.size)
@@ -413,14 +513,17 @@ class BlockTable:
         """(The native table drains its recorder's records here: this table has none.)"""
 
     def block_of(self, t) -> StorageBlock | None:
-        """The live block of tensor t's storage (adopting an unknown one), or None."""
+        """The live allocation of tensor t's storage (adopting an unknown one), or None. None for a
+        BorrowedBlock: record_stream on a storage the caching allocator did not make is a no-op
+        there (c10/cuda/CUDACachingAllocator.cpp, recordStream: "If a tensor is not allocated by
+        this instance, simply skip")."""
         if type(t) not in _PLAIN or t.layout != _STRIDED:
             return None
         s = t.untyped_storage()
         b = self.live.get(s._cdata)
         if b is None:
             b = self._new(t, s, "adopted", self.live, False)
-        return b
+        return None if type(b) is BorrowedBlock else b
 
     def died(self, b: StorageBlock) -> None:
         """Weakref callback of block b: its storage died (any thread, possibly during interpreter exit)."""

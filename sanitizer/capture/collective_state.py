@@ -195,7 +195,7 @@ class WorkHeldTensors:
             return
         entries = []
         for t, r in tensors:
-            b = table.live.get(t.untyped_storage()._cdata) if r[1] else None
+            b = table.known(t.untyped_storage()._cdata) if r[1] else None
             if b is not None:
                 entries.append((b.addr, weakref.ref(t)))
         if not entries:

@@ -513,16 +513,43 @@ uint32_t keep_ranges(std::vector<LaunchRange>& rs, std::vector<at::Tensor>& fore
   return first;
 }
 
+// Whether a result of a fresh-result op is a view of one of its arguments: memory the allocator did
+// not give it (not this recorder's DataPtr) inside an argument's storage. sgl_kernel's
+// weak_ref_tensor (`weak_ref_tensor(Tensor tensor) -> Tensor`, sgl-kernel/csrc/common_extension.cc)
+// is at::from_blob over its argument's data_ptr (sgl-kernel/csrc/memory/weak_ref_tensor.cpp): its
+// schema says fresh, yet it allocates and writes nothing (block_table.BlockTable.on_op_full).
+bool views_an_argument(const at::Tensor& t, const LaunchCtx* ctx) {
+  if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) return false;
+  const c10::DataPtr& dp = t.storage().data_ptr();
+  if (dp.get() == nullptr || dp.get_deleter() == &free_and_record) return false;
+  uint64_t p = reinterpret_cast<uint64_t>(dp.get());
+  for (const std::vector<at::Tensor>* args : {&ctx->reads, &ctx->writes}) {
+    for (const at::Tensor& a : *args) {
+      if (!a.defined() || a.layout() != c10::kStrided || !a.has_storage()) continue;
+      uint64_t base = reinterpret_cast<uint64_t>(a.storage().data_ptr().get());
+      uint64_t n = static_cast<uint64_t>(a.storage().nbytes());
+      if (base != 0 && base <= p && p < base + n) return true;
+    }
+  }
+  return false;
+}
+
 void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
   if (std::uncaught_exceptions() > ctx->uncaught || quiet_depth > 0) return;
   std::vector<LaunchRange> rs;
   std::vector<at::Tensor> foreign;
+  std::vector<at::Tensor> outs;
+  if (ctx->plan->fresh) {
+    for (const c10::IValue& v : fn.outputs()) collect(v, outs);
+    size_t views = 0;
+    for (const at::Tensor& t : outs) views += views_an_argument(t, ctx) ? 1 : 0;
+    // every result a view of an argument and no argument written: a view op, which launches nothing
+    if (views && views == outs.size() && ctx->writes.empty()) return;
+  }
   for (const at::Tensor& t : ctx->reads) add_range(t, false, rs, foreign);
   for (const at::Tensor& t : ctx->writes) add_range(t, true, rs, foreign);
-  if (ctx->plan->fresh) {
-    std::vector<at::Tensor> outs;
-    for (const c10::IValue& v : fn.outputs()) collect(v, outs);
-    for (const at::Tensor& t : outs) add_range(t, true, rs, foreign);
+  for (const at::Tensor& t : outs) {
+    if (!views_an_argument(t, ctx)) add_range(t, true, rs, foreign);
   }
   if (rs.empty()) return;
   Record r{0, 0, NO_SITE, static_cast<uint64_t>(pthread_self()), now_ns(), LAUNCH, 0};
@@ -786,6 +813,48 @@ py::object claim(uint64_t addr) {
 
 // The block at `addr` is no more the recorder's to free (released by Python: a resize).
 void forget(uint64_t addr) { blocks.erase(addr); }
+
+// The live block whose bytes hold `addr` (blocks.end(): none). A pointer at a block's start is
+// one lookup; one inside a block (a slice's pointer, a storage made over another's bytes: from_blob,
+// from_dlpack, frombuffer) a scan of the live blocks. Only raw pointers (NCCL's ctypes calls) and
+// storages the allocator did not make ask, never an allocation or a free.
+std::unordered_map<uint64_t, LiveBlock>::iterator block_holding(uint64_t addr) {
+  auto it = blocks.find(addr);
+  if (it != blocks.end() || addr == 0) return it;
+  for (auto b = blocks.begin(); b != blocks.end(); ++b) {
+    if (b->first <= addr && addr < b->first + b->second.size) return b;
+  }
+  return blocks.end();
+}
+
+// What the storage at `base` that the allocator did not make lies in, as the drain last found it
+// (0: no live block): a program that reads such a storage in every op (numpy memory) scans once.
+// A hit is checked against `blocks` at each use (its block may be gone); a miss holds until an
+// allocation covers `base` (drain_events forgets those), the only way a miss can become a hit.
+std::unordered_map<uint64_t, uint64_t> foreign_holder;
+constexpr size_t FOREIGN_HOLDER_MAX = 4096;
+
+std::unordered_map<uint64_t, LiveBlock>::iterator foreign_block(uint64_t base) {
+  auto m = foreign_holder.find(base);
+  if (m != foreign_holder.end()) {
+    if (m->second == 0) return blocks.end();
+    auto it = blocks.find(m->second);
+    if (it != blocks.end() && base < it->first + it->second.size) return it;
+    foreign_holder.erase(m);
+  }
+  auto it = block_holding(base);
+  if (foreign_holder.size() >= FOREIGN_HOLDER_MAX) foreign_holder.clear();
+  foreign_holder[base] = it == blocks.end() ? 0 : it->first;
+  return it;
+}
+
+// Python's question for a raw pointer or a storage it did not see allocated (the GIL held, records
+// drained): (the block's address, id, size, flags) of the live block holding `addr`, or None.
+py::object containing(uint64_t addr) {
+  auto it = block_holding(addr);
+  if (it == blocks.end()) return py::none();
+  return py::make_tuple(it->first, it->second.id, it->second.size, it->second.flags);
+}
 
 // Every block alive: (addr, id, size, flags), for a forked child's trace.
 py::list alive() {
@@ -1213,6 +1282,21 @@ py::tuple drain_events(bool all_frees, bool packed) {
     }
     return ranges;
   };
+  // A range in a storage the allocator did not make over bytes of a block it did (an alias:
+  // from_blob, from_dlpack, frombuffer over a tensor's memory) is that block's range: resolved
+  // here, where `blocks` is as it was at the record, so Python neither adopts the alias as an
+  // allocation nor misses its block freed later in the batch. A storage over no live block keeps
+  // its tensor (Python records its bytes where they are: block_table.BlockTable._new).
+  auto own_aliases = [&](uint32_t first, uint32_t n) {
+    for (uint32_t i = first; i < first + n; ++i) {
+      LaunchRange& x = lranges[i];
+      if (x.foreign == NONE) continue;
+      auto it = foreign_block(x.base);
+      if (it == blocks.end()) continue;
+      x.base = it->first;
+      x.foreign = NONE;
+    }
+  };
   for (const Record& r : out) {
     if (r.flags & COLL_DONE) {
       if (run) {
@@ -1225,6 +1309,7 @@ py::tuple drain_events(bool all_frees, bool packed) {
     }
     if (r.flags & COLL) {
       const CollRec& c = crecs[r.addr];
+      own_aliases(c.first, c.n);
       if (!plain_ranges(c.first, c.n)) {
         specials.append(py::make_tuple(n_events, py::make_tuple(3, c.cid,
             py::reinterpret_borrow<py::object>(coll_text_obj(c.comm)), c.seq,
@@ -1249,6 +1334,7 @@ py::tuple drain_events(bool all_frees, bool packed) {
     if (r.flags & LAUNCH) {
       const LaunchRec& l = lrecs[r.addr];
       ++n_launches;
+      own_aliases(l.first, l.n);
       if (!plain_ranges(l.first, l.n)) {
         specials.append(py::make_tuple(n_events, py::make_tuple(2, py::reinterpret_borrow<py::object>(label_obj(l.op)),
             py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, ranges_for_python(l.first, l.n, false))));
@@ -1283,6 +1369,12 @@ py::tuple drain_events(bool all_frees, bool packed) {
       continue;
     }
     if (r.size == 0) continue;
+    if (!foreign_holder.empty()) {       // a miss this block now covers is a miss no more
+      for (auto m = foreign_holder.begin(); m != foreign_holder.end();) {
+        if (m->second == 0 && r.addr <= m->first && m->first < r.addr + r.size) m = foreign_holder.erase(m);
+        else ++m;
+      }
+    }
     uint64_t id = next_block_id++;
     blocks[r.addr] = LiveBlock{id, r.size, r.scope ? MODELLED : 0u};
     if (r.scope) {
@@ -1441,6 +1533,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("new_id", &new_id);
   m.def("claim", &claim);
   m.def("forget", &forget);
+  m.def("containing", &containing);
   m.def("alive", &alive);
   m.def("enable_launches", &enable_launches);
   m.def("mark_op", &mark_op);

@@ -291,19 +291,56 @@ class NativeBlockTable(BlockTable):
     # ------------------------------------------------------------------ the Python path's lookups
     def _new(self, t, s, opname, live, placed_by_scope=True, where=None, key=None):
         """A storage a collective or an op handler names: the recorder's block for its memory when
-        it has one (registered under the storage's key), else adopted as the Python path does."""
+        it has one (registered under the storage's key), else adopted as the Python path does. A
+        storage that is not resizable was not made by an allocator (BlockTable._new): it is never
+        the recorder's block, even over the same first byte (from_dlpack of a whole tensor), but
+        a BorrowedBlock at its holder's trace addresses (_holder_addr)."""
         try:
             with self._lock:
                 if self.lib.pending():
                     self.drain()
-                b = self._named_block(s.data_ptr())
-                if b is not None and b.nbytes >= s.nbytes():
-                    b.key = key if key is not None else s._cdata
-                    live[b.key] = b
-                    return b
+                if s.resizable():
+                    b = self._named_block(s.data_ptr())
+                    if b is not None and b.nbytes >= s.nbytes():
+                        b.key = key if key is not None else s._cdata
+                        live[b.key] = b
+                        return b
         except Exception as exc:
             self.capture.failed("native.lookup", exc)
         return super()._new(t, s, opname, live, placed_by_scope, where, key)
+
+    def _holder_addr(self, real: int) -> int | None:
+        """BlockTable._holder_addr, among the recorder's blocks too: one Python holds (claimed,
+        or placed in a window: its modelled address), else a plain one (its trace address is its
+        own)."""
+        addr = super()._holder_addr(real)
+        if addr is not None:
+            return addr
+        found = self.lib.containing(real)
+        if found is None:
+            return None
+        base = found[0]
+        b = self.named.get(base)
+        return (b.addr if b is not None else base) + (real - base)
+
+    def resolve(self, ptr: int, nbytes: int):
+        """BlockTable.resolve for the recorder's blocks: a raw pointer (NCCL's ctypes calls) inside
+        one is translated as the dispatch mode translates it: a block placed in a modelled window
+        names its modelled range, and the range is host memory (so the collective is on `cpu`).
+        The recorder's records are drained first: the pointer's block may be pending."""
+        try:
+            self.drain_pending()
+            b = self.ranges.find(ptr)
+            if b is not None:
+                s = b()
+                host = type(b) is NativeBlock or (s is not None and s.device.type == "cpu")
+                return b.addr + (ptr - b.real), nbytes, host
+            addr = self._holder_addr(ptr)
+            if addr is not None:
+                return addr, nbytes, True
+        except Exception as exc:
+            self.capture.failed("native.lookup", exc)
+        return ptr, nbytes, False
 
     def _adopted(self, t, site):
         """BlockTable.block_of, an adoption placed at `site` (where the op was called, not where
@@ -311,7 +348,7 @@ class NativeBlockTable(BlockTable):
         if type(t) not in _bt._PLAIN or t.layout != _bt._STRIDED:
             return None
         s = t.untyped_storage()
-        b = self.live.get(s._cdata)
+        b = self.known(s._cdata)
         if b is None:
             b = self._new(t, s, "adopted", self.live, False, (site, None))
         return b
