@@ -39,7 +39,18 @@ failed, 1 when one did.
   C7 testbed        the CuPy testbed, 2 rank processes on the one GPU: the collision found in the
                     stock run, the fixed run clean
   C8 two-ranks      (optional) two NCCL ranks on one GPU where NCCL allows it; skipped otherwise
-  C9 overhead       capture's cost per decode-like step at alloc and full, against bare
+  C9 overhead       capture's cost per decode-like step at alloc and full, against bare: fails
+                    above C9_GOAL (1.3x at each level)
+  C10 shared pool   two graphs captured into one graph_pool_handle(), each an all-reduce on a
+                    temporary, the second taking the first's released bytes: clean
+  C11 symmetric     SGLang's real pynccl_allocator: a SymmetricMemoryContext around an einsum,
+                    eager and inside a captured graph, then an eager allocation in the NCCL pool
+                    and a replay: the findings gpu_selfcheck_graphs.EXPECTED_C11 lists
+  C12 alias         a non-owning alias (as weak_ref_tensor's from_blob) of a captured output, the
+                    owner dropped, replays: clean
+  C4P probe         the history source's crash: five variants, eight runs each, and what the
+                    device's torch accepts of the snapshot API (gpu_selfcheck_history.py); it
+                    passes when it ran: its reading is in its figures
 """
 from __future__ import annotations
 
@@ -284,11 +295,51 @@ def c8_two_ranks(work: Path) -> dict:
             "figures": {"colls": {k: len(v) for k, v in ranks.items()}, "rules": rules}}
 
 
-def c9_overhead(work: Path) -> dict:
-    r = sc.overhead(str(work))
+#: C9's goal: capture's cost per decode-like step against bare, at each level. 1.3x is the goal of
+#: the default level's cost (issue 49); on a GPU every allocation still goes through the Python
+#: dispatch mode (issue 51), so C9 fails until that is done (2.5-3.6x on the H200, reports/gpu-kit).
+C9_GOAL = {"alloc": 1.3, "full": 1.3}
+
+
+def judge_overhead(r: dict, goal: dict = C9_GOAL) -> dict:
+    """C9's verdict on sc.overhead's result: fail when a level costs more than its goal."""
     if not r["ok"]:
         return {"status": "fail", "reason": r["why"][:2000]}
-    return {"status": "pass", "figures": {"ms_per_step": r["ms_per_step"], "vs_bare": r["vs_bare"]}}
+    figures = {"ms_per_step": r["ms_per_step"], "vs_bare": r["vs_bare"], "goal_vs_bare": dict(goal)}
+    over = [f"{level} {r['vs_bare'].get(level)}x > {limit}x" for level, limit in goal.items()
+            if r["vs_bare"].get(level) is None or r["vs_bare"][level] > limit]
+    if over:
+        return {"status": "fail", "figures": figures,
+                "reason": "capture costs more than its goal per decode step: " + ", ".join(over)}
+    return {"status": "pass", "figures": figures}
+
+
+def c9_overhead(work: Path) -> dict:
+    return judge_overhead(sc.overhead(str(work)))
+
+
+def c4_probe(work: Path) -> dict:
+    from sanitizer.capture import gpu_selfcheck_history as h
+    r = h.probe(str(work))
+    # a probe: it passes when it ran and read; what it read is its figures
+    missing = [v for v in h.VARIANTS if r["tally"].get(v, {}).get("runs") != h.RUNS]
+    return {"status": "fail" if missing else "pass", "figures": r, "traces": work,
+            "reason": f"variants that did not run {h.RUNS} times: {missing}" if missing else ""}
+
+
+def c10_shared_pool(work: Path) -> dict:
+    from sanitizer.capture import gpu_selfcheck_graphs as gg
+    return gg.c10(str(work))
+
+
+def c11_symmetric(work: Path) -> dict:
+    from sanitizer.capture import gpu_selfcheck_graphs as gg
+    return gg.c11(str(work))
+
+
+def c12_alias(work: Path) -> dict:
+    from sanitizer.capture import gpu_selfcheck_graphs as gg
+    return gg.c12(str(work))
 
 
 def _scenario_programs(names):
@@ -313,8 +364,28 @@ CHECKS = [
           c8_two_ranks, lambda: [("two-ranks", TWO_RANKS_PROGRAM)]),
     Check("C9", "overhead per decode step", 200, "a CUDA GPU", c9_overhead,
           lambda: [("decode-step", sc.DECODE_STEP)]),
+    Check("C10", "graphs sharing a pool", 90, "a CUDA GPU with NCCL", c10_shared_pool,
+          lambda: [("shared-pool", _graphs().program(_graphs().C10_BODY))]),
+    Check("C11", "SGLang symmetric scope in a graph", 150,
+          "a CUDA GPU, NCCL, nvcc/ninja for SGLang's allocator plugin, and SGLang 0.5.23", c11_symmetric,
+          lambda: [("symmetric", _graphs().program(_graphs().C11_BODY))]),
+    Check("C12", "alias of a captured output", 90, "a CUDA GPU with NCCL", c12_alias,
+          lambda: [("alias", _graphs().program(_graphs().C12_BODY))]),
+    Check("C4P", "C4 probe: the history crash's cause", 150, "a CUDA GPU (torch's allocator history)", c4_probe,
+          lambda: [(v, _history().program(v)) for v in _history().VARIANTS]
+          + [("snapshot-api", _history().SNAPSHOT_API)]),
 ]
 BY_ID = {c.cid: c for c in CHECKS}
+
+
+def _graphs():
+    from sanitizer.capture import gpu_selfcheck_graphs
+    return gpu_selfcheck_graphs
+
+
+def _history():
+    from sanitizer.capture import gpu_selfcheck_history
+    return gpu_selfcheck_history
 
 
 def _nccl_child() -> str:
@@ -455,7 +526,7 @@ def _write(out: Path, report: dict) -> None:
 # ---------------------------------------------------------------------- building the kit
 RUN_SH = r'''#!/usr/bin/env bash
 # hazsan's GPU kit (written by `make gpu-kit`): install from wheels/ (no registry), then run every
-# single-GPU check C0-C9 and write $OUT/gpu-check.json. `--dry-run`: install nothing, run nothing,
+# single-GPU check (C0-C12, C4P) and write $OUT/gpu-check.json. `--dry-run`: install nothing, run nothing,
 # skip every check with its reason (exit 0). Environment: OUT (default: out/ beside this file),
 # PYTHON (default python3), HAZSAN_KIT_TIMEOUT (seconds for all checks, default 480).
 set -u

@@ -31,8 +31,9 @@ capture overhead per decode-like step (a small MLP decode loop) bare vs alloc vs
 allocation sources (HAZSAN_ALLOC_SOURCE=dispatch / history) on the same small program: time per op
 side by side, and the allocator history's agreement with the dispatch mode.
 
-Exit 0 when every expectation holds, 1 otherwise. Written without access to a GPU: not yet run
-(the GPU kit, gpu_kit.py, runs these as its checks C2-C5 and C9).
+Exit 0 when every expectation holds, 1 otherwise. The GPU kit (gpu_kit.py) runs these as its checks
+C2-C5 and C9; they ran there on one H200 (torch 2.11, NCCL 2.28.9; reports/gpu-kit/): the
+scenarios, the placement model and the overhead as expected, the history source crashing (C4).
 The NCCL scenarios rely on collectives recording NCCL waits as stream edges (issue 9's
 collectives.py), so the coll is not treated as done for the host at Work.wait().
 """

@@ -6,7 +6,7 @@ needs a CUDA device (torch imported here only). The sequence covers the default 
 two streams and record_stream. What is compared is each block's segment offset and whether it
 shares a segment with earlier blocks (segments are matched in order of first use), since real
 cudaMalloc addresses are not ordered. Issue 3's target: 100% agreement with default settings.
-No GPU was available when this was written: the model side is tested, the GPU side is not.
+Run on one H200 as the GPU kit's C5 (torch 2.11, reports/gpu-kit/): agreement 1.0 on 24 blocks.
 """
 from __future__ import annotations
 

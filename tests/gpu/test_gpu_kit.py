@@ -1,7 +1,7 @@
 """The GPU kit (sanitizer/capture/gpu_kit.py, `make gpu-kit`) on a machine without a GPU.
 
 A reduced kit (run.sh and examples/, no wheels: `make test` downloads nothing) is built, then
-`run.sh --dry-run` must skip every check C0-C9 with its reason, compile every child program, and
+`run.sh --dry-run` must skip every check (C0-C12, the C4 probe C4P) with its reason, compile every child program, and
 exit 0; the real runner, on this CPU machine, must report C0 failed for want of a GPU through the
 same subprocess path the GPU machine takes. The checks themselves only run on a GPU.
 """
@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 from sanitizer.capture import gpu_kit  # noqa: E402
 
-IDS = [f"C{i}" for i in range(10)]
+IDS = [f"C{i}" for i in range(13)] + ["C4P"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,13 @@ def test_dry_run_skips_every_check_with_its_reason(kit, tmp_path):
     compiled = {c["id"]: c["figures"]["compiled"] for c in report["checks"]}
     assert compiled["C2"] == list(gpu_kit.C2_SCENARIOS) and compiled["C3"] == list(gpu_kit.C3_SCENARIOS)
     assert compiled["C1"] == ["quiet"] and compiled["C6"] == ["pynccl"]
-    assert report["summary"] == {"pass": 0, "fail": 0, "skip": 10}
+    assert compiled["C10"] == ["shared-pool"] and compiled["C11"] == ["symmetric"] and compiled["C12"] == ["alias"]
+    from sanitizer.capture import gpu_selfcheck_history
+    assert compiled["C4P"] == list(gpu_selfcheck_history.VARIANTS) + ["snapshot-api"]
+    reasons = {c["id"]: c["reason"] for c in report["checks"]}
+    assert "SGLang 0.5.23" in reasons["C11"] and "nvcc" in reasons["C11"]
+    assert "NCCL" in reasons["C10"] and "NCCL" in reasons["C12"] and "allocator history" in reasons["C4P"]
+    assert report["summary"] == {"pass": 0, "fail": 0, "skip": len(IDS)}
     assert "C9 overhead per decode step: skip" in (out / "run.log").read_text()
     # what comes back through the device tool: at most 8 flat files
     assert sorted(f.name for f in out.iterdir()) == ["gpu-check.json", "run.log"]
