@@ -156,7 +156,7 @@ gpu-check:
 
 # The one-shot kit for a lent GPU machine without a registry (docs/setup.md#the-gpu-kit):
 # build/gpu-kit/ = hazsan's wheel for CPython 3.12 (compiled engine), the 3.12 manylinux wheels a GPU
-# image lacks (downloaded here), examples/mhc_decode, run.sh (C0-C9 -> $OUT/gpu-check.json).
+# image lacks (downloaded here), examples/mhc_decode, run.sh (C0-C12 and the C4 probe C4P -> $OUT/gpu-check.json).
 KIT_PY ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; print("$(p)")' 2>/dev/null)))
 gpu-kit: $(VENV)/.installed
 	@test -n "$(KIT_PY)" || { echo "gpu-kit: no CPython 3.12 found (set KIT_PY=/path/to/python3.12)"; exit 1; }
