@@ -57,6 +57,10 @@ class CudaOrdering:
         # block id -> [streams not yet seen finished, tick of the free, (start, end) of its bytes]
         self.pending: dict = {}
         self._graphs = itertools.count(1)
+        # a graph's pool id (CUDAGraph.pool(), known once its capture ended) -> the pool's name in
+        # the trace: `capture_begin(pool=g1.pool())` shares g1's pool, named when g1's capture
+        # began, before its id could be asked
+        self._pool_names: dict = {}
 
     # ------------------------------------------------------------------ naming
     def stream(self, handle) -> str:
@@ -203,13 +207,18 @@ class CudaOrdering:
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_begin(self, graph, pool) -> None:
+        """Graphs given one pool handle get one pool name (the engine reserves per pool: graphs
+        sharing one replay one at a time). A handle from torch.cuda.graph_pool_handle() is
+        (0, n) and names "graph-pool:(0, n)"; one from another graph's pool() names that graph's
+        pool; without one, the graph's own pool is "graph:<id>"."""
         gid = f"g{next(self._graphs)}"
         graph._hazsan_graph = gid
         if pool is not None:
-            pid = tuple(pool) if isinstance(pool, (tuple, list)) else pool
-            pool_name = f"graph-pool:{pid}"
+            pid = _pool_id(pool)
+            pool_name = self._pool_names.get(pid) or f"graph-pool:{pid}"
         else:
             pool_name = f"graph:{gid}"
+        graph._hazsan_pool = pool_name
         if self.capture.blocks is not None:
             self.capture.blocks.graph_pool = pool_name
         self.capture.event({"ev": "graph_begin", "graph": gid, "stream": _current_stream(self.streams),
@@ -222,6 +231,13 @@ class CudaOrdering:
         if gid is None:
             return
         self.capture.event({"ev": "graph_end", "graph": gid, "stream": _current_stream(self.streams)})
+        try:
+            # CUDAGraph::pool() answers only once the capture ended (aten/src/ATen/cuda/CUDAGraph.cpp)
+            pid = _pool_id(graph.pool())
+        except Exception:      # no pool() (a binding without it): nothing to share by it
+            pid = None
+        if pid is not None:
+            self._pool_names.setdefault(pid, graph._hazsan_pool)
         # a graph object that dies without reset() frees its graph (and reservation) then
         graph._hazsan_finalizer = weakref.finalize(graph, self._graph_died, gid)
 
@@ -245,6 +261,11 @@ class CudaOrdering:
             self.capture.event({"ev": "graph_free", "graph": gid}, with_site=False)
         except Exception as exc:
             self.capture.failed("cuda.graph_free", exc)
+
+
+def _pool_id(pool):
+    """A pool handle (MempoolId_t: a tuple of two ints from torch, or a list) as a dict key."""
+    return tuple(pool) if isinstance(pool, (tuple, list)) else pool
 
 
 def _current_device() -> int:

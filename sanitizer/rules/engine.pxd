@@ -28,7 +28,7 @@ cdef class RankAnalyzer:
     cdef public set steps_seen, comms
     cdef public Py_ssize_t max_comms
     cdef public Py_ssize_t line, events, unrecorded_waits
-    cdef public long long allocs, ranges_upto
+    cdef public long long allocs, ranges_upto, colls_issued
     cdef public object counted_drops, hook_errors  # sums of counts read from the trace: unbounded
 
     @cython.locals(line=Py_ssize_t, code=int, codes=dict, entry=tuple)
@@ -50,6 +50,11 @@ cdef class RankAnalyzer:
     @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=LiveBlockType,
                    windows=WindowTableType)
     cpdef on_alloc(self, object ev, Py_ssize_t line, tuple at=*)
+
+    @cython.locals(released=dict, shared=dict, asked=dict, hits=dict)
+    cpdef tuple _graph_hits(self, long long lo, long long hi, object pool, object block)
+
+    cpdef bint _shares_pool(self, object g, object pool, object block)
 
     @cython.locals(upto=cython.longlong, new=list, block=LiveBlockType, ranges=RangeIndex)
     cpdef RangeIndex _live_ranges(self)

@@ -131,6 +131,9 @@ class RankAnalyzer:
         # with one overlapping it (_graph_hits)
         self.graph_index = RangeIndex()
         self.graphs_made_live = 0
+        # collectives issued (outside captures, replayed ones too): a window block freed after
+        # one was issued during its life was exposed to peers' writes (transient-in-window)
+        self.colls_issued = 0
         self.step = None
         self.steps_seen = set()
         self.line = 0
@@ -251,24 +254,77 @@ class RankAnalyzer:
             self.ranges_upto = self.allocs
         return self.live_ranges
 
-    def _graph_hits(self, lo, hi):
+    def _graph_hits(self, lo, hi, pool, block):
         """Captured ops of live graphs whose buffers overlap [lo, hi), graph by graph in the
-        order of live_graphs. Only the graphs that graph_index finds with a reserved buffer there
-        are asked: a free costs O(log n + overlaps), not O(live graphs)."""
-        hits = None
+        order of live_graphs: (released, shared), each {op: overlap} or None. `released`: the
+        graphs whose reservation this allocation (`block` None, from `pool`) or the free of
+        `block` (of `pool`) breaks; `shared`: those whose pool contract allows it (_shares_pool).
+        Only the graphs that graph_index finds with a reserved buffer there are asked: an access
+        costs O(log n + overlaps), not O(live graphs)."""
+        released = None
+        shared = None
         asked = None
         for _, _, g in self.graph_index.overlapping(lo, hi):
             if asked is None:
                 asked = {}
             asked[g] = None
         if asked is None:
-            return None
+            return None, None
         for g in (sorted(asked, key=_ordinal) if len(asked) > 1 else asked):
+            hits = None
             for blo, bhi, op in g.reserved.overlapping(lo, hi):
                 if hits is None:
                     hits = {}
                 widen(hits, op, max(lo, blo), min(hi, bhi))
-        return hits
+            if hits is None and g.foreign_reserved is not None:
+                # bytes its capture took from another pool, where no captured op of it is seen
+                for blo, bhi, op in g.foreign_reserved.overlapping(lo, hi):
+                    if hits is None:
+                        hits = {}
+                    widen(hits, op, max(lo, blo), min(hi, bhi))
+            if hits is None:
+                continue
+            if self._shares_pool(g, pool, block):
+                if shared is None:
+                    shared = hits
+                else:
+                    shared.update(hits)  # an op is one graph's: no key is in both
+            elif released is None:
+                released = hits
+            else:
+                released.update(hits)
+        return released, shared
+
+    def _shares_pool(self, g, pool, block) -> bool:
+        """Whether touching live graph g's reserved bytes is the shared-pool contract
+        (docs/ordering-and-rules.md, "Graphs"): graphs captured into one private pool replay one
+        at a time, and a later capture into the pool may take a graph's released bytes. So an
+        allocation from g's pool, or made while a capture into g's pool runs, is no hazard; nor
+        the free of a block of g's pool (its bytes stay where only captures into the pool take
+        them), nor that of a block taken and given back within captures into g's pool. Anything
+        else over g's bytes (eager allocations, other pools: the window pool, a MemPool) can be
+        handed to work that runs while g replays."""
+        gpool = g.pool
+        if pool == gpool:
+            return True
+        if not self.capturing:
+            return False
+        if block is not None:
+            cap = block.captured_in
+            if cap is None or cap.pool != gpool:
+                return False
+        for c in self.capturing:
+            if c.pool == gpool:
+                return True
+        return False
+
+    def _capturing_graph(self, stream):
+        """The graph a captured op or allocation on `stream` belongs to: the innermost capturing
+        graph on the same stream, else the innermost."""
+        for g in reversed(self.capturing):
+            if g.stream == stream:
+                return g
+        return self.capturing[-1]
 
     # ------------------------------------------------------------------ memory events
 
@@ -286,24 +342,45 @@ class RankAnalyzer:
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
         block = new_block(bid, addr, size, stream, line, self.step, ev)
+        pool = None
+        if self.capturing:
+            pool = ev.pool
+            g = self._capturing_graph(stream)
+            block.captured_in = g
+            if pool != g.pool and g.stream == stream:
+                # SGLang's symmetric scope pauses the graph pool during capture: the block is
+                # another pool's, yet the graph's kernels write it at every replay. (Only on the
+                # capture stream: a host tensor made meanwhile, stream "cpu", is no graph's.)
+                if g.foreign is None:
+                    g.foreign = []
+                g.foreign.append(block)
+            block.colls_seen = -1  # a replay's collectives run amid it: exposed for good
+        elif self.inflight.colls or self.successor_waits.index.count:
+            block.colls_seen = -1  # a collective not done for the host may write the window now
+        else:
+            block.colls_seen = self.colls_issued
         windows = self.window_blocks.windows
         if windows.count:
             block.window = windows.first_at(addr, block.end)
             if block.window is not None:
                 self.window_blocks.blocks.add(block)
         end = block.end
-        graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
+        graph_ops = shared = None
+        if self.live_graphs:
+            if pool is None:
+                pool = ev.pool
+            graph_ops, shared = self._graph_hits(addr, end, pool, None)
         if graph_ops:
             for op, ov in graph_ops.items():
                 self._report("graph-buffer-released", line, block, op, ov,
-                             detail="a different block was allocated over a live graph's buffer")
+                             detail=_released_detail(op, pool, "a different block was allocated over a live graph's buffer"))
         # None, the usual case: every op in flight is done for `stream`
         unfinished = self.inflight.unfinished(self.clocks, stream)
         hits = self._not_done(stream, addr, end, WRITE, unfinished) \
             if unfinished is not None or self.successor_waits.by_comm else None
         if hits:
             for op, ov in hits.items():
-                if graph_ops and op.captured in graph_ops:
+                if (graph_ops and op.captured in graph_ops) or (shared and op.captured in shared):
                     continue
                 self._report("reuse-in-flight", line, block, op, ov)
         self.live[bid] = block
@@ -316,18 +393,20 @@ class RankAnalyzer:
         if block is None:
             raise Malformed(f"free of unknown or already freed id {bid!r}")
         addr, end = block.addr, block.end
-        graph_ops = self._graph_hits(addr, end) if self.live_graphs else None
+        graph_ops = shared = None
+        if self.live_graphs:
+            graph_ops, shared = self._graph_hits(addr, end, block.pool, block)
         if graph_ops:
             for op, ov in graph_ops.items():
                 self._report("graph-buffer-released", line, block, op, ov,
-                             detail="a block holding a live graph's buffer was freed")
+                             detail=_released_detail(op, None, "a block holding a live graph's buffer was freed"))
         protected = block.record_streams
         unfinished = self.inflight.unfinished(self.clocks, block.stream, protected)
         hits = self._not_done(block.stream, addr, end, WRITE, unfinished, protected) \
             if unfinished is not None or self.successor_waits.by_comm else None
         if hits:
             for op, ov in hits.items():
-                if graph_ops and op.captured in graph_ops:
+                if (graph_ops and op.captured in graph_ops) or (shared and op.captured in shared):
                     continue
                 self._report("free-in-flight", line, block, op, ov)
         if protected is not None:
@@ -339,7 +418,11 @@ class RankAnalyzer:
             self.live_ranges.remove(addr, end, block)
         if block.window is not None:
             self.window_blocks.blocks.remove(block)
-            if not block.coll_touched:
+            # transient-in-window: never a collective buffer, and exposed to one during its life
+            # (one not done for the host at its alloc, or one issued before this free): peers'
+            # symmetric kernels write this rank's window only while its own collective runs
+            # (docs/hazard-model.md, "When a window transient is a hazard")
+            if not block.coll_touched and (block.colls_seen < 0 or self.colls_issued > block.colls_seen):
                 self.window_blocks.transient(block, line, self.rank, self.step, self.file)
 
     def on_free_done(self, ev, line, at=None):
@@ -459,6 +542,7 @@ class RankAnalyzer:
         if self.capturing:
             self._capture(op, stream)
             return
+        self.colls_issued += 1
         self._enqueue(op)
         op.clock = self.clocks.snapshot(stream)
         self.colls_in_flight[cid] = op
@@ -559,19 +643,15 @@ class RankAnalyzer:
     # ------------------------------------------------------------------ graphs
 
     def _capture(self, op: Op, stream) -> None:
-        graph = None
-        for g in reversed(self.capturing):
-            if g.stream == stream:
-                graph = g
-                break
-        (graph or self.capturing[-1]).ops.append(op)
+        self._capturing_graph(stream).ops.append(op)
 
     def on_graph_begin(self, ev, line):
         gid = ev.graph
         stream = ev.stream
         if gid in self.graphs:
             raise Malformed(f"graph_begin of graph {gid!r}, which already exists")
-        g = Graph(gid, stream, line)
+        pool = ev.pool
+        g = Graph(gid, stream, line, f"graph:{gid}" if pool is None else pool)
         self.graphs[gid] = g
         self.capturing.append(g)
 
@@ -588,6 +668,14 @@ class RankAnalyzer:
             for lo, hi, _ in (*op.buffers(), *op.window_bufs):
                 g.reserved.add(lo, hi, op)
                 every.add(lo, hi, g)
+        if g.foreign is not None:
+            # what its kernels write in other pools' bytes: each block stands as one captured
+            # write of its whole range, on the graph's stream, named by its alloc (line, site)
+            g.foreign_reserved = RangeIndex()
+            for block in g.foreign:
+                op = new_op("launch", g.stream, [(block.addr, block.end, WRITE)], block.line, block.step, block.ev)
+                g.foreign_reserved.add(block.addr, block.end, op)
+                every.add(block.addr, block.end, g)
         self.graphs_made_live += 1
         g.ordinal = self.graphs_made_live
         self.live_graphs.append(g)
@@ -601,6 +689,7 @@ class RankAnalyzer:
         for op in g.ops:
             replay = op.replay(stream, line, self.step)
             if replay.kind == "coll":
+                self.colls_issued += 1
                 if self.window_blocks.mark_coll_touched((*replay.bufs, *replay.window_bufs), self.allocs):
                     self.window_blocks.apply_touches(self._live_ranges())
             if replay.window_bufs:
@@ -622,6 +711,9 @@ class RankAnalyzer:
             for op in g.ops:
                 for lo, hi, _ in (*op.buffers(), *op.window_bufs):
                     every.remove(lo, hi, g)
+            if g.foreign_reserved is not None:
+                for block in g.foreign:
+                    every.remove(block.addr, block.end, g)
             g.live = False
         if g in self.live_graphs:
             self.live_graphs.remove(g)
@@ -665,3 +757,15 @@ class RankAnalyzer:
 
 def _ordinal(g):
     return g.ordinal
+
+
+def _released_detail(op, pool, what) -> str:
+    """graph-buffer-released's detail: for a block its graph's capture took from another pool
+    (RankAnalyzer.on_graph_end's stand-in op, whose event is that block's alloc), which pool."""
+    ev = op.ev
+    if type(ev) is E.Alloc:
+        what = (f"{what}: bytes of block {ev.id!r} (pool {ev.pool!r}), which the graph's capture took from a "
+                f"pool other than its own and which the graph rewrites at every replay")
+        if pool is not None:
+            what += f"; this allocation is from pool {pool!r}"
+    return what

@@ -56,7 +56,7 @@ cpdef track_op(dict classes, Op op, long long number)
 cdef class InFlightTable:
     cdef public dict streams
     cdef public BufferIndex wide
-    cdef public long long entered
+    cdef public long long entered, colls
     cdef public object settled
 
     @cython.locals(unfinished=list, vh=dict, vx=dict, fl=InFlight, known=cython.longlong, h=cython.longlong)

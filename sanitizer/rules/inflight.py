@@ -268,9 +268,11 @@ class BufferIndex:
 
 class InFlightTable:
     """One rank's ops in flight: stream -> InFlight (`streams`, in the order streams entered it),
-    and past CROWD streams the `wide` index of all their buffers."""
+    and past CROWD streams the `wide` index of all their buffers; `colls`, how many of the ops
+    are collectives (a window transient allocated while one is in flight is exposed to it:
+    RankAnalyzer.on_alloc)."""
 
-    __slots__ = ("streams", "wide", "entered", "settled")
+    __slots__ = ("streams", "wide", "entered", "settled", "colls")
 
     def __init__(self):
         self.streams = {}  # stream -> InFlight, only streams with an op in flight
@@ -281,6 +283,7 @@ class InFlightTable:
         # a stream for which no op in flight was unfinished, and no other stream has pushed an op
         # since: the answer stands (clocks only grow, retiring only removes), see unfinished
         self.settled = None
+        self.colls = 0  # collectives (replayed ones too) among the ops in flight
 
     def unfinished(self, clocks, stream, protected=None):
         """[(InFlight, how far `stream` knows its stream)] of the streams with an op in flight that
@@ -391,6 +394,8 @@ class InFlightTable:
                 op.wide_serial = self.wide.add_serial(op.buffers(), op)
         if self.settled is not None and self.settled != stream:
             self.settled = None  # an op of another stream may be unfinished for it
+        if op.cid is not None:
+            self.colls += 1
 
     def retire(self, host, learned, colls_in_flight) -> None:
         """Drop the ops done for the host (`host`: its clock). `learned`: the clock the host just
@@ -406,6 +411,8 @@ class InFlightTable:
             known = host.get(s, 0)
             if known:
                 for op in fl.retire_upto(known):
+                    if op.cid is not None:
+                        self.colls -= 1
                     if op.clock is not None:
                         colls_in_flight.pop(op.cid, None)
                     if op.wide_serial:

@@ -4,8 +4,8 @@ cimport cython
 
 
 cdef class LiveBlock:
-    cdef public object id, stream, ev, record_streams, window, step
-    cdef public long long addr, end, serial
+    cdef public object id, stream, ev, record_streams, window, step, captured_in
+    cdef public long long addr, end, serial, colls_seen
     cdef public Py_ssize_t line
     cdef public bint coll_touched
 
@@ -24,7 +24,7 @@ cdef class Window:
 
 
 cdef class Graph:
-    cdef public object id, stream, ops, line, reserved
+    cdef public object id, stream, ops, line, reserved, pool, foreign, foreign_reserved
     cdef public bint live
     cdef public Py_ssize_t ordinal
 

@@ -17,7 +17,7 @@ class LiveBlock:
     AllocatorBlock is the placement model's, sanitizer.capture's StorageBlock capture's."""
 
     __slots__ = ("id", "addr", "end", "stream", "line", "step", "ev",
-                 "record_streams", "window", "coll_touched", "serial")
+                 "record_streams", "window", "coll_touched", "serial", "captured_in", "colls_seen")
 
     @property
     def pool(self):
@@ -52,6 +52,11 @@ def new_block(bid, addr, size, stream, line, step, ev):
     block.window = None  # the Window it lies in, once known
     block.coll_touched = False  # some collective used part of it during its life
     block.serial = 0  # allocs of the rank up to this one, once live
+    block.captured_in = None  # the Graph being captured when it was allocated (RankAnalyzer.on_alloc)
+    # transient-in-window's exposure: -1 when a collective could write a window over it from its
+    # alloc on (one was not done for the host, or a graph capture took it), else the collectives the
+    # rank had issued by then; one issued before its free exposes it too (RankAnalyzer.on_free)
+    block.colls_seen = 0
     return block
 
 
@@ -150,16 +155,26 @@ class Window:
 
 class Graph:
     """A CUDA graph: its captured ops, and once live (graph_end) their buffers, reserved until
-    graph_free."""
+    graph_free; `pool`, the private pool it was captured into (graphs that share one replay one
+    at a time, so a capture into the same pool may take a live graph's bytes: RankAnalyzer._graph_hits).
 
-    __slots__ = ("id", "stream", "ops", "live", "line", "reserved", "ordinal")
+    `foreign`: the blocks allocated during its capture from another pool (SGLang's symmetric scope
+    pauses the graph pool: an einsum's transients land in the window pool). Captured kernels
+    write them at every replay whether or not the trace saw those kernels, so from graph_end
+    their bytes are reserved too (`foreign_reserved`, item an Op standing for those writes), and
+    asked only where no captured op of the graph covers the range."""
 
-    def __init__(self, gid, stream, line):
-        self.id, self.stream, self.line = gid, stream, line
+    __slots__ = ("id", "stream", "ops", "live", "line", "reserved", "ordinal", "pool", "foreign",
+                 "foreign_reserved")
+
+    def __init__(self, gid, stream, line, pool):
+        self.id, self.stream, self.line, self.pool = gid, stream, line, pool
         self.ops: list[Op] = []
         self.live = False
         self.reserved = None  # RangeIndex of the captured ops' buffers, once live
         self.ordinal = 0  # graphs made live before it, once live (RankAnalyzer.live_graphs' order)
+        self.foreign = None  # list of LiveBlock allocated during capture from another pool (None: none)
+        self.foreign_reserved = None  # RangeIndex of their ranges, once live (None: none)
 
 
 def widen(hits, op, lo, hi) -> None:

@@ -150,7 +150,7 @@ class WindowBlocks:
         self.blocks = BlockSet()  # the live window blocks
         self.ordinals: dict = {}  # comm -> windows it registered so far
         self.touches: list = []  # collective buffers not yet marked: (lo, hi, allocs by then)
-        self.transients: dict = {}  # site -> its transient-in-window Finding
+        self.transients: dict = {}  # (site, allocated during a capture) -> its transient-in-window Finding
 
     def register(self, addr, size, comm):
         """A new live window of `comm` (its ordinal: the windows `comm` registered before)."""
@@ -200,16 +200,23 @@ class WindowBlocks:
 
     def transient(self, block, line, rank, step, file) -> None:
         """Window block `block`, which no collective touched, was freed (on `line`, in `step`):
-        a transient, counted into its site's finding."""
-        key = block.site
+        a transient, counted into its site's finding. Those allocated during a graph capture
+        (`block.captured_in`) have a finding of their own per site: the graph rewrites their
+        bytes at every replay, a hazard that outlives the free (docs/ordering-and-rules.md,
+        "transient-in-window"), not to be lost among the site's eager transients."""
+        graph = block.captured_in
+        key = (block.site, graph is not None)
         f = self.transients.get(key)
         size = block.end - block.addr
         if f is None:
+            detail = f"window of communicator {block.window.comm!r}"
+            if graph is not None:
+                detail += (f"; allocated while capturing CUDA graph {graph.id!r} (pool {graph.pool!r}): "
+                           "the graph rewrites these bytes at every replay")
             f = self.transients[key] = Finding(
                 rule="transient-in-window", severity=severity_of("transient-in-window"), rank=rank,
                 step=step, file=file, line=line, block=BlockRecord.of(block), op=None,
-                overlap=None, count=1, bytes=size, site=block.site,
-                detail=f"window of communicator {block.window.comm!r}")
+                overlap=None, count=1, bytes=size, site=block.site, detail=detail)
         else:
             f.count += 1
             f.bytes += size

@@ -202,9 +202,17 @@ def _graphs_trace(rng: random.Random, events: int = 600) -> list[dict]:
         kind = rng.choice(["capture", "capture", "replay", "graph_free", "alloc", "alloc", "free", "free"])
         if kind == "capture":
             gid += 1
-            out.append({"ev": "graph_begin", "graph": gid, "stream": 1})
+            # graphs sharing one pool (SGLang's decode graphs) or each its own (pool absent)
+            pool = rng.choice(("graph-pool:(0, 1)", None))
+            out.append({"ev": "graph_begin", "graph": gid, "stream": 1, **({"pool": pool} if pool else {})})
             for _ in range(rng.randrange(1, 5)):
                 lo = base + rng.randrange(1 << 16)
+                if rng.random() < 0.3:  # allocated during the capture, from the graph's pool or another
+                    bid += 1
+                    live[bid] = lo
+                    out.append({"ev": "alloc", "id": bid, "addr": lo, "size": rng.choice((64, 1024)), "stream": 1,
+                                "pool": rng.choice((pool or f"graph:{gid}", "symm")), "site": f"c.py:{bid % 3}:f"})
+                    continue
                 out.append({"ev": "launch", "stream": 1, "op": "k", rng.choice(("reads", "writes")):
                             [[lo, rng.choice((64, 512, 4096))]]})
             out.append({"ev": "graph_end", "graph": gid, "stream": 1})
@@ -248,14 +256,26 @@ def test_graph_frees_ask_only_the_graphs_they_overlap(tmp_path, monkeypatch):
     got = [{e: run(p, e) for e in ENGINES} for p in paths]
     eng = load_engine("interpreted")[0]
 
-    def every_graph(self, lo, hi):
-        hits = None
+    def every_graph(self, lo, hi, pool, block):
+        released = shared = None
         for g in self.live_graphs:
+            hits = None
             for blo, bhi, op in g.reserved.overlapping(lo, hi):
                 if hits is None:
                     hits = {}
                 eng.widen(hits, op, max(lo, blo), min(hi, bhi))
-        return hits
+            if hits is None and g.foreign_reserved is not None:
+                for blo, bhi, op in g.foreign_reserved.overlapping(lo, hi):
+                    if hits is None:
+                        hits = {}
+                    eng.widen(hits, op, max(lo, blo), min(hi, bhi))
+            if hits is None:
+                continue
+            if self._shares_pool(g, pool, block):
+                shared = {**(shared or {}), **hits}
+            else:
+                released = {**(released or {}), **hits}
+        return released, shared
 
     monkeypatch.setattr(eng.RankAnalyzer, "_graph_hits", every_graph)
     for seed, (p, g) in enumerate(zip(paths, got)):

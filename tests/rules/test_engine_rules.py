@@ -236,6 +236,8 @@ def test_transient_in_window_grouped_per_site(tmp_path):
 
 def test_transient_counts_per_step_and_steps_seen(tmp_path):
     t = window_trace()
+    # an all-reduce in flight (never done for the host) exposes every later window transient
+    t.coll(9, stream="s1", bufs=[(A, KB4, "rw")])
     for step in (3, 4, 4):
         t.ev("step", n=step)
         t.alloc(step * 10 + len(t.events), B, 512, site="x.py:1:f")
@@ -250,6 +252,7 @@ def test_window_registered_after_allocation_still_counts(tmp_path):
     t = Trace()
     t.alloc(1, B + 64, 512, pool="symm", site="x.py:1:f")
     t.ev("window", addr=B, size=1 << 20, comm="tp")
+    t.coll(1, stream="s0", bufs=[(A, KB4, "rw")])  # issued while block 1 lives: exposed to it
     t.free(1)
     tw = [f for f in run(tmp_path, t).findings if f.rule == "transient-in-window"]
     assert [(f.count, f.block["window_offset"]) for f in tw] == [(1, 64)]

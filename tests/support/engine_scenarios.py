@@ -190,9 +190,27 @@ class RankTraceBuilder:
         elif kind == "capture":
             graph, stream = f"g{self.next_graph}", self.stream()
             self.next_graph += 1
-            emit({"ev": "graph_begin", "graph": graph, "stream": stream})
+            # one private pool shared by graphs (SGLang's decode graphs), or the graph's own
+            pool = self.draw(st.sampled_from(["graph-pool", None]))
+            emit({"ev": "graph_begin", "graph": graph, "stream": stream, **({"pool": pool} if pool else {})})
             for _ in range(self.draw(st.integers(1, 3))):
-                emit(self.coll(stream, captured=True) if self.draw(st.booleans()) else self.launch(stream))
+                what = self.draw(st.sampled_from(["coll", "launch", "alloc", "free"]))
+                if what == "alloc":  # from the graph's pool, or the window pool (SGLang's paused scope)
+                    addr, size = self.range_anywhere()
+                    emit({"ev": "alloc", "id": self.next_id, "addr": addr, "size": size, "stream": stream,
+                          "pool": self.draw(st.sampled_from([pool or f"graph:{graph}", "symm"])),
+                          "site": "mhc.py:7:hc_pre"})
+                    self.live_ids.append(self.next_id)
+                    self.block_stream[self.next_id] = stream
+                    self.next_id += 1
+                elif what == "free" and self.live_ids:
+                    block = self.draw(st.sampled_from(self.live_ids))
+                    self.live_ids.remove(block)
+                    if block in self.record_streamed:
+                        self.pending_ids.append(block)
+                    emit({"ev": "free", "id": block})
+                else:
+                    emit(self.coll(stream, captured=True) if what == "coll" else self.launch(stream))
             emit({"ev": "graph_end", "graph": graph, "stream": stream})
             self.live_graphs.append(graph)
         elif kind == "replay":

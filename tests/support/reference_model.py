@@ -29,8 +29,18 @@ Decisions taken where the contract was silent (now in docs/ordering-and-rules.md
 - `transient-in-window`: a block that overlapped a live window at some moment of its life (at its
   alloc, or when a window was registered over it: SGLang registers the pool segment as a window
   when the scope exits), freed, with no coll buffer (a coll line, captured or not, or a replayed
-  coll) overlapping it between its alloc and its free. Reported per (rank, alloc site) with a
+  coll) overlapping it between its alloc and its free, and exposed to a collective: allocated
+  during a graph capture, or a coll with a buffer not done for the host (under the mode's rule)
+  at its alloc, or a coll (or replayed coll) issued between its alloc and its free (issue 50,
+  docs/hazard-model.md). Reported per (rank, alloc site, allocated during a capture) with a
   count and the sum of block sizes.
+- Graph pools (issue 50): a graph's pool is its graph_begin's `pool`, else "graph:<graph>". A block
+  allocated during a capture, on its stream, from a pool other than that graph's stands, from graph_end, as one
+  write of its whole range by the graph (op line: its alloc line), asked only where no captured
+  op of the graph overlaps the range. Touching a live graph's bytes is no graph-buffer-released
+  (and, as for a finding, no free-in-flight / reuse-in-flight against its replays) where the pool
+  contract allows it: an alloc from the graph's pool or while capturing into it; the free of a
+  block of its pool, or of one allocated during a capture into its pool and freed during one.
 - `asymmetric-offset`: per (comm, seq) the ordered list of (window ordinal, offset, size) of the
   coll's buffers lying inside a live window of that comm, the ordinal counting that comm's window
   registrations on the rank (NCCL registers windows collectively, so the n-th is the same window
@@ -110,6 +120,9 @@ class Block:
     alloc_position: int
     in_window: bool
     record_streams: set = field(default_factory=set)
+    pool: object = None
+    captured_pool: object = None   # the capturing graph's pool at its alloc (None: not captured)
+    exposed: bool = False          # a collective could write a window over it from its alloc on
 
 
 def _join(a: dict, b: dict) -> dict:
@@ -168,6 +181,10 @@ class RankReference:
         self.registrations: dict = defaultdict(int)  # comm -> windows registered so far
         self.graphs: dict = {}           # name -> list[CapturedOp]
         self.live_graphs: set = set()    # ended and not freed
+        self.graph_pool: dict = {}       # name -> its pool
+        self.graph_stream: dict = {}     # name -> its capture stream
+        self.foreign: dict = defaultdict(list)  # name -> [(alloc line, lo, hi)] of other pools' blocks
+        self.coll_issues: list = []      # positions of every coll enqueued (not captured; replays too)
         self.capturing = None
         self.coll_uses: list[tuple] = []  # (position, lo, hi) of every coll buffer use
         self.coll_offsets: dict = {}     # (comm, seq) -> (line, [(offset, size), ...])
@@ -206,17 +223,34 @@ class RankReference:
         return None
 
     # ---- alloc / free rules ----
-    def _graph_released(self, line, lo, hi) -> set:
-        """graph-buffer-released for every captured op of a live graph overlapping [lo, hi)."""
-        released = set()
+    def _graph_released(self, line, lo, hi, pool, block=None) -> set:
+        """graph-buffer-released for every captured op of a live graph overlapping [lo, hi) (or
+        its other pools' blocks, where no captured op does), unless the pool contract allows it.
+        Returns every (graph, line) overlapped, reported or not (no in-flight finding on top)."""
+        touched = set()
         for graph in sorted(self.live_graphs):
+            gpool = self.graph_pool[graph]
+            found = []
             for cap in self.graphs[graph]:
                 hits = [_intersection(lo, hi, b.lo, b.hi) for b in _bufs_of(cap.raw)]
                 hits = [h for h in hits if h]
                 if hits:
-                    released.add((graph, cap.line))
-                    self._emit("graph-buffer-released", line=line, op_line=cap.line, overlap=_span(hits))
-        return released
+                    found.append((cap.line, hits))
+            if not found:
+                for aline, flo, fhi in self.foreign[graph]:
+                    hit = _intersection(lo, hi, flo, fhi)
+                    if hit:
+                        found.append((aline, [hit]))
+            capturing_into = self.capturing is not None and self.graph_pool[self.capturing] == gpool
+            if block is None:
+                shared = pool == gpool or capturing_into
+            else:
+                shared = pool == gpool or (capturing_into and block.captured_pool == gpool)
+            for op_line, hits in found:
+                touched.add((graph, op_line))
+                if not shared:
+                    self._emit("graph-buffer-released", line=line, op_line=op_line, overlap=_span(hits))
+        return touched
 
     def _in_flight(self, rule, line, lo, hi, x, *, skip_streams=(), released=frozenset()):
         for op in self.ops:
@@ -260,6 +294,7 @@ class RankReference:
         self.ops.append(op)
         if is_coll:
             self._note_coll_use(bufs)
+            self.coll_issues.append(self.position)
         return op
 
     def _note_coll_use(self, bufs) -> None:
@@ -272,17 +307,35 @@ class RankReference:
         if handler is not None:
             handler(line, ev)
 
+    def _done_for_host(self, op: Op, buf: Buf) -> bool:
+        if self.host.get(op.stream, 0) < op.epoch:
+            return False
+        if not (self.strict and op.is_coll and buf.in_own_window):
+            return True
+        return any(later.is_coll and later.captured is None and later.comm == op.comm
+                   and later.position > op.position and later.seq > op.seq
+                   and self.host.get(later.stream, 0) >= later.epoch for later in self.ops)
+
     def _ev_alloc(self, line, ev):
         lo, hi, x = ev["addr"], ev["addr"] + ev["size"], ev["stream"]
-        released = self._graph_released(line, lo, hi)
+        released = self._graph_released(line, lo, hi, ev.get("pool"))
         self._in_flight("reuse-in-flight", line, lo, hi, x, released=released)
         self.position += 1
         in_window = any(_intersection(lo, hi, w[1], w[2]) for w in self.windows)
-        self.blocks[ev["id"]] = Block(lo, hi, x, ev.get("site"), self.position, in_window)
+        block = Block(lo, hi, x, ev.get("site"), self.position, in_window, pool=ev.get("pool"))
+        if self.capturing is not None:
+            block.captured_pool = self.graph_pool[self.capturing]
+            block.exposed = True
+            if block.pool != block.captured_pool and x == self.graph_stream[self.capturing]:
+                self.foreign[self.capturing].append((line, lo, hi))
+        else:
+            block.exposed = any(op.is_coll and any(not self._done_for_host(op, b) for b in op.bufs)
+                                for op in self.ops)
+        self.blocks[ev["id"]] = block
 
     def _ev_free(self, line, ev):
         block = self.blocks.pop(ev["id"])
-        released = self._graph_released(line, block.lo, block.hi)
+        released = self._graph_released(line, block.lo, block.hi, block.pool, block)
         self._in_flight("free-in-flight", line, block.lo, block.hi, block.stream,
                         skip_streams=block.record_streams, released=released)
         if block.record_streams:
@@ -290,8 +343,9 @@ class RankReference:
         if block.in_window:
             used = any(block.alloc_position < pos and _intersection(block.lo, block.hi, lo, hi)
                        for pos, lo, hi in self.coll_uses)
-            if not used:
-                entry = self.transients[block.site]
+            exposed = block.exposed or any(block.alloc_position < pos for pos in self.coll_issues)
+            if not used and exposed:
+                entry = self.transients[(block.site, block.captured_pool is not None)]
                 entry[0] += 1
                 entry[1] += block.hi - block.lo
         self.position += 1
@@ -351,6 +405,8 @@ class RankReference:
     def _ev_graph_begin(self, line, ev):
         self.capturing = ev["graph"]
         self.graphs[ev["graph"]] = []
+        self.graph_pool[ev["graph"]] = ev.get("pool") or f"graph:{ev['graph']}"
+        self.graph_stream[ev["graph"]] = ev["stream"]
 
     def _ev_graph_end(self, line, ev):
         self.capturing = None
@@ -379,7 +435,7 @@ class RankReference:
         self.windows = [w for w in self.windows if not (w[0] == ev["comm"] and w[1] == ev["addr"])]
 
     def finish(self) -> list[RefFinding]:
-        for site, (count, nbytes) in self.transients.items():
+        for (site, _), (count, nbytes) in self.transients.items():
             self._emit("transient-in-window", site=site, count=count, bytes=nbytes)
         return self.findings
 
