@@ -12,6 +12,10 @@ What is recorded
   * tensors that reach an op or a collective without having been seen (created before capture
     started, on a thread without the mode, by C++ code that bypasses the dispatcher) are adopted
     the first time they are seen, with `op: "adopted"`.
+  * nothing for a storage no allocator gave its memory (not resizable: from_blob, from_dlpack,
+    frombuffer, numpy's memory): a BorrowedBlock, whose ranges are its owner's trace addresses
+    when it lies in a live block (an alias), else its own (docs/capture-details.md, "Storages
+    that are not allocations").
   * `free` when the storage dies: a weakref callback on the UntypedStorage. PyTorch preserves a
     storage's Python object while the C++ StorageImpl lives, so the callback fires exactly when the
     last view, autograd-saved tensor, module buffer or C++ holder (a collective's Work) lets go.

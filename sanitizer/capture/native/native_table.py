@@ -19,7 +19,10 @@ What an event holds, against the dispatch mode's (block_table.py):
     of gets its collective's `coll_done` first (WorkHeldTensors), as before.
 
 Storages the recorder did not see (made before it was installed, or by another allocator) reach
-collectives as before: adopted through the Python path (BlockTable._new), with a weakref free.
+collectives as before: adopted through the Python path (BlockTable._new), with a weakref free;
+one no allocator made (not resizable) is a BorrowedBlock there, at the trace address of the
+recorder's block that holds it (`_holder_addr`: its modelled address when placed in a window).
+A raw pointer (NCCL's ctypes calls) is translated the same way (`resolve`).
 """
 from __future__ import annotations
 
