@@ -105,7 +105,7 @@ test-sglang: $(VENV_SGLANG)/.installed
 	$(call NATIVE_BUILD,$(SGPY))
 	$(SGPY) examples/sglang_e2e/run.py
 	PYTHONPATH=$(CURDIR)/examples/sglang_e2e/cpu_setup $(SGPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_sglang_real.py tests/examples/test_sglang_mhc_package.py \
-		tests/examples/test_sglang_step_tokens.py
+		tests/examples/test_sglang_step_tokens.py tests/verify/test_verify_sglang_real.py
 
 # The reference hazard inside vLLM's decode (examples/vllm_mhc, a vLLM plugin): stock and fixed mHC
 # combine at ngram draft depths 1 to 8, under capture; rewrites reports/vllm-mhc/. About 20 minutes.

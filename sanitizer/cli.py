@@ -16,7 +16,7 @@ import sanitizer.commands as _commands
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 EXIT_CODES = """exit status (every command; `hazsan COMMAND --help` says what its own mean):
   0  clean
-  1  findings (check, run, report), a flagged interval (logscan), a failing scope (scan),
+  1  findings (check, run, report), a flagged interval (logscan), the signature (verify), a failing scope (scan),
      a colliding shape (sweep), the fix not confirmed (compare)
   2  unusable input or arguments; no verdict (check, run: a capture that lost events)
   130 interrupted

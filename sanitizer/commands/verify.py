@@ -90,7 +90,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-requests", type=_positive(int), default=100_000, metavar="N",
                    help="requests sent under load at most (default 100000)")
     p.add_argument("--max-response-bytes", type=_size, default=16 << 20, metavar="N",
-                   help="largest reply read (default 16MiB); a larger one fails its request")
+                   help="largest reply read (default 16MiB; 0: no limit); a larger one fails its request")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--html", metavar="OUT", help="also write an HTML page with the accept length over time")
     p.add_argument("--quiet", action="store_true", help="no live progress on standard error")

@@ -264,8 +264,8 @@ class LogScanner:
         # vLLM: per (file, process prefix), the stats line waiting for its `SpecDecoding metrics`
         # line (None: the last one was broken, so the next spec line's load is unknown).
         self._pending: dict[tuple[str, str], tuple[int, VllmStats] | None] = {}
-        # SGLang: per (file, rank prefix), `#new-seq` of the `Prefill batch` line logged last,
-        # when no `Decode batch` line of that prefix came after it
+        # SGLang: per (file, rank prefix), the `#new-seq` of the `Prefill batch` lines logged since
+        # the last `Decode batch` line of that prefix, summed
         self._admitted: dict[tuple[str, str], int] = {}
 
     def _seen(self, file: str, fmt: str) -> None:
@@ -376,12 +376,15 @@ class LogScanner:
     def _prefill(self, file: str, p: PrefillLine) -> None:
         if len(self._admitted) >= MAX_PENDING:  # hostile input: a new prefix every line
             del self._admitted[next(iter(self._admitted))]
-        self._admitted[(file, p.prefix)] = p.new_seq
+        # prefills in a row (no decode step between them) all admit requests whose first decode
+        # step is the next one: a batch admitted by several prefills (1 then 15) is just as cold
+        key = (file, p.prefix)
+        self._admitted[key] = self._admitted.pop(key, 0) + p.new_seq
 
     def _decode(self, file: str, line_no: int, text: str, d: DecodeLine) -> None:
         r = self.result
         r.decode_lines += 1
-        # Every running request was admitted by the prefill logged right before: this interval
+        # Every running request was admitted by the prefill(s) logged right before: this interval
         # is their first decode step. SGLang's NGRAM puts a request's tokens into its corpus only
         # after its decode steps (ngram_worker.py `_update_ngram_corpus`; prefill is not inserted),
         # so that step has no draft and its accept len is 1 on a healthy server: not the signature.

@@ -264,7 +264,11 @@ class Session:
             budget = max(0.0, budget - (b.ended - b.started))
             result.criterion.baseline, result.baseline_source = self._baseline(b)
         self.criterion = result.criterion
-        if result.stopped is None:
+        base = result.criterion.baseline
+        if base is not None and base <= o.threshold:
+            # the verdict is already "the load cannot show the signature": the load would not change it
+            result.early_stop = f"no load after the baseline: it accepts {base:.2f} <= {o.threshold:.2f} one request at a time"
+        elif result.stopped is None:
             prose_secs = budget / 4 if prose else 0.0
             self._phase(result, "load", load_prompts, concurrency, budget - prose_secs, o.max_requests)
             if prose and result.stopped is None and prose_secs > 0:

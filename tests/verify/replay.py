@@ -119,12 +119,12 @@ class Replay:
             pass
 
 
-def sglang_routes(kind: str = "spec", accept_len=None, metrics=True) -> dict:
+def sglang_routes(kind: str = "spec", accept_len=None, metrics=True, reply: str = "generate_ids.json") -> dict:
     """Recorded SGLang 0.5.23 replies. `accept_len(replay) -> float | None`: the per-request
     spec_accept_length to put in the recorded /generate reply instead of its own (None: as recorded)."""
     info = recorded(kind, "server_info.json")
     models = recorded(kind, "models.json")
-    gen = recorded(kind, "generate_ids.json")
+    gen = recorded(kind, reply)
     page = recorded(kind, "metrics.txt")
     state = {"calls": 0.0}
 

@@ -67,6 +67,19 @@ def test_collapse_under_load_flagged_and_stops_early(capsys):
     assert doc["baseline"] == pytest.approx(2.2857142857142856)  # one at a time: the recorded value
 
 
+def test_baseline_too_low_to_show_the_signature(capsys):
+    # the recorded text-prompt reply: the tiny random model accepts 1.39 tokens a step on it, one
+    # request at a time, with nothing wrong: no verdict (exit 2), and no load after that baseline
+    assert recorded("spec", "generate_text.json")["meta_info"]["spec_accept_length"] == pytest.approx(32 / 23)
+    with Replay(sglang_routes("spec", reply="generate_text.json"), delay=0.02) as server:
+        code, doc = verify(capsys, server.url, "--duration", "20", "--concurrency", "4", "--baseline-requests", "2")
+        posts = server.posts
+    assert code == 2
+    assert doc["text"].startswith("the load cannot show the signature: at one request at a time these prompts "
+                                  "accept only 1.39 tokens a step (<= 2.00)")
+    assert [p["phase"] for p in doc["phases"]] == ["baseline"] and posts == 2 and doc["elapsed_s"] < 10
+
+
 def test_server_without_speculative_decoding(capsys):
     # recorded from SGLang TP=1 without --speculative-algorithm: no spec_* in meta_info, none in /metrics
     assert "spec_accept_length" not in recorded("nospec", "generate_ids.json")["meta_info"]
