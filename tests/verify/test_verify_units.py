@@ -1,22 +1,24 @@
-"""hazsan verify's parts on their own: the recorded SGLang 0.5.23 server info, replies and /metrics
-page read as the real server wrote them; vLLM's (hand-written, modelled on vLLM 0.32's sources);
+"""hazsan verify's parts on their own: the server info, replies, /metrics pages and logs recorded from
+real SGLang 0.5.23 and vLLM 0.32 servers (tests/verify/record_sglang.py, record_vllm.py), read as
+the real servers wrote them;
 the live log follower across a rotation; the prompts; the command's refusals of bad options."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
 import pytest
 
-from replay import Replay, recorded, sglang_routes
+from replay import Replay, recorded, sglang_routes, vllm_routes
 from sanitizer.cli import main
 from sanitizer.logscan import LogScanner
 from sanitizer.verify import prompts
 from sanitizer.verify.load import ProtocolError, parse_reply, request_body
-from sanitizer.verify.observers import LogFollower, MetricsSnapshot, metrics_interval, parse_metrics
-from sanitizer.verify.server import from_sglang_info
+from sanitizer.verify.observers import LogFollower, MetricsSnapshot, metrics_interval, parse_metrics, phase_accept_len
+from sanitizer.verify.server import ServerFacts, from_sglang_info, from_vllm_config
 
 # ------------------------------------------------------------------ recorded SGLang 0.5.23
 
@@ -79,51 +81,39 @@ def test_sglang_gauge_counted_only_when_a_verify_step_happened():
     assert (r.accept_len, r.running) == (1.2, 8)
 
 
-# ------------------------------------------------------------------ vLLM, hand-written
-# Modelled on vLLM 0.32: vllm/v1/spec_decode/metrics.py SpecDecodingProm (counters per engine,
-# labels model_name and engine; per position `position`), vllm/v1/metrics/loggers.py
-# (vllm:num_requests_running), the Prometheus text prometheus_client writes.
-VLLM_PAGE = """\
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{{engine="0",model_name="tiny"}} {running}
-# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{{engine="0",model_name="tiny"}} {drafts}
-# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
-# TYPE vllm:spec_decode_num_draft_tokens_total counter
-vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="tiny"}} {draft_tokens}
-# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
-# TYPE vllm:spec_decode_num_accepted_tokens_total counter
-vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="tiny"}} {accepted}
-# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
-# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="0"}} 0.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="1"}} 0.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="2"}} 0.0
-"""
+# ------------------------------------------------------------------ recorded vLLM 0.32
 
 
-def vllm_routes(accepted_per_draft) -> dict:
-    """A vLLM server (hand-written): /v1/models owned_by "vllm" (vllm/entrypoints/serve/engine/protocol.py
-    ModelCard), no /server_info (dev mode off), /v1/completions, /metrics whose counters grow with
-    the requests answered; `accepted_per_draft(replay)`: accepted tokens per draft (of 3)."""
-    state = {"drafts": 0.0, "accepted": 0.0}
+def test_recorded_vllm_metrics_page():
+    # vllm/v1/spec_decode/metrics.py SpecDecodingProm; vllm/v1/metrics/loggers.py vllm:num_requests_running
+    snap = parse_metrics(recorded("vllm", "metrics.txt"))
+    assert snap.engine == "vllm" and snap.has_spec
+    assert (snap.drafts, snap.draft_tokens, snap.accepted, snap.positions, snap.running) == (188, 457, 253, 3, 0)
+    before = parse_metrics(recorded("vllm", "metrics_before.txt"))
+    assert before.drafts is not None and before.drafts < snap.drafts
+    # vLLM's own PromQL: 1 + d(accepted) / d(drafts)
+    assert phase_accept_len(before, snap) == pytest.approx(1 + (253 - before.accepted) / (188 - before.drafts))
 
-    def completions(replay, body):
-        state["drafts"] += 10
-        state["accepted"] += 10 * accepted_per_draft(replay)
-        return 200, {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
-                     "choices": [{"index": 0, "text": " x", "finish_reason": "length"}],
-                     "usage": {"prompt_tokens": 5, "completion_tokens": body["max_tokens"], "total_tokens": 13}}
 
-    def metrics(replay, body):
-        return 200, VLLM_PAGE.format(running=float(replay.inflight - 1), drafts=state["drafts"],
-                                     draft_tokens=3 * state["drafts"], accepted=state["accepted"])
+def test_recorded_vllm_server_info():
+    # /server_info?config_format=json (vllm/entrypoints/serve/dev/server_info, VLLM_SERVER_DEV_MODE=1)
+    facts = ServerFacts(engine="vllm")
+    from_vllm_config(recorded("vllm", "server_info.json"), facts)
+    assert (facts.speculative, facts.max_accept, facts.max_running, facts.tp_size) == ("ngram", 4, 8, 2)
 
-    return {"GET /v1/models": lambda r, b: (200, {"object": "list", "data": [
-        {"id": "tiny", "object": "model", "owned_by": "vllm", "max_model_len": 256}]}),
-        "POST /v1/completions": completions, "GET /metrics": metrics}
+
+def test_recorded_vllm_log_through_the_follower(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    f = LogFollower(str(log), LogScanner(2.0, 1))
+    f.open()
+    log.write_text(recorded("vllm", "server.log"))
+    got = f.poll()
+    spec_lines = [line for line in recorded("vllm", "server.log").splitlines() if "SpecDecoding metrics" in line]
+    assert len(got) == len(spec_lines) >= 1
+    assert [g.accept_len for g in got] == [float(re.search(r"Mean acceptance length: ([0-9.]+)", line).group(1))
+                                           for line in spec_lines]
+    assert all(g.running is not None for g in got)  # each paired with the stats line before it
 
 
 def run_json(capsys, *argv) -> tuple[int, dict]:
@@ -132,13 +122,16 @@ def run_json(capsys, *argv) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("accepted, expected", [(lambda r: 2.5, 0), (lambda r: 0.0 if r.inflight > 1 else 2.5, 1)])
-def test_vllm_metrics_counters(capsys, accepted, expected):
-    with Replay(vllm_routes(accepted), delay=0.1) as server:
+@pytest.mark.parametrize("dev_mode", [False, True])
+def test_vllm_metrics_counters(capsys, accepted, expected, dev_mode):
+    with Replay(vllm_routes(accepted, dev_mode), delay=0.1) as server:
         code, doc = run_json(capsys, server.url, "--duration", "4", "--concurrency", "3", "--baseline-requests", "2",
                              "--stop-after", "2")
     assert doc["server"]["engine"] == "vllm" and doc["api"] == "completions"
-    # k = 3 from the per-position counters' labels: at most 4 tokens a step
-    assert doc["server"]["max_accept"] == 4 and doc["server"]["depth_source"] == "/metrics per-position counters"
+    # k = 3: from the per-position counters' labels, or the dev-mode config: at most 4 tokens a step
+    assert doc["server"]["max_accept"] == 4
+    assert doc["server"]["depth_source"] == ("/server_info vllm_config.speculative_config.num_speculative_tokens"
+                                             if dev_mode else "/metrics per-position counters")
     assert doc["baseline"] == pytest.approx(3.5) and doc["baseline_source"] == "/metrics counters"
     assert code == expected, doc["text"]
     if expected:
