@@ -10,7 +10,8 @@ examples/tiny_llama.py with its word-level tokenizer) on a free loopback port, s
 each with server_info.json (/get_server_info), generate_text.json and generate_ids.json (/generate),
 completions.json (/v1/completions), chat.json (/v1/chat/completions: status and body, an error
 included), models.json (/v1/models), metrics.txt (/metrics after a concurrent load),
-server.log (SGLang's own log) and record.json (what was sent, versions, timings).
+server.log (SGLang's own log) and record.json (what was sent, versions, timings); the path of the
+repository on this machine written as `<repo>` (scrub).
 
     .venv-sglang/bin/python tests/verify/record_sglang.py [--only spec|nospec] [--out DIR]
 
@@ -53,6 +54,17 @@ def request(base: str, path: str, body: dict | None = None, timeout: float = 300
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def scrub(out: Path) -> None:
+    """This machine's path to the repository, in every recorded file (the model's path in the
+    server info, the metrics' labels, the log), becomes `<repo>`: the repository holds no machine
+    paths (tests/examples/test_demo.py)."""
+    for path in out.iterdir():
+        if path.is_file():
+            text = path.read_text(encoding="utf-8", errors="surrogateescape")
+            if str(ROOT) in text:
+                path.write_text(text.replace(str(ROOT), "<repo>"), encoding="utf-8", errors="surrogateescape")
 
 
 def record(name: str, tp: int, spec: bool, out: Path, model: Path) -> None:
@@ -124,6 +136,7 @@ def record(name: str, tp: int, spec: bool, out: Path, model: Path) -> None:
         "draft_tokens": sglang_e2e.DRAFT_TOKENS if spec else None, "argv": [a if not a.startswith(str(ROOT)) else
                                                                            a.replace(str(ROOT), "<repo>") for a in argv[1:]],
         "text_prompt": TEXT, "ids_prompt": IDS, "sampling": GREEDY, **timings}, indent=1) + "\n")
+    scrub(out)
     print(f"{name}: recorded in {out} ({timings})", flush=True)
 
 

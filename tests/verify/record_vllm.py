@@ -7,7 +7,7 @@ eager, ngram speculative decoding with 3 draft tokens, stats logged every second
 it; verify reads the depth from /metrics when it is off). Writes, as the server gave them:
 models.json, server_info.json (/server_info?config_format=json), completions.json, chat.json,
 metrics_before.txt and metrics.txt (/metrics before and after a concurrent load), server.log,
-record.json.
+record.json; the repository's path on this machine written as `<repo>` (record_sglang.scrub).
 
     .venv-e2e/bin/python tests/verify/record_vllm.py [--out DIR]
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from record_sglang import GREEDY, IDS, TEXT, request  # noqa: E402  (the same prompts, the same calls)
+from record_sglang import GREEDY, IDS, TEXT, request, scrub  # noqa: E402  (the same prompts, the same calls)
 from sglang_server import free_port  # noqa: E402
 
 DATA = HERE / "data" / "vllm-0.32"
@@ -110,6 +110,7 @@ def main(argv=None) -> int:
         "server": "vllm", "version": version, "tp": 2, "speculative": spec,
         "argv": [a.replace(str(ROOT), "<repo>") for a in argv[1:]], "text_prompt": TEXT, "ids_prompt": IDS,
         **timings}, indent=1) + "\n")
+    scrub(out)
     print(f"vllm: recorded in {out} ({timings})", flush=True)
     return 0
 
