@@ -27,9 +27,13 @@ def worker(rank: int, world: int, port: int, fixed: bool, steps: int) -> None:
     group = dist.group.WORLD
     torch.manual_seed(rank)
     w = torch.randn(256, 256) / 16
+    pending = None
+    outputs = []
     for n in range(steps):
         with sanitizer.step(n, phase="decode", tokens=8):
             x = torch.randn(8, 256)
+            # computed while the previous step's all-reduce is in flight, as a serving stack
+            # overlaps them: peers may be writing the window meanwhile
             if fixed:
                 y = torch.tanh(x @ w)                      # transients outside the window
                 with sanitizer.symmetric_scope(group):
@@ -38,7 +42,11 @@ def worker(rank: int, world: int, port: int, fixed: bool, steps: int) -> None:
             else:
                 with sanitizer.symmetric_scope(group):
                     out = torch.tanh(x @ w)                # BUG: x @ w's result lands in the window
-            dist.all_reduce(out)
+            if pending is not None:
+                pending.wait()
+            pending = dist.all_reduce(out, async_op=True)
+            outputs.append(out)    # every output stays referenced: the same window layout on each rank
+    pending.wait()
     dist.destroy_process_group()
 
 

@@ -184,9 +184,14 @@ def test_run_without_command_or_into_used_dir_is_a_usage_error(tmp_path):
 
 def test_run_exit_code_follows_check(tmp_path):
     prog = tmp_path / "p.py"
-    prog.write_text("import torch, sanitizer\n"
+    prog.write_text("import os, tempfile, torch, torch.distributed as dist, sanitizer\n"
+                    "dist.init_process_group('gloo', init_method='file://' + os.path.join(tempfile.mkdtemp(), 'r'),\n"
+                    "                        rank=0, world_size=1)\n"
                     "with sanitizer.symmetric_scope('tp'):\n"
-                    "    t = torch.ones(64) * 2\n")        # a transient in the window, freed: an error
+                    "    t = torch.ones(64) * 2\n"           # a transient in the window, freed: an error,
+                    "    dist.all_reduce(torch.ones(4))\n"  # for a collective runs while it lives
+                    "    del t\n"
+                    "dist.destroy_process_group()\n")
     cmd = [sys.executable, "-m", "sanitizer", "run", "--dir", str(tmp_path / "t"), "--format", "json"]
     out = subprocess.run(cmd + ["--", sys.executable, str(prog)], capture_output=True, text=True, timeout=90)
     assert out.returncode == 1, out.stderr                   # the latent hazard fails at the default --fail-on

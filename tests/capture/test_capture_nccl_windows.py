@@ -186,7 +186,11 @@ def test_a_transient_in_a_fresh_pool_segment_is_judged_in_its_window(tmp_path, e
     reported: set = set()
     segments = PoolSegments(cap, module, reported)
     comm = "pynccl:tp"
-    trace = [{"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": comm}]
+    # the previous layer's all-reduce is in flight (pynccl: no work handle) while the scope's
+    # blocks live: peers may write the window then, which makes a transient there a hazard
+    trace = [{"ev": "coll", "cid": 0, "comm": comm, "seq": 0, "op": "ncclAllReduce", "stream": "cuda:0",
+              "bufs": [{"addr": seg + (1 << 20), "size": 4096, "access": "rw"}]},
+             {"ev": "scope", "name": "symm", "enter": True, "pool": "symm", "comm": comm}]
     for bid, (addr, site) in enumerate([(seg, "mhc.py:10:einsum"), (seg + 4096, "mhc.py:12:out")], 1):
         if early:
             segments.allocated(comm, addr, 4096)     # what memory.BlockTable asks before the alloc
@@ -199,7 +203,7 @@ def test_a_transient_in_a_fresh_pool_segment_is_judged_in_its_window(tmp_path, e
     ctx = types.SimpleNamespace(_hazsan_comm=comm)
     _report_pool_windows(cap, module, ctx, reported)             # scope exit: nothing new if early
     trace += events
-    trace += [{"ev": "coll", "cid": 1, "comm": comm, "seq": 0, "op": "ncclAllReduce", "stream": "cuda:0",
+    trace += [{"ev": "coll", "cid": 1, "comm": comm, "seq": 1, "op": "ncclAllReduce", "stream": "cuda:0",
                "bufs": [{"addr": seg + 4096, "size": 4096, "access": "rw"}]},
               {"ev": "sync"}, {"ev": "free", "id": 2}, {"ev": "end"}]
     kinds = [e["ev"] for e in trace]

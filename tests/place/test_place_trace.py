@@ -106,6 +106,9 @@ def test_symmetric_scope_places_blocks_in_the_window_and_check_sees_transients(t
         {"ev": "alloc", "id": "out", "addr": 9_000_000, "size": 1 * MB, "stream": 0, "pool": "default"},
         {"ev": "alloc", "id": "tmp", "addr": 12_000_000, "size": 3 * MB, "stream": 0, "pool": "default",
          "site": "mhc.py:2743:mhc_combine"},
+        # another group's collective issued while tmp lives: peers may write the window then
+        # (transient-in-window asks for that exposure; its buffers do not matter here)
+        {"ev": "coll", "cid": 0, "comm": "ep", "seq": 0, "op": "all_reduce", "stream": 0, "bufs": []},
         {"ev": "free", "id": "tmp"},
         {"ev": "scope", "name": "symm", "enter": False},
         {"ev": "coll", "cid": 1, "comm": "tp", "seq": 0, "op": "all_reduce", "stream": 0,

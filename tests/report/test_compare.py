@@ -183,6 +183,9 @@ def test_a_transient_in_the_window_keeps_the_fixed_side_unclean_at_every_thresho
     fixed.mkdir()
     ev = rank_trace(0, 20, (), world=1)
     ev[1:1] = [{"ev": "window", "addr": 1 << 20, "size": 1 << 20, "comm": "tp"}]
+    # the transients are allocated while an all-reduce is in flight: peers may write the window
+    ev += [{"ev": "coll", "cid": 999, "comm": "tp", "seq": 999, "op": "all_reduce", "stream": "comm",
+            "bufs": [{"addr": 8192, "size": 2048, "access": "rw"}]}]
     ev += [{"ev": "alloc", "id": f"t{i}", "addr": (1 << 20) + 4096 * i, "size": 4096, "stream": "s0", "pool": "symm",
             "site": "mhc.py:10:hc_pre"} for i in range(3)]
     ev += [{"ev": "free", "id": f"t{i}"} for i in range(3)]
