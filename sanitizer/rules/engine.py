@@ -45,7 +45,14 @@ with it (buildinfo.COMPILED), is in a module of its own:
   ranks round-robin, so pending matches stay bounded by how far ranks drift apart (the
   CollectiveMatcher, sanitizer.rules.matcher).
 * Captured ops (between graph_begin and graph_end) neither run nor tick clocks; every
-  graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved.
+  graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved, per
+  private pool: an allocation from the graph's pool or during a capture into it may take them
+  (graphs of one pool replay one at a time), anything else is graph-buffer-released
+  (_shares_pool). Blocks a capture takes from another pool (the window pool under SGLang's
+  paused graph pool) are reserved for the graph too (Graph.foreign).
+* transient-in-window also asks that the block was exposed to a collective: one not done for the
+  host at its alloc (InFlightTable.colls, or a window buffer waiting for its successor), one
+  issued before its free (colls_issued), or a capture took it (LiveBlock.colls_seen).
 * A listener (`listen`, sanitizer.rules.completions) learns when each op becomes done for the
   host, by the same clocks and the same peer-completion rule: the HTML report and the Perfetto
   export draw from it and run no clocks of their own. Without one it costs a comparison.
