@@ -76,7 +76,8 @@ $(VENV_E2E)/.installed: pyproject.toml examples/vllm_mhc/pyproject.toml $(ENGINE
 test-e2e: $(VENV_E2E)/.installed
 	$(call NATIVE_BUILD,$(E2EPY))
 	$(E2EPY) examples/vllm_e2e/run.py
-	$(E2EPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_vllm_hooks.py tests/examples/test_vllm_mhc_plugin.py
+	$(E2EPY) -m pytest -q -p no:cacheprovider tests/capture/test_capture_vllm_hooks.py tests/examples/test_vllm_mhc_plugin.py \
+		tests/verify/test_verify_vllm_real.py
 
 # `make test-sglang` (opt-in, like test-e2e): real SGLang 0.5.23 serving on CPU under capture, in a
 # venv of its own, .venv-sglang. The wheel pins torch==2.14.1: it is installed --no-deps, then its
