@@ -45,7 +45,9 @@ with it (buildinfo.COMPILED), is in a module of its own:
   ranks round-robin, so pending matches stay bounded by how far ranks drift apart (the
   CollectiveMatcher, sanitizer.rules.matcher).
 * Captured ops (between graph_begin and graph_end) neither run nor tick clocks; every
-  graph_replay enqueues them again. From graph_end to graph_free their buffers are reserved, per
+  graph_replay enqueues them again: those captured on another stream than the graph's on a lane
+  of their own (replay_lane), forked from the replay stream and joined back, ordered in between
+  by the record/wait captured with them (Graph.ordering). From graph_end to graph_free their buffers are reserved, per
   private pool: an allocation from the graph's pool or during a capture into it may take them
   (graphs of one pool replay one at a time), anything else is graph-buffer-released
   (_shares_pool). Blocks a capture takes from another pool (the window pool under SGLang's
@@ -605,7 +607,9 @@ class RankAnalyzer:
         else:  # compiled: from their slots (kinds.slots_of)
             event = hazsan_slot(ev, at[0])
             stream = hazsan_slot(ev, at[1])
-        if not self.capturing:
+        if self.capturing:
+            self._capture_ordering(False, event, stream)
+        else:
             self.clocks.record(event, stream)
 
     def on_wait(self, ev, line, at=None):
@@ -615,7 +619,9 @@ class RankAnalyzer:
         else:  # compiled: from their slots (kinds.slots_of)
             event = hazsan_slot(ev, at[0])
             stream = hazsan_slot(ev, at[1])
-        if not self.capturing and not self.clocks.wait(stream, event):
+        if self.capturing:
+            self._capture_ordering(True, event, stream)
+        elif not self.clocks.wait(stream, event):
             self.unrecorded_waits += 1
 
     def on_sync(self, ev, line):
@@ -652,6 +658,14 @@ class RankAnalyzer:
     def _capture(self, op: Op, stream) -> None:
         self._capturing_graph(stream).ops.append(op)
 
+    def _capture_ordering(self, is_wait, event, stream) -> None:
+        """A `record` or `wait` during a capture: an edge between the graph's own streams, run at
+        every replay between the ops captured around it (on_graph_replay)."""
+        g = self._capturing_graph(stream)
+        if g.ordering is None:
+            g.ordering = []
+        g.ordering.append((len(g.ops), is_wait, event, stream))
+
     def on_graph_begin(self, ev, line):
         gid = ev.graph
         stream = ev.stream
@@ -683,6 +697,21 @@ class RankAnalyzer:
                 op = new_op("launch", g.stream, [(block.addr, block.end, WRITE)], block.line, block.step, block.ev)
                 g.foreign_reserved.add(block.addr, block.end, op)
                 every.add(block.addr, block.end, g)
+        side = None
+        for op in g.ops:
+            if op.stream != g.stream:
+                if side is None:
+                    side = []
+                if op.stream not in side:
+                    side.append(op.stream)
+        if g.ordering is not None:
+            for _, _, _, s in g.ordering:
+                if s != g.stream:
+                    if side is None:
+                        side = []
+                    if s not in side:
+                        side.append(s)
+        g.side_streams = side
         self.graphs_made_live += 1
         g.ordinal = self.graphs_made_live
         self.live_graphs.append(g)
@@ -693,8 +722,27 @@ class RankAnalyzer:
         g = self.graphs.get(gid)
         if g is None or not g.live:
             raise Malformed(f"graph_replay of graph {gid!r}, which is not a captured, live graph")
-        for op in g.ops:
-            replay = op.replay(stream, line, self.step)
+        clocks = self.clocks
+        lanes = None
+        if g.side_streams is not None:
+            # A replay is one launch on `stream`: the graph's first nodes follow what `stream` did
+            # before, and what `stream` does next follows all of it. Inside, each captured stream
+            # is a lane of its own, ordered only by the record/wait captured between them
+            # (docs/ordering-and-rules.md, "CUDA graphs").
+            lanes = {g.stream: stream}
+            clocks.record(_FORK, stream)
+            for s in g.side_streams:
+                lane = replay_lane(s, stream)
+                lanes[s] = lane
+                clocks.wait(lane, _FORK)
+        ordering = g.ordering
+        k = 0
+        n = 0 if ordering is None else len(ordering)
+        for i, op in enumerate(g.ops):
+            while k < n and ordering[k][0] <= i:
+                self._replay_ordering(g, ordering[k], lanes, stream)
+                k += 1
+            replay = op.replay(stream if lanes is None else lanes[op.stream], line, self.step)
             if replay.kind == "coll":
                 self.colls_issued += 1
                 if self.window_blocks.mark_coll_touched((*replay.bufs, *replay.window_bufs), self.allocs):
@@ -705,6 +753,24 @@ class RankAnalyzer:
                 replay.bufs = [*replay.bufs, *replay.window_bufs]
                 replay.window_bufs = ()
             self._enqueue(replay)
+        while k < n:
+            self._replay_ordering(g, ordering[k], lanes, stream)
+            k += 1
+        if lanes is not None:
+            for s in g.side_streams:
+                clocks.record(_JOIN, lanes[s])
+                clocks.wait(stream, _JOIN)
+
+    def _replay_ordering(self, g, item, lanes, stream) -> None:
+        """A captured record/wait at replay, on the lanes of its streams; its event is the
+        graph's own (an event recorded inside a capture is a node of that graph)."""
+        _, is_wait, event, s = item
+        lane = stream if lanes is None else lanes[s]
+        key = (g.id, event)
+        if is_wait:
+            self.clocks.wait(lane, key)
+        else:
+            self.clocks.record(key, lane)
 
     def on_graph_free(self, ev, line):
         gid = ev.graph
@@ -760,6 +826,18 @@ class RankAnalyzer:
 
     def finish(self) -> None:
         self.window_blocks.finish(self.sink)
+
+
+#: the events a replay forks its lanes from the replay stream with, and joins them back with
+_FORK = ("graph replay", "fork")
+_JOIN = ("graph replay", "join")
+
+
+def replay_lane(captured_stream, replay_stream):
+    """The stream that work captured on `captured_stream`, a side stream of a graph, runs on when
+    the graph is replayed on `replay_stream`. A lane per (replay stream, captured stream): graphs
+    replayed on one stream run one after the other, so their lanes may be shared."""
+    return f"{captured_stream}@replay-on:{replay_stream}"
 
 
 def _ordinal(g):

@@ -24,7 +24,7 @@ cdef class Window:
 
 
 cdef class Graph:
-    cdef public object id, stream, ops, line, reserved, pool, foreign, foreign_reserved
+    cdef public object id, stream, ops, line, reserved, pool, foreign, foreign_reserved, ordering, side_streams
     cdef public bint live
     cdef public Py_ssize_t ordinal
 

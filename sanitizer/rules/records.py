@@ -165,7 +165,7 @@ class Graph:
     asked only where no captured op of the graph covers the range."""
 
     __slots__ = ("id", "stream", "ops", "live", "line", "reserved", "ordinal", "pool", "foreign",
-                 "foreign_reserved")
+                 "foreign_reserved", "ordering", "side_streams")
 
     def __init__(self, gid, stream, line, pool):
         self.id, self.stream, self.line, self.pool = gid, stream, line, pool
@@ -175,6 +175,12 @@ class Graph:
         self.ordinal = 0  # graphs made live before it, once live (RankAnalyzer.live_graphs' order)
         self.foreign = None  # list of LiveBlock allocated during capture from another pool (None: none)
         self.foreign_reserved = None  # RangeIndex of their ranges, once live (None: none)
+        # the `record`/`wait` captured with its ops: (ops captured before it, is a wait, event,
+        # stream), in capture order (None: none). A replay runs them between its ops.
+        self.ordering = None
+        # the captured streams other than `stream`, once live (None: every op on `stream`): each
+        # is a lane of its own at replay, forked from the replay stream and joined back at the end
+        self.side_streams = None
 
 
 def widen(hits, op, lo, hi) -> None:

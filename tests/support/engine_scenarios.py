@@ -193,8 +193,23 @@ class RankTraceBuilder:
             # one private pool shared by graphs (SGLang's decode graphs), or the graph's own
             pool = self.draw(st.sampled_from(["graph-pool", None]))
             emit({"ev": "graph_begin", "graph": graph, "stream": stream, **({"pool": pool} if pool else {})})
+            forked = set()   # side streams that waited on the capture stream (a fork)
             for _ in range(self.draw(st.integers(1, 3))):
-                what = self.draw(st.sampled_from(["coll", "launch", "alloc", "free"]))
+                what = self.draw(st.sampled_from(["coll", "launch", "alloc", "free", "side"]))
+                if what == "side":
+                    # work on another stream inside the capture (DeepSeek's shared-expert stream):
+                    # forked by a wait on an event the capture stream records, or not ordered at
+                    # all; joined back or left for the replay's end to join (issue 50, item 6)
+                    side = self.draw(st.sampled_from([x for x in self.streams if x != stream] or [stream]))
+                    if side not in forked and self.draw(st.booleans()):
+                        emit({"ev": "record", "event": f"{graph}-fork", "stream": stream})
+                        emit({"ev": "wait", "event": f"{graph}-fork", "stream": side})
+                        forked.add(side)
+                    emit(self.launch(side))
+                    if self.draw(st.booleans()):
+                        emit({"ev": "record", "event": f"{graph}-join", "stream": side})
+                        emit({"ev": "wait", "event": f"{graph}-join", "stream": stream})
+                    continue
                 if what == "alloc":  # from the graph's pool, or the window pool (SGLang's paused scope)
                     addr, size = self.range_anywhere()
                     emit({"ev": "alloc", "id": self.next_id, "addr": addr, "size": size, "stream": stream,

@@ -10,9 +10,12 @@ them, buffer by buffer, and recomputes "done" from the vector clocks.
 Decisions taken where the contract was silent (now in docs/ordering-and-rules.md; agreed with the lead, see the issue-2 report):
 - One finding per (triggering event, op instance) pair, however many buffers overlap; its
   `overlap` spans the lowest lo to the highest hi of the hazardous intersections.
-- A graph replay enqueues every captured launch/coll again on the replay stream, in capture order,
-  one clock tick each; each instance's op line is the `graph_replay` line. Captured ops do not run
-  at capture time and are not checked then.
+- A graph replay enqueues every captured launch/coll again, in capture order, one clock tick each;
+  each instance's op line is the `graph_replay` line. Captured ops do not run at capture time and
+  are not checked then. Work captured on the capture stream runs on the replay stream; work
+  captured on another stream runs on a lane of its own per (replay stream, captured stream),
+  which starts after what the replay stream had done and which the replay stream waits for at
+  the end; in between, only the `record`/`wait` captured with the ops order the lanes (issue 50).
 - `graph-buffer-released` names the captured `launch`/`coll` line as its op line; for that event
   and that captured op (and all its replays) no free-in-flight / reuse-in-flight is reported.
 - Strict peer completion (`successor`) applies, per buffer, wherever "done" is asked: a coll's
@@ -109,6 +112,14 @@ class Op:
 class CapturedOp:
     line: int
     raw: dict
+
+
+@dataclass
+class CapturedOrdering:
+    """A `record` or `wait` during a capture: run at every replay, on its stream's lane."""
+    is_wait: bool
+    event: object
+    stream: object
 
 
 @dataclass
@@ -232,6 +243,8 @@ class RankReference:
             gpool = self.graph_pool[graph]
             found = []
             for cap in self.graphs[graph]:
+                if not isinstance(cap, CapturedOp):
+                    continue
                 hits = [_intersection(lo, hi, b.lo, b.hi) for b in _bufs_of(cap.raw)]
                 hits = [h for h in hits if h]
                 if hits:
@@ -387,11 +400,17 @@ class RankReference:
         self.host = _join(self.host, self.coll_clock[ev["cid"]])
 
     def _ev_record(self, line, ev):
+        if self.capturing is not None:
+            self.graphs[self.capturing].append(CapturedOrdering(False, ev["event"], ev["stream"]))
+            return
         self.event_clock[ev["event"]] = _join(self.stream_clock[ev["stream"]], self.host)
 
     def _ev_wait(self, line, ev):
+        if self.capturing is not None:
+            self.graphs[self.capturing].append(CapturedOrdering(True, ev["event"], ev["stream"]))
+            return
         s = ev["stream"]
-        self.stream_clock[s] = _join(self.stream_clock[s], self.event_clock[ev["event"]])
+        self.stream_clock[s] = _join(self.stream_clock[s], self.event_clock.get(ev["event"], {}))
 
     def _ev_sync(self, line, ev):
         if ev.get("stream") is not None:
@@ -413,12 +432,35 @@ class RankReference:
         self.live_graphs.add(ev["graph"])
 
     def _ev_graph_replay(self, line, ev):
-        graph = ev["graph"]
-        for cap in self.graphs[graph]:
-            raw = cap.raw
+        # A replay is one launch on its stream; inside, each captured stream other than the
+        # capture stream is a lane of its own (per replay stream), forked from the replay stream
+        # at the start, ordered by the captured record/wait only, joined back at the end.
+        graph, replay_stream = ev["graph"], ev["stream"]
+        origin = self.graph_stream[graph]
+        items = self.graphs[graph]
+        lane = {origin: replay_stream}
+        for item in items:
+            s = item.raw["stream"] if isinstance(item, CapturedOp) else item.stream
+            if s not in lane:
+                lane[s] = f"{s}@replay-on:{replay_stream}"
+                self.stream_clock[lane[s]] = _join(self.stream_clock[lane[s]],
+                                                   _join(self.stream_clock[replay_stream], self.host))
+        for item in items:
+            if isinstance(item, CapturedOrdering):
+                key = (graph, item.event)
+                if item.is_wait:
+                    s = lane[item.stream]
+                    self.stream_clock[s] = _join(self.stream_clock[s], self.event_clock.get(key, {}))
+                else:
+                    self.event_clock[key] = _join(self.stream_clock[lane[item.stream]], self.host)
+                continue
+            raw = item.raw
             is_coll = raw["ev"] == "coll"
-            self._enqueue(line, ev["stream"], _bufs_of(raw), is_coll=is_coll,
-                          comm=raw.get("comm"), seq=raw.get("seq"), captured=(graph, cap.line))
+            self._enqueue(line, lane[raw["stream"]], _bufs_of(raw), is_coll=is_coll,
+                          comm=raw.get("comm"), seq=raw.get("seq"), captured=(graph, item.line))
+        for s in lane.values():
+            if s != replay_stream:
+                self.stream_clock[replay_stream] = _join(self.stream_clock[replay_stream], self.stream_clock[s])
 
     def _ev_graph_free(self, line, ev):
         self.live_graphs.discard(ev["graph"])
