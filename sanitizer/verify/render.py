@@ -150,7 +150,7 @@ def plot_png(r: Result) -> bytes | None:
         ax2.plot([t for t, _ in running], [n for _, n in running], "-", color="#bbbbbb", linewidth=0.8)
         ax2.set_ylabel("running requests (grey)")
         ax2.set_ylim(bottom=0)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=8)  # below: never over the points
     ax.set_title(f"hazsan verify: {r.verdict.headline.lower()}")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")

@@ -299,10 +299,9 @@ class Session:
         from statistics import median
         with self._lock:
             mine = [s for s in self.samples if s.phase == "baseline"]
-        for src in ("request",):
-            xs = [s.accept_len for s in mine if s.source == src]
-            if xs:
-                return median(xs), "per request"
+        per_request = [s.accept_len for s in mine if s.source == "request"]
+        if per_request:
+            return median(per_request), "per request"
         if phase.metrics_accept_len is not None:
             return phase.metrics_accept_len, "/metrics counters"
         for src in ("metrics", "log"):
