@@ -271,7 +271,8 @@ class Session:
         elif result.stopped is None:
             prose_secs = budget / 4 if prose else 0.0
             self._phase(result, "load", load_prompts, concurrency, budget - prose_secs, o.max_requests)
-            if prose and result.stopped is None and prose_secs > 0:
+            # content's effect on acceptance is context for a verdict still open, not after a certain one
+            if prose and result.stopped is None and result.early_stop is None and prose_secs > 0:
                 self._phase(result, "prose", prose, concurrency, prose_secs, o.max_requests)
         result.samples = sorted(self.samples, key=lambda s: s.t)
         result.records = list(self.records)

@@ -213,3 +213,27 @@ def test_completions_api_on_sglang(capsys, gauge, expected):
     row = doc["by_source"]["metrics"]
     assert row["min"] == (gauge if gauge is not None else 2.0)
     assert (row["flagged"] > 0) == (expected == 1)
+
+
+def test_prose_class_shown_not_judged(capsys):
+    # prose prompts (the shipped class) answered with the recorded reply, its spec_accept_length set
+    # to 1.5 (what reasoning prose accepts; hand-made): shown beside the code load, never a signature
+    from sanitizer.verify.prompts import builtin
+    prose_texts = {p.text for p in builtin("prose")}
+    routes = sglang_routes("spec")
+    generate = routes["POST /generate"]
+
+    def by_content(replay, body):
+        status, reply = generate(replay, body)
+        if body.get("text") in prose_texts:
+            reply["meta_info"]["spec_accept_length"] = 1.5
+        return status, reply
+
+    routes["POST /generate"] = by_content
+    with Replay(routes, delay=0.05) as server:
+        code, doc = verify(capsys, server.url, "--duration", "6", "--concurrency", "3", "--baseline-requests", "1",
+                           "--prose")
+    assert [p["phase"] for p in doc["phases"]] == ["baseline", "load", "prose"]
+    prose = [s["accept_len"] for s in doc["samples"] if s["phase"] == "prose" and s["source"] == "request"]
+    assert prose and set(prose) == {1.5}
+    assert code == 0 and doc["flagged"] == 0, doc["text"]
