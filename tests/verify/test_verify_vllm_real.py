@@ -92,3 +92,27 @@ def test_vllm_mhc_fixed_clean(work, model_and_prompts):
     check_facts(doc)
     assert code == 0, doc["text"]
     assert doc["elapsed_s"] < 180
+
+
+def test_vllm_tiny_random_model_not_flagged(work):
+    """A correct server whose acceptance is low (the tiny random Llama, its token-id prompts): not flagged."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import tiny_llama
+    model = work / "tiny-llama"
+    tiny_llama.make_model(model, tokenizer=True)
+    prompts = work / "tiny-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in tiny_llama.prompts(8)))
+    out = work / "tiny"
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--enforce-eager",
+            "--max-model-len", "256", "--dtype", "float32", "--seed", "0", "--max-num-seqs", "8",
+            *vllm_server.spec_args(3)]
+    with vllm_server.launch(model, args, vllm_server.env(work), out) as (base, log, _):
+        t = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "sanitizer", "verify", base, "--log", str(log), "--prompts",
+                               str(prompts), "--format", "json", "--quiet", "--max-tokens", "48", "--duration", "40",
+                               "--poll", "1"], capture_output=True, text=True, timeout=300)
+    doc = json.loads(proc.stdout)
+    print(f"vllm tiny: exit {proc.returncode} in {time.monotonic() - t:.0f} s: {doc['text']}")
+    assert proc.returncode != 1, doc["text"]
+    assert doc["server"]["max_accept"] == 4
