@@ -21,6 +21,7 @@ cdef class RankAnalyzer:
     cdef public SuccessorWaitsType successor_waits
     cdef public WindowBlocksType window_blocks
     cdef public dict live, pending_free, colls_in_flight, graphs, handlers
+    cdef public list observed_ops
     cdef public RangeIndex live_ranges, graph_index
     cdef public Py_ssize_t graphs_made_live
     cdef public list capturing, live_graphs
@@ -37,6 +38,10 @@ cdef class RankAnalyzer:
     cpdef on_coll(self, object ev, Py_ssize_t line, tuple at=*)
     cpdef on_sync(self, object ev, Py_ssize_t line)
     cpdef on_coll_done(self, object ev, Py_ssize_t line)
+    @cython.locals(op=OpType)
+    cpdef _observed(self, object cid)
+    @cython.locals(host=dict, keep=list, op=OpType, lo=cython.longlong, hi=cython.longlong)
+    cpdef _release_observed(self, long long addr, long long end)
     cpdef on_step(self, object ev, Py_ssize_t line)
     cpdef on_record(self, object ev, Py_ssize_t line, tuple at=*)
     cpdef on_wait(self, object ev, Py_ssize_t line, tuple at=*)

@@ -132,6 +132,9 @@ class RankAnalyzer:
         self.window_blocks = WindowBlocks()
         self.pending_free = {}  # block id -> clocks its record_stream streams had at the free
         self.colls_in_flight = {}  # cid -> Op
+        # collectives an observed coll_done retired for the free rules while the program has not
+        # synchronised with them: a free after the observation releases their buffers in it
+        self.observed_ops = []
         self.cids = SeenIds()
         self.graphs = {}
         self.capturing = []
@@ -391,6 +394,8 @@ class RankAnalyzer:
             for op, ov in hits.items():
                 if (graph_ops and op.captured in graph_ops) or (shared and op.captured in shared):
                     continue
+                if op.observed:
+                    continue  # seen finished: its memory is free, whatever the program knows
                 self._report("reuse-in-flight", line, block, op, ov)
         self.live[bid] = block
         self.allocs += 1
@@ -417,7 +422,11 @@ class RankAnalyzer:
             for op, ov in hits.items():
                 if (graph_ops and op.captured in graph_ops) or (shared and op.captured in shared):
                     continue
+                if op.observed:
+                    continue  # seen finished: nothing of it reads or writes the block any more
                 self._report("free-in-flight", line, block, op, ov)
+        if self.observed_ops:
+            self._release_observed(addr, end)
         if protected is not None:
             # Until free_done the allocator holds the block; then the host knows these streams
             # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
@@ -591,6 +600,9 @@ class RankAnalyzer:
 
     def on_coll_done(self, ev, line):
         cid = ev.cid
+        if ev.observed:
+            self._observed(cid)
+            return
         op = self.colls_in_flight.pop(cid, None)
         if op is None:
             if cid in self.cids:
@@ -599,6 +611,43 @@ class RankAnalyzer:
         changed = self.clocks.host_learns(op.clock)
         if changed is not None:
             self._retire(changed)
+
+    def _observed(self, cid) -> None:
+        """Capture saw collective `cid` finish; the program did not wait for it (docs/ordering-and-
+        rules.md, "Observed completion"). Its memory is done with: no free or reuse of its buffers
+        is in flight from now on. The host learns nothing: an access is ordered after it only by
+        a later wait, barrier, event or synchronize of the program, or the verdict would depend on
+        which of the two finished first in this run. It stays in flight for accesses until then."""
+        op = self.colls_in_flight.get(cid)
+        if op is None:
+            if cid in self.cids:
+                return  # already done for the host, or captured in a graph
+            raise Malformed(f"coll_done of unknown cid {cid!r}")
+        if op.observed or op.window_bufs:
+            # (successor mode: its window buffers wait for peers, whom a local look says nothing of)
+            return
+        op.observed = True
+        if op.bufs:
+            self.inflight.colls -= 1  # no longer exposes a window transient (it writes nothing now)
+            self.observed_ops.append(op)
+
+    def _release_observed(self, addr, end) -> None:
+        """A block [addr, end) was freed: the buffers in it of the collectives seen finished are
+        the old block's, and no access to what is allocated there next conflicts with them. Those
+        the program has since synchronised with (done for the host) leave the list."""
+        host = self.clocks.host
+        keep = []
+        for op in self.observed_ops:
+            if host.get(op.stream, 0) >= op.epoch:
+                continue
+            keep.append(op)
+            for lo, hi, _ in op.bufs:
+                if lo < end and addr < hi:
+                    if op.released is None:
+                        op.released = []
+                    op.released.append((addr, end))
+                    break
+        self.observed_ops = keep
 
     def on_record(self, ev, line, at=None):
         if at is None:

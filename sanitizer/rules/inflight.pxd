@@ -85,4 +85,7 @@ cdef class InFlightTable:
     cpdef narrow_index(self)
 
 
+@cython.locals(rlo=cython.longlong, rhi=cython.longlong)
+cpdef bint overlaps_any(list ranges, long long lo, long long hi)
+
 cpdef object known_by_recorded(StreamClocks clocks, object protected, object s, object known)

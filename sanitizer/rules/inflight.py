@@ -335,10 +335,12 @@ class InFlightTable:
                 op = key[4]
                 if op.epoch <= known:
                     continue
-                if hits is None:
-                    hits = {}
                 blo = key[0]
                 bhi = key[2]
+                if op.released is not None and overlaps_any(op.released, blo, bhi):
+                    continue  # an observed op's buffer in a block freed since: not its memory now
+                if hits is None:
+                    hits = {}
                 widen(hits, op, max(lo, blo), min(hi, bhi))
         return hits
 
@@ -411,7 +413,7 @@ class InFlightTable:
             known = host.get(s, 0)
             if known:
                 for op in fl.retire_upto(known):
-                    if op.cid is not None:
+                    if op.cid is not None and not op.observed:  # (an observed one left at its observation)
                         self.colls -= 1
                     if op.clock is not None:
                         colls_in_flight.pop(op.cid, None)
@@ -445,6 +447,14 @@ class InFlightTable:
             for i in range(fl.start, len(ops)):
                 ops[i].wide_serial = 0
         self.wide = None
+
+
+def overlaps_any(ranges, lo, hi) -> bool:
+    """Whether [lo, hi) overlaps one of `ranges` ([(lo, hi)])."""
+    for rlo, rhi in ranges:
+        if rlo < hi and lo < rhi:
+            return True
+    return False
 
 
 def _entered(item):

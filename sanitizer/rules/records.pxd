@@ -12,7 +12,9 @@ cdef class LiveBlock:
 
 cdef class Op:
     cdef public object kind, stream, bufs, step, ev, cid, comm, seq, clock, captured, window_bufs, index_keys, succ_keys
+    cdef public object released
     cdef public long long epoch, wide_serial
+    cdef public bint observed
     cdef public Py_ssize_t line
 
     cpdef list buffers(self)

@@ -77,6 +77,8 @@ def new_op(kind, stream, bufs, line, step, ev):
     op.index_keys = None
     op.wide_serial = 0
     op.succ_keys = None
+    op.observed = False
+    op.released = None
     return op
 
 
@@ -86,7 +88,8 @@ class Op:
     `buffers()` makes them."""
 
     __slots__ = ("kind", "stream", "epoch", "bufs", "line", "step", "ev", "cid", "comm", "seq",
-                 "clock", "captured", "window_bufs", "index_keys", "wide_serial", "succ_keys")
+                 "clock", "captured", "window_bufs", "index_keys", "wide_serial", "succ_keys", "observed",
+                 "released")
 
     def __init__(self, kind, stream, bufs, line, step, ev):
         self.kind = kind
@@ -103,6 +106,12 @@ class Op:
         self.index_keys = None  # its entries in its stream's BufferIndex while in flight (inflight.py)
         self.wide_serial = 0  # the serial of its first entry in InFlightTable.wide while there (0: none)
         self.succ_keys = None  # successor mode: its window buffers' entries in SuccessorWaits.index
+        # an observed `coll_done` (capture saw it finish, the program did not wait): done for the
+        # free rules, still unordered for accesses (docs/ordering-and-rules.md, "Observed completion")
+        self.observed = False
+        # once observed: the ranges of the blocks freed since; a buffer overlapping one is the
+        # old block's, gone with it, and no longer conflicts with an access (None: none)
+        self.released = None
 
     def buffers(self) -> list:
         """(lo, hi, access) of every buffer. A launch's are made from its event at the first
@@ -128,6 +137,8 @@ class Op:
         op.index_keys = None
         op.wide_serial = 0
         op.succ_keys = None
+        op.observed = False
+        op.released = None
         return op
 
     @property

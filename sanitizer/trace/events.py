@@ -129,6 +129,9 @@ class Coll(Event, tag="coll"):
 
 class CollDone(Event, tag="coll_done"):
     cid: Key
+    # true: capture's own observation of the collective's end, not the program's wait: it retires
+    # the collective for the free rules only (docs/ordering-and-rules.md, "Observed completion")
+    observed: Optional[bool] = None
 
 
 class Record(Event, tag="record"):

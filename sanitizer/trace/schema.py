@@ -23,7 +23,8 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     "record_stream": frozenset({"id", "stream"}),
     "launch": frozenset({"stream", "reads", "writes"}),
     "coll": frozenset({"cid", "comm", "seq", "op", "stream", "bufs"}),
-    "coll_done": frozenset({"cid"}),
+    # observed: capture saw it finish, the program did not wait (docs/ordering-and-rules.md)
+    "coll_done": frozenset({"cid", "observed"}),
     "record": frozenset({"event", "stream"}),
     "wait": frozenset({"event", "stream"}),
     "sync": frozenset({"stream", "event"}),

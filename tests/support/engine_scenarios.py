@@ -124,7 +124,7 @@ class RankTraceBuilder:
         if self.recorded:
             kinds += ["wait"] * 2
         if self.open_cids:
-            kinds += ["coll_done"]
+            kinds += ["coll_done", "coll_observed"]
         if self.live_graphs:
             kinds += ["replay"] * 2 + ["graph_free"]
         kinds += ["window_free" if self.live_windows else "window"]
@@ -167,6 +167,10 @@ class RankTraceBuilder:
             cid = self.draw(st.sampled_from(self.open_cids))
             self.open_cids.remove(cid)
             emit({"ev": "coll_done", "cid": cid})
+        elif kind == "coll_observed":
+            # capture saw it finish (issue 54): the cid stays open, as the program may wait it later
+            cid = self.draw(st.sampled_from(self.open_cids))
+            emit({"ev": "coll_done", "cid": cid, "observed": True})
         elif kind == "record":
             event = self.draw(st.sampled_from(["e0", "e1", "e2"]))
             self.recorded.add(event)
@@ -416,6 +420,8 @@ def many_streams(seed: int, n_streams: int, n_events: int) -> list:
             events.append({"ev": "sync", "event": rng.choice(recorded)})
         elif r < 0.9:
             events.append({"ev": "sync"})
-        elif r < 0.95 and open_cids:
+        elif r < 0.93 and open_cids:
             events.append({"ev": "coll_done", "cid": open_cids.pop(rng.randrange(len(open_cids)))})
+        elif r < 0.95 and open_cids:   # capture saw one finish; the program may still wait it
+            events.append({"ev": "coll_done", "cid": open_cids[rng.randrange(len(open_cids))], "observed": True})
     return events

@@ -28,7 +28,13 @@ Decisions taken where the contract was silent (now in docs/ordering-and-rules.md
 - `record_stream` to the block's own stream is a no-op, as in PyTorch. At the free, ops on a
   `record_stream` stream R and ops done for R are not in flight for it.
 - `free_done` merges into the host clock the clocks the record_stream streams had at the free.
-- `coll_done` merges the clock the coll's stream had right after enqueuing it.
+- `coll_done` merges the clock the coll's stream had right after enqueuing it. An `observed` one
+  (capture saw the collective finish, the program did not wait) merges nothing: the collective is
+  then done for free-in-flight and reuse-in-flight (and exposes no window transient), never for an
+  access; a block freed after it takes the collective's buffers that overlap it along (an access
+  to what is allocated there next does not conflict with them). Under `successor`, a collective
+  with a buffer in its own window is not retired by an observation (its peers are not observed).
+  A `coll_done` without `observed` after an observed one merges as ever (issue 54).
 - `transient-in-window`: a block that overlapped a live window at some moment of its life (at its
   alloc, or when a window was registered over it: SGLang registers the pool segment as a window
   when the scope exits), freed, with no coll buffer (a coll line, captured or not, or a replayed
@@ -106,6 +112,7 @@ class Op:
     comm: object = None
     seq: object = None
     captured: tuple | None = None  # (graph, captured line) for replays
+    observed: bool = False  # an observed coll_done: done for the free rules only
 
 
 @dataclass
@@ -185,6 +192,7 @@ class RankReference:
         self.host: dict = {}
         self.event_clock: dict = {}
         self.coll_clock: dict = {}
+        self.coll_op: dict = {}          # cid -> its Op (observed coll_done)
         self.ops: list[Op] = []
         self.blocks: dict = {}
         self.pending_free: dict = {}     # id -> list of stream clocks at the free
@@ -267,7 +275,7 @@ class RankReference:
 
     def _in_flight(self, rule, line, lo, hi, x, *, skip_streams=(), released=frozenset()):
         for op in self.ops:
-            if op.captured in released or op.stream in skip_streams:
+            if op.captured in released or op.stream in skip_streams or op.observed:
                 continue
             # docs/ordering-and-rules.md, "record_stream and free_done": at the free, ops on a
             # record_stream stream R and ops done for R (the allocator's event on R follows them)
@@ -342,7 +350,8 @@ class RankReference:
             if block.pool != block.captured_pool and x == self.graph_stream[self.capturing]:
                 self.foreign[self.capturing].append((line, lo, hi))
         else:
-            block.exposed = any(op.is_coll and any(not self._done_for_host(op, b) for b in op.bufs)
+            block.exposed = any(op.is_coll and not op.observed
+                                and any(not self._done_for_host(op, b) for b in op.bufs)
                                 for op in self.ops)
         self.blocks[ev["id"]] = block
 
@@ -351,6 +360,9 @@ class RankReference:
         released = self._graph_released(line, block.lo, block.hi, block.pool, block)
         self._in_flight("free-in-flight", line, block.lo, block.hi, block.stream,
                         skip_streams=block.record_streams, released=released)
+        for op in self.ops:
+            if op.observed:   # the buffers it had in the freed block went with the block
+                op.bufs = [b for b in op.bufs if not _intersection(block.lo, block.hi, b.lo, b.hi)]
         if block.record_streams:
             self.pending_free[ev["id"]] = [dict(self.stream_clock[s]) for s in block.record_streams]
         if block.in_window:
@@ -387,6 +399,7 @@ class RankReference:
             return
         op = self._enqueue(line, ev["stream"], _bufs_of(ev), is_coll=True, comm=ev["comm"], seq=ev["seq"])
         self.coll_clock[ev["cid"]] = op.clock
+        self.coll_op[ev["cid"]] = op
 
     def _note_offsets(self, line, ev):
         offsets = []
@@ -397,6 +410,11 @@ class RankReference:
         self.coll_offsets[(ev["comm"], ev["seq"])] = (line, offsets)
 
     def _ev_coll_done(self, line, ev):
+        if ev.get("observed"):
+            op = self.coll_op.get(ev["cid"])
+            if op is not None and not (self.strict and any(b.in_own_window for b in op.bufs)):
+                op.observed = True
+            return
         self.host = _join(self.host, self.coll_clock[ev["cid"]])
 
     def _ev_record(self, line, ev):

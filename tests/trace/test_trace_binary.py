@@ -99,7 +99,9 @@ def test_layout_holds_every_field_of_every_kind_required_ones_first():
 def test_the_docs_list_the_layout():
     text = (ROOT / "docs" / "trace-format.md").read_text()
     for kind, (tag, names) in B.LAYOUT.items():
-        row = f"| {tag} | `{kind}` | " + ", ".join(f"`{n}`" for n in names) + " |"
+        row = f"| {tag} | `{kind}` | " + ", ".join(f"`{n}`" for n in names)
+        after = B.APPENDED.get(kind)
+        row += f" (after the common fields: " + ", ".join(f"`{n}`" for n in after) + ") |" if after else " |"
         assert row in text, row
     assert "`" + ", ".join(B.COMMON) + "`" in text.replace("`, `", ", ")
 
@@ -741,3 +743,28 @@ def test_the_native_recorders_arrays_encode_as_the_generic_path_does():
     assert {"ev": "alloc", "id": 5, "site": 7} == {k: v for k, v in
                                                    next(i for i in events[0] if type(i) is dict).items()
                                                    if k in ("ev", "id", "site")}
+
+
+def test_an_observed_coll_done_round_trips_and_older_items_keep_their_positions(tmp_path):
+    """`coll_done`'s `observed` follows the common fields (layout.APPENDED): an item written before
+    it existed, [11, cid, t], reads as before, and the field comes back from both formats."""
+    from sanitizer.trace.reader import TypedEvents
+    assert B.ORDER["coll_done"][1][-1] == "observed"
+    assert B.ORDER["coll_done"][1][:len(B.COMMON) + 1] == ("cid", *B.COMMON)
+    events = [{"ev": "coll", "cid": 1, "comm": "0", "seq": 0, "op": "all_gather", "stream": "gloo:0",
+               "bufs": [{"addr": 4096, "size": 64, "access": "w"}]},
+              {"ev": "coll_done", "cid": 1, "t": 5, "observed": True},
+              {"ev": "coll_done", "cid": 1, "t": 6}]
+    assert B.to_item(events[1]) == [11, 1, 5, None, None, None, None, None, None, True]
+    assert B.to_item(events[2]) == [11, 1, 6]
+    old_item = [11, 1, 7]                    # as a writer before `observed` wrote it
+    for name, data in (("t.hzs", _binary(HEADER, [*events, old_item])),
+                       ("t.jsonl", _jsonl(HEADER, [*events, {"ev": "coll_done", "cid": 1, "t": 7}]))):
+        (tmp_path / name).write_bytes(data)
+        src = TypedEvents(open_trace(tmp_path / name))
+        problems, got = [], []
+        with contextlib.suppress(StopIteration):
+            while True:
+                _, records = src.next(problems)
+                got += [(r.cid, r.t, r.observed) for r in records if hasattr(r, "observed")]
+        assert not problems and got == [(1, 5, True), (1, 6, None), (1, 7, None)], (name, got)

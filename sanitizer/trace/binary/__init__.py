@@ -58,6 +58,7 @@ from sanitizer.trace.binary.encode import (  # noqa: F401
     values_frame,
 )
 from sanitizer.trace.binary.layout import (  # noqa: F401
+    APPENDED,
     BUF_FIELDS,
     COMMON,
     FRAME_BYTES_SOFT,

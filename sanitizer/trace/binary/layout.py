@@ -58,9 +58,17 @@ LAYOUT: dict[str, tuple[int, tuple[str, ...]]] = {
     "dropped": (21, ("count", "reason")),
     "hook_error": (22, ("count", "hook", "error")),
 }
-#: kind -> (number, every field in array order, the common ones included)
+#: Fields a kind gained after COMMON was fixed behind its own: they follow the common fields, so
+#: that an array written before them keeps every position (a reader of that file finds them absent).
+APPENDED: dict[str, tuple[str, ...]] = {
+    # true: capture saw the collective finish (a dropped Work found complete), the program did not
+    # wait for it (docs/trace-format.md, docs/ordering-and-rules.md "Observed completion")
+    "coll_done": ("observed",),
+}
+#: kind -> (number, every field in array order, the common and the appended ones included)
 ORDER: dict[str, tuple[int, tuple[str, ...]]] = {
-    kind: (tag, own + tuple(f for f in COMMON if f not in own)) for kind, (tag, own) in LAYOUT.items()
+    kind: (tag, own + tuple(f for f in COMMON if f not in own) + APPENDED.get(kind, ()))
+    for kind, (tag, own) in LAYOUT.items()
 }
 KIND_OF_TAG: dict[int, str] = {tag: kind for kind, (tag, _) in LAYOUT.items()}
 #: Version 2: the fields every event may carry that may hold an index into the file's table of that
