@@ -5,7 +5,6 @@ a storage a gloo Work held proves (WorkHeldTensors)."""
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 
 import torch
@@ -21,10 +20,12 @@ class CompletionStreams:
     all-gather finishes before an earlier large one), so one Work's completion says nothing of
     another's: each Work in flight gets a stream of its own, a lane of the group. Lane 0 is the
     group's stream itself (what sequential blocking calls always use), lane n `<stream>#<n>`.
-    A lane is handed out again once its Work is seen complete (`coll_done` written): a later
-    Work on it then completes nothing that was not already complete. A Work never seen complete
-    keeps its lane, as its buffers stay in flight: the streams of a rank are as many as the
-    Works it had in flight at once."""
+    A lane is handed out again once the program synchronised with its Work (its `coll_done`
+    written, not an observed one): a later Work on it then completes nothing the program had not
+    already synchronised with. A Work never synchronised with keeps its lane, whether capture saw
+    it finish or not (an observed `coll_done`: were the lane reused, a later Work's wait would
+    order this one, an edge only this run's timing made): the streams of a rank are as many as the
+    Works it had in flight at once and those it dropped unwaited."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -105,7 +106,9 @@ class NcclWorkLifetimes:
       call `work.wait()` with async collectives, watchdog would unstage the stashed tensors when
       detecting completion"). So a stashed tensor's storage dies before wait() only after the
       collective completed: the free of a block of a collective not yet waited for is preceded by
-      that collective's `coll_done` (the watchdog's observation), never flagged free-in-flight.
+      that collective's `coll_done`, observed (the watchdog's look, not the program's wait): never
+      flagged free-in-flight, and no edge for an access (docs/ordering-and-rules.md, "Observed
+      completion").
     Older PyTorch (no `async_op` in the op) is left as it was: the NCCL stream for every op."""
 
     def __init__(self, colls):
@@ -145,10 +148,8 @@ class NcclWorkLifetimes:
             for cid, ranges in list(self.ranges.items()):
                 if any(lo < end and addr < hi for lo, hi in ranges):
                     self.ranges.pop(cid, None)
-                    if cid in self.colls.issued_cids:
-                        self.colls.issued_cids.discard(cid)
-                        self.colls.device_streamed.pop(cid, None)
-                        self.colls.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+                    # the watchdog's look, not the program's wait: done for the free, no edge
+                    self.colls._observed_done(cid)
         except Exception as exc:
             self.colls.capture.failed("coll.stash_release", exc)
 
@@ -162,7 +163,10 @@ class WorkHeldTensors:
     worker, or on the program's thread when it dropped the Work after the worker was done:
     PyTorch's test_gather_stress keeps only the Futures of gathers on temporary inputs;
     DeepSpeed#8539's discarded handles and then the outputs). The collective is done: its
-    `coll_done` is written before the `free`. Inputs a backend copies inside the call
+    `coll_done` is written before the `free`, as an observed one: capture saw it, the program did
+    not wait for it, so it frees the memory and orders no access (vllm-ascend#11961: the gathers
+    whose handles were dropped finished first in every run, and their outputs' reads went
+    unflagged while a slower gather would corrupt them). Inputs a backend copies inside the call
     (COPIED_AT_ENQUEUE) are not among the tensors: the Work holds the copy, not them.
     Nothing is inferred otherwise:
       * a storage that dies under a tensor of the collective still alive had its memory swapped
@@ -237,7 +241,8 @@ class WorkHeldTensors:
                 if cid not in self.colls.issued_cids:
                     continue
                 if cid in self.on_host or _on_backend_thread() or self._seen_complete(cid):
-                    self.colls.done(cid)
+                    # capture's own conclusion, never the program's synchronisation
+                    self.colls.done(cid, observed=True)
         except Exception as exc:
             self.colls.capture.failed("coll.work_release", exc)
 

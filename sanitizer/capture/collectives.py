@@ -33,7 +33,13 @@ What a `coll` carries
           host work of the call, not in flight
   op      the dispatcher's name, `c10d.allreduce_`, `_c10d_functional.all_gather_into_tensor`, ...
 
-Completion, `coll_done`, is when the host observes it:
+Completion, `coll_done`, is when the program synchronises with it (its wait, a barrier, a blocking
+call, `is_completed()` or a Future's `done()` the program asked). What capture sees by itself (a
+dropped Work found complete: WorkHeldTensors; a stash the NCCL watchdog released:
+NcclWorkLifetimes) is written as an observed `coll_done` (`"observed": true`): the collective's
+memory is free, but no access is ordered by it, or the verdict would depend on which finished
+first in this run (docs/ordering-and-rules.md, "Observed completion"). A later wait of the program
+on the same collective still writes its own `coll_done`. The program's completions:
   * a Work the Python program holds: `Work.wait()`, `Work.is_completed()` true, `wait()`/`value()`
     (or `done()` true) on its Future. Python is handed the very Work object the op returned (the
     dispatcher's ScriptObject is unboxed here, and pybind returns the existing wrapper of a C++
@@ -43,6 +49,8 @@ Completion, `coll_done`, is when the host observes it:
     torch.distributed's Python API): C++ waits on it where Python cannot look, then uses the
     buffers. Its Future is polled before every op and collective while any is pending; the first
     poll that finds it done writes `coll_done`, so the reducer's copies after its wait are ordered.
+    That poll stands for the C++ caller's own wait, which is the program's (the reducer reads the
+    buckets only after it), so it is not written as observed; Python never holds such a Work.
   * a functional collective: `wait_tensor` on its output (or on the in-place input).
   Ops dispatched inside `Work.wait()` (gloo's reduce_scatter copies its result out there) are the
   collective's own work: no `launch` is recorded for them. A storage that dies inside a wait
@@ -114,6 +122,9 @@ class DispatchedCollectives:
         self.slot = table.slot if table is not None else _new_slot()
         self.functional: dict[int, tuple] = {}  # storage key of a functional result -> (cid, block id)
         self.issued_cids: set[int] = set()      # recorded, not yet done
+        # seen finished by capture itself (observed coll_done), not yet synchronised with by the
+        # program: its later wait still writes the program's coll_done
+        self.observed_cids: set[int] = set()
         self.handlers: dict = {}                # OpOverload -> bound recorder, or False
         self.custom = dict(CUSTOM)
         self._custom_plans: dict = {}          # OpOverload -> _custom_plan(op)
@@ -411,7 +422,7 @@ class DispatchedCollectives:
                 # every other tensor of the same (coalesced) collective is complete too
                 for k in [k for k, e in self.functional.items() if e[0] == cid]:
                     del self.functional[k]
-                if cid in self.issued_cids:     # (not already completed: WorkHeldTensors)
+                if cid in self.issued_cids or cid in self.observed_cids:   # (not waited already)
                     self.done(cid, waited=True)
 
     # ------------------------------------------------------------------ ops that wrap collectives
@@ -576,7 +587,7 @@ class DispatchedCollectives:
             cids = self._take(handle)
             if cids is not None:
                 for cid in cids:
-                    if cid in self.issued_cids:
+                    if cid in self.issued_cids or cid in self.observed_cids:
                         self.done(cid, waited)
                 # The process group's worker thread drops its own reference to the Work (and so to
                 # the buffers) just after marking it complete. Yield once so that it does so now:
@@ -596,7 +607,7 @@ class DispatchedCollectives:
         try:
             cids = self._take(fut)
             for cid in cids or ():
-                if cid in self.issued_cids:
+                if cid in self.issued_cids or cid in self.observed_cids:
                     self.unowned[cid] = fut
         except Exception as exc:
             self.capture.failed("coll.handed_to_cpp", exc)
@@ -609,27 +620,37 @@ class DispatchedCollectives:
         except Exception as exc:
             self.capture.failed("coll.future", exc)
 
-    def done(self, cid, waited: bool = False) -> None:
+    def done(self, cid, waited: bool = False, observed: bool = False) -> None:
+        """Collective `cid` completed. observed=True: capture saw it finish (a dropped Work found
+        complete), the program did not synchronise with it: an observed `coll_done`, which frees
+        its memory for the analysis and orders nothing (docs/ordering-and-rules.md, "Observed
+        completion"). Otherwise the program's own synchronisation: a wait, a blocking call, a
+        barrier, `is_completed()` or a Future's `done()` that the program asked."""
         ordered = getattr(getattr(self.capture, "blocks", None), "ordered", None)
         if ordered is None:
-            self._done_with_prior(cid, waited)
+            self._done_with_prior(cid, waited, observed)
             return
         # the native recorder's records made before this completion was seen are events before
         # it: a free among them is interpreted with the collective still in flight
         # (WorkHeldTensors), as the dispatch mode's finalizer ran at the death itself
         with ordered():
-            self._done_with_prior(cid, waited)
+            self._done_with_prior(cid, waited, observed)
 
-    def _done_with_prior(self, cid, waited: bool) -> None:
-        # a gloo barrier has waited for every collective of its group enqueued before it
-        prior = self.streams.completed_with(cid)
-        self._done(cid, waited)
+    def _done_with_prior(self, cid, waited: bool, observed: bool = False) -> None:
+        # a gloo barrier has waited for every collective of its group enqueued before it (the
+        # program's barrier: those it completes are synchronised with, observed or not before)
+        prior = self.streams.completed_with(cid) if not observed else ()
+        self._done(cid, waited, observed)
         for c in prior:
-            if c in self.issued_cids:
+            if c in self.issued_cids or c in self.observed_cids:
                 self._done(c, waited)
 
-    def _done(self, cid, waited: bool = False) -> None:
+    def _done(self, cid, waited: bool = False, observed: bool = False) -> None:
+        if observed:
+            self._observed_done(cid)
+            return
         self.issued_cids.discard(cid)
+        self.observed_cids.discard(cid)
         self.work_held.finished(cid)
         if not self.nccl_works.finished(cid):     # a current-stream collective: nothing to write
             nccl_stream = self.device_streamed.pop(cid, None)
@@ -646,8 +667,22 @@ class DispatchedCollectives:
         # the same collective may be observed through its Work and its Future: once is enough
         # (issued_cids); pending entries whose collectives are all done go
         for key, (ref, cids) in list(self.pending.items()):
-            if cid in cids and not any(c in self.issued_cids for c in cids):
+            if cid in cids and not any(c in self.issued_cids or c in self.observed_cids for c in cids):
                 self.pending.pop(key, None)
+
+    def _observed_done(self, cid) -> None:
+        """Capture itself saw `cid` finish: write `coll_done` with `observed`. The collective keeps
+        what the program's own completion would release: its lane (a later Work there, waited,
+        would otherwise order this one after it: an edge only the timing of this run made), its
+        NCCL stream's pending wait edge, and the handles filed under it, so that a wait the
+        program makes later still writes its `coll_done`."""
+        if cid not in self.issued_cids or cid in self.nccl_works.current:
+            return
+        self.issued_cids.discard(cid)
+        self.observed_cids.add(cid)
+        self.work_held.finished(cid)
+        self.nccl_works.ranges.pop(cid, None)
+        self.emit({"ev": "coll_done", "cid": cid, "observed": True, "t": time.time_ns()})
 
     # ------------------------------------------------------------------ Backend objects
     def backend_comm(self, backend) -> str:
