@@ -29,8 +29,10 @@ Launches (HAZSAN_LEVEL=full): after each op, one `launch` on the stream it ran o
 it reads and writes, derived from the op's schema the way PyTorch's CUDA sanitizer does it
 (torch/cuda/_sanitizer.py, ArgumentHandler): an argument whose alias annotation is a write
 (`Tensor(a!)`: in-place, out=) is written; any other tensor argument is read, except a view's
-(an alias that is not written: metadata only); a fresh result (no alias) is written. Allocation
-without a kernel (empty and friends) launches nothing. On CPU the stream is `cpu`, on a GPU the
+(an alias that is not written: metadata only); a fresh result (no alias) is written. A
+maybe-alias op (CompositeImplicitAutograd, seen whole where autograd is off: `to.dtype`,
+`contiguous`, `reshape`) is a view or a copy by what it returned, not by its schema: a result
+in a new storage was written, and the arguments it may alias read. Allocation without a kernel (empty and friends) launches nothing. On CPU the stream is `cpu`, on a GPU the
 current stream of the tensor's device (streams.py names it).
 """
 from __future__ import annotations
@@ -250,16 +252,30 @@ class BlockTable:
             where = (None, None)
         self.on_op(func, args, out, where)
         try:
-            name, reads_at, writes_at, fresh = plan
+            name, reads_at, writes_at, fresh, maybe_at = plan
             reads, writes = [], []
             device = None
             n = len(args)
-            if fresh and out is not None and self.borrowed:
+            written = out if fresh else None
+            if maybe_at is not None and out is not None:
+                # a maybe-alias op (CompositeImplicitAutograd, seen whole where autograd is off):
+                # its schema's `Tensor(a)` says only that the result MAY alias (`to.dtype`,
+                # `contiguous`, `reshape`); what it returned says whether it did. A result in a
+                # storage of its arguments is a view (nothing read or written); any other is a copy
+                # the op made: it read the arguments the result may alias, and wrote the result.
+                written, views = self._made_by_op(out, args, kwargs, reads_at + writes_at + maybe_at, True)
+                if views and not written and not any(
+                        (args[i] if i < n else (kwargs.get(key) if kwargs else None)) is not None
+                        for i, key in writes_at):
+                    return
+                if written:
+                    reads_at = reads_at + maybe_at
+            elif fresh and out is not None and self.borrowed:
                 # a result made over an argument's bytes (sgl_kernel's weak_ref_tensor: from_blob
                 # over its input, schema `-> Tensor`) was neither allocated nor written by the op;
                 # an op whose every result is one and that writes no argument is a view op
-                out, views = self._made_by_op(out, args, kwargs, reads_at, writes_at)
-                if views and not out and not any(
+                written, views = self._made_by_op(out, args, kwargs, reads_at + writes_at)
+                if views and not written and not any(
                         (args[i] if i < n else (kwargs.get(key) if kwargs else None)) is not None
                         for i, key in writes_at):
                     return
@@ -271,8 +287,8 @@ class BlockTable:
                 v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
                 if v is not None:
                     device = self._ranges(v, writes, device)
-            if fresh and out is not None:
-                device = self._ranges(out, writes, device)
+            if written is not None:
+                device = self._ranges(written, writes, device)
             if not reads and not writes:
                 return
             stream = "cpu" if device is None or device.type == "cpu" else self.stream_of_device(device)
@@ -287,25 +303,34 @@ class BlockTable:
         except Exception as exc:
             self.capture.failed("launch", exc)
 
-    def _made_by_op(self, out, args, kwargs, reads_at, writes_at):
-        """(the results of a fresh-result op that it made, how many are views of its arguments):
-        a view is a BorrowedBlock storage whose first byte lies in an argument's storage (the
-        native recorder's exit_op applies the same rule: alloc_recorder.cpp, views_an_argument)."""
+    def _made_by_op(self, out, args, kwargs, args_at, same=False):
+        """(the results of an op that it made, how many are views of its arguments `args_at`): a
+        view is a BorrowedBlock storage whose first byte lies in an argument's storage, or with
+        `same` (a maybe-alias op) an argument's storage itself (the native recorder's exit_op
+        applies the same rules: alloc_recorder.cpp, views_an_argument)."""
         outs = [out] if type(out) in _PLAIN else [o for o in out if type(o) in _PLAIN] \
             if type(out) in (list, tuple) else []
-        spans = []
+        spans, keys = [], set()
         n = len(args)
-        for i, key in tuple(reads_at) + tuple(writes_at):
+        borrowed = self.borrowed
+        for i, key in args_at:
             v = args[i] if i < n else (kwargs.get(key) if kwargs else None)
             for a in ([v] if type(v) in _PLAIN else v if type(v) in (list, tuple) else ()):
                 if type(a) in _PLAIN and a.layout == _STRIDED:
-                    st = a.untyped_storage()
-                    if st.data_ptr():
-                        spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+                    if same:
+                        keys.add(_STORAGE_KEY(a))
+                    if borrowed:
+                        st = a.untyped_storage()
+                        if st.data_ptr():
+                            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
         made, views = [], 0
         for o in outs:
-            b = self.borrowed.get(_STORAGE_KEY(o)) if o.layout == _STRIDED else None
-            if b is not None and any(lo <= b.real < hi for lo, hi in spans):
+            if o.layout != _STRIDED:
+                made.append(o)
+                continue
+            k = _STORAGE_KEY(o)
+            b = borrowed.get(k) if borrowed else None
+            if k in keys or (b is not None and any(lo <= b.real < hi for lo, hi in spans)):
                 views += 1
             else:
                 made.append(o)
@@ -634,17 +659,20 @@ def _storage_subclass(t) -> bool:
 
 
 def _launch_plan(func):
-    """(name, reads, writes, fresh) for an op, from its schema; False when it launches nothing.
+    """(name, reads, writes, fresh, maybe) for an op, from its schema; False when it launches
+    nothing.
 
     reads / writes: (position, name) of the tensor arguments it reads / writes; fresh: whether its
-    results are new tensors (written by the op), as opposed to aliases of its arguments."""
+    results are new tensors (written by the op), as opposed to aliases of its arguments. maybe:
+    None, or for an op whose schema cannot say (a maybe-alias op, `_composite_implicit`) the
+    arguments its results may alias, read only when what it returned is a copy (on_op_full)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return False
     namespace, _, base = schema.name.rpartition("::")
     if base in _NO_KERNEL or namespace in _COLLECTIVE_NAMESPACES:
         return False
-    reads, writes = [], []
+    reads, writes, aliased = [], [], []
     for i, arg in enumerate(schema.arguments):
         if "Tensor" not in str(arg.type):
             continue
@@ -653,13 +681,34 @@ def _launch_plan(func):
             writes.append((i, arg.name))
         elif alias is None:
             reads.append((i, arg.name))
-        # else: a view's input (metadata only)
+        else:
+            aliased.append((i, arg.name))   # a view's input (metadata only), unless the op copied
     returns = schema.returns
-    fresh = bool(returns) and all(r.alias_info is None for r in returns) and \
-        any("Tensor" in str(r.type) for r in returns)
-    if not reads and not writes and not fresh:
+    tensors = any("Tensor" in str(r.type) for r in returns)
+    fresh = bool(returns) and all(r.alias_info is None for r in returns) and tensors
+    maybe = tuple(aliased) if tensors and _composite_implicit(func) else None
+    if not reads and not writes and not fresh and not maybe:
         return False
     name = str(func)
-    return name, tuple(reads), tuple(writes), fresh
+    return name, tuple(reads), tuple(writes), fresh, maybe
+
+
+def _composite_implicit(func) -> bool:
+    """Whether op `func` is a maybe-alias op: a CompositeImplicitAutograd kernel and no kernel of
+    its own (alloc_recorder.cpp's composite_implicit). Its result may or may not alias an argument
+    whatever its schema says: `to.dtype(Tensor(a) self, ...) -> Tensor(a)` returns self when
+    nothing changes and a copy (`_to_copy`, inside it) otherwise (native_functions.yaml: `to`,
+    `contiguous`, `reshape`, `type_as`, ...); PyTorch's own AsyncCollectiveTensor stopped taking
+    such an op for a view for that reason (pytorch#133421, #152534). Only ops with a kernel of
+    their own are views (or fresh) by their schema. Seen whole only where autograd is off
+    (inference mode, inference tensors): elsewhere autograd decomposes them above the mode."""
+    try:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        name = func.name()
+        return has(name, "CompositeImplicitAutograd") and not has(name, "CPU") and \
+            not has(name, "CompositeExplicitAutograd") and \
+            not has(name, "CompositeExplicitAutogradNonFunctional")
+    except Exception:
+        return False
 
 

@@ -142,8 +142,11 @@ BACKEND_KW = {"tensors": 0, "tensor": 0, "arg0": 0, "output_tensors": 0, "output
 
 # The dispatcher namespaces of torch.distributed's collectives, and their ops that are not
 # collectives: any other op there that no table describes is counted as unrecorded (coverage).
+# `_wrap_tensor_autograd` (torch/distributed/_functional_collectives.py, a custom op `(Tensor
+# input) -> Tensor`) only wraps a collective's result in an AsyncCollectiveTensor, on every
+# eager functional collective (`_maybe_wrap_tensor`): the collective and its wait are recorded.
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-NOT_COLLECTIVES = frozenset({"check_for_nan", "wait_tensor"})
+NOT_COLLECTIVES = frozenset({"check_for_nan", "wait_tensor", "_wrap_tensor_autograd"})
 
 # Ops whose kernels issue collectives themselves: run with the mode on inside (their collectives
 # are then recorded where they happen, each once). vLLM wraps every tensor-parallel collective on

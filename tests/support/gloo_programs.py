@@ -14,13 +14,13 @@ import pytest
 def run_under_hazsan(tmp, level: str, program: str, ranks: int = 2):
     """Write `program` as tmp/prog.py, run it (argv: rendezvous URL, output folder) under
     `hazsan run --format json` at `level`; return (exit code, report, each rank's res<r>.json,
-    each rank's trace events, stderr). `alloc-native`: level alloc recorded by the native
-    recorder (HAZSAN_NATIVE=1; the run fails unless every rank's header says it was used), any
-    other level by the dispatch mode (HAZSAN_NATIVE=0)."""
-    native = level == "alloc-native"
+    each rank's trace events, stderr). `alloc-native`, `full-native`: that level recorded by the
+    native recorder (HAZSAN_NATIVE=1; the run fails unless every rank's header says it was used),
+    any other level by the dispatch mode (HAZSAN_NATIVE=0)."""
+    native = level.endswith("-native")
     if native:
         require_native()
-        level = "alloc"
+        level = level[:-len("-native")]
     (tmp / "prog.py").write_text(program)
     cmd = [sys.executable, "-m", "sanitizer", "run", "--dir", str(tmp / "traces"), "--format",
            "json", "--", sys.executable, "prog.py", f"file://{tmp}/rdv", str(tmp)]

@@ -283,7 +283,11 @@ void after_fork_child() {
 //     the ops capture marks so: vLLM's all_reduce, whose kernel issues the collectives);
 //   * OPAQUE: seen, nothing launched, nothing inside seen (collectives: their `coll`; allocating
 //     ops without a kernel; ops whose schema names no tensor to read or write);
-//   * LAUNCH: seen and launched with its reads and writes (block_table._launch_plan's rules).
+//   * LAUNCH: seen and launched with its reads and writes (block_table._launch_plan's rules). A
+//     maybe-alias op (`decide`: CompositeImplicitAutograd, seen whole where autograd is off:
+//     `to.dtype`, `contiguous`, `reshape`, `type_as`) is a view or a copy by what it returned: a
+//     result in a storage of its arguments is a view, any other a copy, which read the arguments
+//     the result may alias (`Tensor(a) self`) and wrote the result (exit_op).
 // On the threads the mode would be on only (launches_here: the importing thread and the Python
 // threads started after it), never inside a collective's wait (quiet_depth), never for an op that
 // raised.
@@ -295,6 +299,8 @@ struct OpPlan {
   bool fresh;
   uint32_t label;     // index in op_labels
   bool composite;     // done above the Python key where autograd runs (then TRANSPARENT)
+  bool decide;        // a maybe-alias op: view or copy by the storages it returned
+  std::vector<uint32_t> aliased;   // arguments its results may alias (read when it copied)
 };
 std::mutex plans_mu;
 // by the schema's name pointer (stable while the op is registered; the strings are compared too)
@@ -327,7 +333,7 @@ bool names_tensor(const c10::TypePtr& t) { return t->str().find("Tensor") != std
 
 // plans_mu held
 OpPlan* build_plan(const char* name, const char* overload, const c10::OperatorName& on) {
-  auto* p = new OpPlan{name, overload, OPAQUE_OP, {}, {}, false, 0, false};
+  auto* p = new OpPlan{name, overload, OPAQUE_OP, {}, {}, false, 0, false, false, {}};
   std::string ns = p->name.substr(0, p->name.find("::"));
   std::string base = p->name.find("::") == std::string::npos ? p->name : p->name.substr(p->name.find("::") + 2);
   std::string ov = p->overload.empty() ? "default" : p->overload;
@@ -340,7 +346,8 @@ OpPlan* build_plan(const char* name, const char* overload, const c10::OperatorNa
   auto h = c10::Dispatcher::singleton().findOp(on);
   if (!h || !h->hasSchema()) { p->kind = TRANSPARENT_OP; return p; }
   // detach_'s autograd kernel (VariableTypeManual.cpp) does its work without redispatching
-  p->composite = composite_implicit(*h) || p->name == "aten::detach_";
+  bool implicit = composite_implicit(*h);
+  p->composite = implicit || p->name == "aten::detach_";
   const c10::FunctionSchema& schema = h->schema();
   const auto& args = schema.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
@@ -348,6 +355,7 @@ OpPlan* build_plan(const char* name, const char* overload, const c10::OperatorNa
     const auto* alias = args[i].alias_info();
     if (alias != nullptr && alias->isWrite()) p->writes.push_back(static_cast<uint32_t>(i));
     else if (alias == nullptr) p->reads.push_back(static_cast<uint32_t>(i));
+    else p->aliased.push_back(static_cast<uint32_t>(i));
   }
   const auto& rets = schema.returns();
   bool any_tensor = false, all_fresh = true;
@@ -356,7 +364,12 @@ OpPlan* build_plan(const char* name, const char* overload, const c10::OperatorNa
     if (names_tensor(r.type())) any_tensor = true;
   }
   p->fresh = !rets.empty() && all_fresh && any_tensor;
-  p->kind = (p->reads.empty() && p->writes.empty() && !p->fresh) ? OPAQUE_OP : LAUNCH_OP;
+  // the schema's `Tensor(a)` of a composite op says only that the result MAY alias: `to.dtype`
+  // returns self or a copy (_to_copy, inside it), native_functions.yaml; ops with a kernel of
+  // their own are views (or fresh) as their schema says
+  p->decide = implicit && any_tensor;
+  if (!p->decide) p->aliased.clear();
+  p->kind = (p->reads.empty() && p->writes.empty() && !p->fresh && p->aliased.empty()) ? OPAQUE_OP : LAUNCH_OP;
   return p;
 }
 
@@ -415,7 +428,7 @@ void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
 struct LaunchCtx : at::ObserverContext {
   const OpPlan* plan = nullptr;
   int uncaught = 0;
-  std::vector<at::Tensor> reads, writes;
+  std::vector<at::Tensor> reads, writes, aliased;
 };
 
 std::atomic<uint64_t> observer_errors{0};   // exceptions caught in the callbacks (counted, never raised)
@@ -438,7 +451,9 @@ std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
     auto inputs = fn.inputs();
     CallKeys keys;
     for (const c10::IValue& v : inputs) look_at(v, keys);
-    bool decomposed = p->composite && !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradCPU) &&
+    // (inference mode excludes autograd's functionality bit, no backend's: AutogradCPU would
+    // never read as excluded, and a tensor made before it would be taken as decomposed)
+    bool decomposed = p->composite && !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality) &&
                       (keys.autograd || !keys.tensors);
     if (!keys.subclass && !decomposed) {
       deepened = 1;
@@ -449,6 +464,7 @@ std::unique_ptr<at::ObserverContext> enter_op(const at::RecordFunction& fn) {
         // the arguments' tensors now: the boxed inputs live only while the start callbacks run
         for (uint32_t i : p->reads) if (i < inputs.size()) collect(inputs[i], ctx->reads);
         for (uint32_t i : p->writes) if (i < inputs.size()) collect(inputs[i], ctx->writes);
+        for (uint32_t i : p->aliased) if (i < inputs.size()) collect(inputs[i], ctx->aliased);
       }
     }
   }
@@ -518,12 +534,23 @@ uint32_t keep_ranges(std::vector<LaunchRange>& rs, std::vector<at::Tensor>& fore
 // weak_ref_tensor (`weak_ref_tensor(Tensor tensor) -> Tensor`, sgl-kernel/csrc/common_extension.cc)
 // is at::from_blob over its argument's data_ptr (sgl-kernel/csrc/memory/weak_ref_tensor.cpp): its
 // schema says fresh, yet it allocates and writes nothing (block_table.BlockTable.on_op_full).
+//
+// For a maybe-alias op (plan->decide) a result in an argument's own storage is a view too (the
+// same StorageImpl: `to.dtype` returning self, `reshape` of a contiguous tensor).
 bool views_an_argument(const at::Tensor& t, const LaunchCtx* ctx) {
   if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) return false;
+  if (ctx->plan->decide) {
+    const c10::StorageImpl* own = t.storage().unsafeGetStorageImpl();
+    for (const std::vector<at::Tensor>* args : {&ctx->aliased, &ctx->reads, &ctx->writes}) {
+      for (const at::Tensor& a : *args) {
+        if (a.defined() && a.has_storage() && a.storage().unsafeGetStorageImpl() == own) return true;
+      }
+    }
+  }
   const c10::DataPtr& dp = t.storage().data_ptr();
   if (dp.get() == nullptr || dp.get_deleter() == &free_and_record) return false;
   uint64_t p = reinterpret_cast<uint64_t>(dp.get());
-  for (const std::vector<at::Tensor>* args : {&ctx->reads, &ctx->writes}) {
+  for (const std::vector<at::Tensor>* args : {&ctx->aliased, &ctx->reads, &ctx->writes}) {
     for (const at::Tensor& a : *args) {
       if (!a.defined() || a.layout() != c10::kStrided || !a.has_storage()) continue;
       uint64_t base = reinterpret_cast<uint64_t>(a.storage().data_ptr().get());
@@ -539,14 +566,16 @@ void exit_op(const at::RecordFunction& fn, LaunchCtx* ctx) {
   std::vector<LaunchRange> rs;
   std::vector<at::Tensor> foreign;
   std::vector<at::Tensor> outs;
-  if (ctx->plan->fresh) {
+  size_t views = 0;
+  if (ctx->plan->fresh || ctx->plan->decide) {
     for (const c10::IValue& v : fn.outputs()) collect(v, outs);
-    size_t views = 0;
     for (const at::Tensor& t : outs) views += views_an_argument(t, ctx) ? 1 : 0;
     // every result a view of an argument and no argument written: a view op, which launches nothing
     if (views && views == outs.size() && ctx->writes.empty()) return;
   }
   for (const at::Tensor& t : ctx->reads) add_range(t, false, rs, foreign);
+  // a maybe-alias op that made a result of its own copied the arguments it may alias
+  if (views < outs.size()) for (const at::Tensor& t : ctx->aliased) add_range(t, false, rs, foreign);
   for (const at::Tensor& t : ctx->writes) add_range(t, true, rs, foreign);
   for (const at::Tensor& t : outs) {
     if (!views_an_argument(t, ctx)) add_range(t, true, rs, foreign);
