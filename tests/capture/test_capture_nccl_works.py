@@ -68,9 +68,15 @@ def test_a_never_waited_work_completes_when_its_stash_lets_a_buffer_go():
     colls.nccl_works.released(0x9000, 512)    # another block: nothing
     assert [e["ev"] for e in events] == ["record", "wait", "coll"]
     colls.nccl_works.released(0x1000, 4096)   # the stashed buffer dies: the watchdog saw it done
-    assert events[-1] == {"ev": "coll_done", "cid": cid, "t": events[-1]["t"]}
-    assert cid not in colls.issued_cids       # so a late wait() on the Work adds nothing (observed())
+    # the watchdog's look, not the program's wait: observed (done for the free, no edge; issue 54)
+    assert events[-1] == {"ev": "coll_done", "cid": cid, "observed": True, "t": events[-1]["t"]}
     assert [e["ev"] for e in events] == ["record", "wait", "coll", "coll_done"]
+    colls.nccl_works.released(0x1000, 4096)   # seen once is enough
+    assert len(events) == 4
+    # a late wait() of the program on the Work is still its synchronisation: the stream edge
+    colls.done(cid, waited=True)
+    assert [(e["ev"], e.get("event")) for e in events[4:]] == [("record", f"coll{cid}"), ("wait", f"coll{cid}")]
+    assert cid not in colls.issued_cids and cid not in colls.observed_cids
 
 
 def test_a_waited_work_is_a_stream_wait_and_its_later_free_adds_nothing():
