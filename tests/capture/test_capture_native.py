@@ -475,14 +475,14 @@ def test_a_forked_child_records_its_own_allocations(tmp_path):
 
 @pytest.mark.long
 def test_the_mhc_decode_gets_the_same_verdict_on_both_paths(tmp_path):
-    """The reference case (stock build, the colliding draft depth), captured at alloc by the
-    dispatch mode and by the native recorder: the same findings, rule by rule and site by site.
-    (At full the paths differ on a maybe-view op that copies, `aten::to.dtype` under inference
-    mode: the recorder takes its schema's "may alias" for a view and misses the write, issue 54.)"""
+    """The reference case (stock build, the colliding draft depth), captured at the default level
+    (full: launches too) by the dispatch mode and by the native recorder: the same findings, rule
+    by rule and site by site. (Its decode casts under inference mode: `aten::to.dtype`, a
+    maybe-view op that copies, is a read and a write on both paths, issue 54.)"""
     result = {}
     for native in ("0", "1"):
         out_dir = tmp_path / f"native{native}"
-        env = _env(out_dir, native=native, HAZSAN_TRACE_FORMAT="binary", HAZSAN_LEVEL="alloc")
+        env = _env(out_dir, native=native, HAZSAN_TRACE_FORMAT="binary", HAZSAN_LEVEL="full")
         r = subprocess.run([sys.executable, "-m", "examples.mhc_decode.run", "--variant", "stock", "--depth", "4",
                             "--steps", "8", "--out", str(out_dir)], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=600)
