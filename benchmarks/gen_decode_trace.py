@@ -496,9 +496,6 @@ class DecodeRank:
         self.launch("fused_moe_gate_up", "moe_inter", (h2, topk, wl["experts"]), (inter,))
         self.launch("fused_moe_down", "moe_out", (inter, topk, wl["experts"]) + ((transient,) if transient else ()),
                     (moe_out,))
-        if transient:
-            self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_transient"])
-            self.free(transient)
         self.free(inter)
         self.free(topk)
         self.free(h2)
@@ -520,6 +517,11 @@ class DecodeRank:
         else:
             self.free(shared, record_stream=COMM)
         self.coll("all_reduce", "allreduce", ((moe_out, "rw"),), COMM)
+        if transient:
+            # freed after the layer's all-reduce was issued: a transient a collective could
+            # write (docs/hazard-model.md, "When a window transient is a hazard"), in every mix
+            self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_transient"])
+            self.free(transient)
         self.record(e4, COMM)
         self.wait(e4, COMPUTE)
         if collided:
@@ -802,9 +804,6 @@ class MixRank(DecodeRank):
             if launches_left:
                 launches_left -= 1
                 self.m_launch("gemm", (last,) + ((transient,) if transient else ()), (target,))
-            if transient:
-                self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_transient"])
-                self.free(transient)
             if k < fenced:
                 records -= 2
                 waits -= 2
@@ -812,6 +811,11 @@ class MixRank(DecodeRank):
                 e1 = self.m_record(self.compute)
                 self.wait(e1, comm)
                 self.m_coll(((target, "rw"),), comm)
+                if transient:
+                    # freed once the collective is issued: a collective could write it
+                    # (docs/hazard-model.md, "When a window transient is a hazard")
+                    self.expect("transient-in-window", self.w.next_line, hazard, SITE["hazard_transient"])
+                    self.free(transient)
                 collided = None
                 if k == 0 and hazard == "read-before-wait":
                     self.expect("unordered-access", self.w.next_line, hazard)
