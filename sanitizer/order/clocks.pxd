@@ -10,6 +10,7 @@ cpdef object merge_stored(dict target, tuple stored, object changed)
 
 cdef class StreamClocks:
     cdef public dict streams, host, events, frozen
+    cdef public object union
     cdef public Py_ssize_t max_streams, max_events
     cdef public set dirty
 
@@ -22,8 +23,13 @@ cdef class StreamClocks:
     cpdef record(self, object event, object stream)
     cpdef bint wait(self, object stream, object event)
     cpdef object host_learns(self, tuple stored)
+    cpdef object host_learns_clock(self, dict clock)
+    @cython.locals(clock=dict)
     cpdef object sync_stream(self, object stream)
-    @cython.locals(streams=dict)
-    cpdef object sync_device(self)
+    @cython.locals(streams=dict, clock=dict)
+    cpdef object sync_device(self, object lanes=*)
+    cpdef fold(self, object stream, dict clock)
+    @cython.locals(base=dict, merged=dict)
+    cpdef tuple snapshot_of_host(self, object stream)
     @cython.locals(clock=dict, base=dict)
     cpdef tuple snapshot(self, object stream)

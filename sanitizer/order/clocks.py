@@ -79,11 +79,15 @@ def merge_stored(target: Clock, stored: Stored, changed):
 class StreamClocks:
     """The ordering state of one rank. Knows nothing of memory; the engine asks it questions."""
 
-    __slots__ = ("streams", "host", "events", "max_streams", "max_events", "dirty", "frozen")
+    __slots__ = ("streams", "host", "union", "events", "max_streams", "max_events", "dirty", "frozen")
 
     def __init__(self, max_streams: int = MAX_STREAMS, max_events: int = MAX_EVENTS) -> None:
         self.streams: dict[object, Clock] = {}
         self.host: Clock = {}
+        # None while one host thread wrote the trace. Once there are more (sanitizer.order.threads),
+        # `host` is the current thread's clock and `union` what all threads know together: every
+        # merge into the host goes into both, and `dirty` no longer says what a thread lacks.
+        self.union = None
         self.events: dict[object, Stored] = {}
         # stream -> the base its stored clocks share until its next `wait` that changes it
         self.frozen: dict[object, Clock] = {}
@@ -123,7 +127,7 @@ class StreamClocks:
         if len(self.events) >= self.max_events and event not in self.events:
             raise TooMany(f"event {event!r} is one more than the limit of {self.max_events:,} distinct "
                           "events on one rank (raise it with --max-event-ids)")
-        self.events[event] = self.snapshot(stream)
+        self.events[event] = self.snapshot(stream) if self.union is None else self.snapshot_of_host(stream)
 
     def wait(self, stream, event) -> bool:
         """False when the event was never recorded (CUDA treats that wait as a no-op)."""
@@ -137,11 +141,25 @@ class StreamClocks:
 
     def host_learns(self, stored: Stored):
         """VC_H = max(VC_H, stored clock); the streams whose host entry grew (None: none)."""
+        if self.union is not None:
+            merge_stored(self.union, stored, None)
         return merge_stored(self.host, stored, None)
+
+    def host_learns_clock(self, clock: Clock):
+        """VC_H = max(VC_H, clock) for a plain clock (a thread's, a synchronisation object's)."""
+        if self.union is not None:
+            merge_changed(self.union, clock, None)
+        return merge_changed(self.host, clock, None)
 
     def sync_stream(self, stream):
         """VC_H = max(VC_H, VC_stream); the streams whose host entry grew (None: none). A stream
         not dirty has nothing the host lacks: O(1)."""
+        if self.union is not None:
+            clock = self.streams.get(stream)
+            if clock is None:
+                return None
+            merge_changed(self.union, clock, None)
+            return merge_changed(self.host, clock, None)
         if stream not in self.dirty:
             return None
         self.dirty.discard(stream)
@@ -151,18 +169,33 @@ class StreamClocks:
         stored = self.events.get(event)
         if stored is None:
             return False
-        merge_stored(self.host, stored, None)
+        self.host_learns(stored)
         return True
 
-    def sync_device(self):
+    def sync_device(self, lanes=None):
         """VC_H = max over every stream: only the dirty ones can add anything. The streams whose
-        host entry grew (None: none)."""
+        host entry grew (None: none). With host threads, every stream but the CPU lanes of the
+        other threads (`lanes`: a device synchronize waits for no thread)."""
         changed = None
         streams = self.streams
+        if self.union is not None:
+            for stream, clock in streams.items():
+                if lanes is not None and stream in lanes:
+                    continue
+                merge_changed(self.union, clock, None)
+                changed = merge_changed(self.host, clock, changed)
+            return changed
         for stream in self.dirty:
             changed = merge_changed(self.host, streams[stream], changed)
         self.dirty.clear()
         return changed
+
+    def fold(self, stream, clock: Clock) -> None:
+        """VC_stream = max(VC_stream, clock): another host thread enqueues on `stream` now, and the
+        work the previous one enqueued there followed what that one knew (sanitizer.order.threads)."""
+        if merge_changed(self.stream_clock(stream), clock, None) is not None:
+            self.dirty.add(stream)
+            self.frozen.pop(stream, None)
 
     def snapshot(self, stream) -> Stored:
         """What `stream` knows now, beyond the host, as a stored clock (for an event, coll_done and
@@ -174,6 +207,15 @@ class StreamClocks:
         if base is None:
             base = self.frozen[stream] = dict(clock)
         return (base, stream, clock.get(stream, 0))
+
+    def snapshot_of_host(self, stream) -> Stored:
+        """With host threads: what `stream` knows now together with the current thread's clock, as
+        a stored clock (an event recorded, a collective issued: whoever learns it later learns what
+        the issuing thread knew, which the sparse clocks otherwise take from the learner's own)."""
+        base, s, count = self.snapshot(stream)
+        merged = dict(self.host)
+        merge_changed(merged, base, None)
+        return (merged, s, count)
 
     def knows(self, stream, of_stream) -> int:
         """max(VC_X, VC_H)[of_stream]: how far `stream` is known to have seen `of_stream`."""

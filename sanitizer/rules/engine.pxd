@@ -14,7 +14,7 @@ from sanitizer.rules.windows cimport WindowBlocks as WindowBlocksType, WindowTab
 
 
 cdef class RankAnalyzer:
-    cdef public object file, rank, sink, matcher, step, completions
+    cdef public object file, rank, sink, matcher, step, completions, threads
     cdef public StreamClocks clocks
     cdef public bint successor
     cdef public InFlightTableType inflight
@@ -52,9 +52,11 @@ cdef class RankAnalyzer:
     @cython.locals(hits=dict)
     cpdef dict _not_done(self, object stream, long long lo, long long hi, int access, list unfinished, object protected=*)
 
-    @cython.locals(addr=cython.longlong, size=cython.longlong, end=cython.longlong, block=LiveBlockType,
-                   windows=WindowTableType)
+    @cython.locals(addr=cython.longlong, size=cython.longlong)
     cpdef on_alloc(self, object ev, Py_ssize_t line, tuple at=*)
+
+    @cython.locals(end=cython.longlong, block=LiveBlockType, windows=WindowTableType)
+    cpdef _alloc(self, object ev, Py_ssize_t line, object bid, long long addr, long long size, object stream)
 
     @cython.locals(released=dict, shared=dict, asked=dict, hits=dict)
     cpdef tuple _graph_hits(self, long long lo, long long hi, object pool, object block)
@@ -64,14 +66,18 @@ cdef class RankAnalyzer:
     @cython.locals(upto=cython.longlong, new=list, block=LiveBlockType, ranges=RangeIndex)
     cpdef RangeIndex _live_ranges(self)
 
-    @cython.locals(block=LiveBlockType, addr=cython.longlong, end=cython.longlong)
+    @cython.locals(block=LiveBlockType)
     cpdef on_free(self, object ev, Py_ssize_t line, tuple at=*)
+
+    @cython.locals(addr=cython.longlong, end=cython.longlong)
+    cpdef _free(self, object bid, LiveBlockType block, Py_ssize_t line)
 
     @cython.locals(bufs=list, op=OpType)
     cpdef on_launch(self, object ev, Py_ssize_t line, tuple at=*)
 
     @cython.locals(lo=cython.longlong, hi=cython.longlong, acc=int, unfinished=list)
     cpdef _enqueue(self, OpType op)
+    cpdef _own_lane(self, OpType op)
 
     @cython.locals(host=dict)
     cpdef _retire(self, object learned=*)

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 from sanitizer.limits import Limits
 from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
+from sanitizer.order.threads import HostThreads
 from sanitizer.rules.findings import BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.rules.inflight import InFlightTable
 from sanitizer.rules.intervals import RangeIndex, SeenIds
@@ -117,6 +118,10 @@ class RankAnalyzer:
         self.matcher = matcher
         self.successor = peer_completion == SUCCESSOR
         self.clocks = StreamClocks(max_streams, max_events)
+        # None while one host thread wrote the trace (the usual case); else the threads' clocks
+        # (sanitizer.order.threads): accesses are judged with the issuing thread's, the memory
+        # rules with what all know together (StreamClocks.union)
+        self.threads = None
         self.comms = set()  # communicators this rank used (windows, collectives)
         self.max_comms = max_comms
         self.inflight = InFlightTable()  # the ops with buffers not yet done for the host
@@ -165,7 +170,9 @@ class RankAnalyzer:
             E.GraphBegin: self.on_graph_begin, E.GraphEnd: self.on_graph_end,
             E.GraphReplay: self.on_graph_replay, E.GraphFree: self.on_graph_free,
             E.Scope: self.on_scope, E.Step: self.on_step, E.Dropped: self.on_dropped,
-            E.HookError: self.on_hook_error,
+            E.HookError: self.on_hook_error, E.Thread: self.on_thread, E.ThreadStart: self.on_thread_start,
+            E.ThreadEnd: self.on_thread_end, E.ThreadJoin: self.on_thread_join, E.Release: self.on_release,
+            E.Acquire: self.on_acquire,
         }
 
     def listen(self, completions) -> None:
@@ -353,6 +360,24 @@ class RankAnalyzer:
             stream = hazsan_slot(ev, at[3])
         if bid in self.live:
             raise Malformed(f"alloc of id {bid!r}, which is live (allocated at line {self.live[bid].line})")
+        if self.threads is not None:
+            self._memory_rule(True)
+            try:
+                self._alloc(ev, line, bid, addr, size, stream)
+            finally:
+                self._memory_rule(False)
+            return
+        self._alloc(ev, line, bid, addr, size, stream)
+
+    def _memory_rule(self, on) -> None:
+        """With host threads: the memory rules ask what all threads know together (a block is
+        freed or handed out again only once every thread holding it let go: the reference counts
+        order that), the access rules the current thread's clock."""
+        clocks = self.clocks
+        clocks.host = clocks.union if on else self.threads.clocks[self.threads.current]
+        self.inflight.settled = None
+
+    def _alloc(self, ev, line, bid, addr, size, stream):
         block = new_block(bid, addr, size, stream, line, self.step, ev)
         pool = None
         if self.capturing:
@@ -406,6 +431,16 @@ class RankAnalyzer:
         block = self.live.pop(bid, None)
         if block is None:
             raise Malformed(f"free of unknown or already freed id {bid!r}")
+        if self.threads is not None:
+            self._memory_rule(True)
+            try:
+                self._free(bid, block, line)
+            finally:
+                self._memory_rule(False)
+            return
+        self._free(bid, block, line)
+
+    def _free(self, bid, block, line):
         addr, end = block.addr, block.end
         graph_ops = shared = None
         if self.live_graphs:
@@ -427,6 +462,8 @@ class RankAnalyzer:
                 self._report("free-in-flight", line, block, op, ov)
         if self.observed_ops:
             self._release_observed(addr, end)
+        if self.threads is not None:
+            self._release_done(addr, end)
         if protected is not None:
             # Until free_done the allocator holds the block; then the host knows these streams
             # as they were now (docs/ordering-and-rules.md, "record_stream and free_done"). With only its own stream recorded there is
@@ -516,6 +553,21 @@ class RankAnalyzer:
             self._capture(op, stream)
             return
         self._enqueue(op)
+        if self.threads is not None:
+            self._own_lane(op)
+
+    def _own_lane(self, op) -> None:
+        """A launch on the CPU lane of the thread that issued it, other than thread 0, ran before
+        the thread went on: the thread knows it done, and so do the memory rules. (Thread 0's lane
+        "cpu" keeps the lazy `sync` capture writes, as before there were threads.)"""
+        threads = self.threads
+        cur = threads.current
+        if cur == 0 or threads.lanes.get(cur) != op.stream:
+            return
+        known = {op.stream: op.epoch}
+        changed = self.clocks.host_learns_clock(known)
+        if changed is not None:
+            self._retire(changed)
 
     def on_coll(self, ev, line, at=None):
         if at is None:
@@ -562,7 +614,8 @@ class RankAnalyzer:
             return
         self.colls_issued += 1
         self._enqueue(op)
-        op.clock = self.clocks.snapshot(stream)
+        # (with host threads, what the issuing thread knew goes with it to whoever waits it)
+        op.clock = self.clocks.snapshot(stream) if self.threads is None else self.clocks.snapshot_of_host(stream)
         self.colls_in_flight[cid] = op
 
     def _new_comm(self, comm) -> None:
@@ -574,6 +627,8 @@ class RankAnalyzer:
     def _enqueue(self, op: Op) -> None:
         stream = op.stream
         clocks = self.clocks
+        if self.threads is not None:
+            self._issued_by(stream)
         epoch = clocks.enqueue(stream)
         op.epoch = epoch
         if self.completions is not None:
@@ -603,7 +658,8 @@ class RankAnalyzer:
         if ev.observed:
             self._observed(cid)
             return
-        op = self.colls_in_flight.pop(cid, None)
+        threads = self.threads
+        op = self.colls_in_flight.pop(cid, None) if threads is None else self.colls_in_flight.get(cid)
         if op is None:
             if cid in self.cids:
                 return  # already retired (done for the host) or captured in a graph
@@ -611,6 +667,10 @@ class RankAnalyzer:
         changed = self.clocks.host_learns(op.clock)
         if changed is not None:
             self._retire(changed)
+        if threads is not None and cid in self.colls_in_flight:
+            # with host threads, each thread that waits it learns from it, until all have
+            if threads.floor((op.stream,)).get(op.stream, 0) >= op.epoch:
+                del self.colls_in_flight[cid]
 
     def _observed(self, cid) -> None:
         """Capture saw collective `cid` finish; the program did not wait for it (docs/ordering-and-
@@ -649,6 +709,20 @@ class RankAnalyzer:
                     break
         self.observed_ops = keep
 
+    def _release_done(self, addr, end) -> None:
+        """With host threads, a block [addr, end) was freed: the ops in it that some thread knows
+        done (they stay in flight until every thread does) touched the old block, and no access
+        to what is allocated there next conflicts with them (as ThreadSanitizer forgets a freed
+        range's accesses). Ops not done for any thread stay: their memory is a reuse hazard."""
+        union = self.clocks.union
+        for fl in self.inflight.streams.values():
+            for key in fl.by_address().overlapping(addr, end):
+                op = key[4]
+                if union.get(op.stream, 0) >= op.epoch:
+                    if op.released is None:
+                        op.released = []
+                    op.released.append((addr, end))
+
     def on_record(self, ev, line, at=None):
         if at is None:
             event = ev.event
@@ -677,6 +751,8 @@ class RankAnalyzer:
         stream = ev.stream
         event = ev.event
         clocks = self.clocks
+        if self.threads is not None and stream is not None and stream in self._other_lanes():
+            return  # another thread's CPU work: no stream synchronize waits for a thread
         # The host learns only what changed, and only streams whose host entry grew can retire
         # anything (every in-flight op has an epoch above what the host knows of its stream).
         if stream is not None:
@@ -687,8 +763,10 @@ class RankAnalyzer:
                 self.unrecorded_waits += 1
                 return
             changed = clocks.host_learns(clock)
-        else:
+        elif self.threads is None:
             changed = clocks.sync_device()
+        else:
+            changed = clocks.sync_device(self._other_lanes())
         if changed is not None:
             self._retire(changed)
 
@@ -698,6 +776,8 @@ class RankAnalyzer:
         if self.completions is not None:
             self.completions.host_learned(learned)
         host = self.clocks.host
+        if self.threads is not None:
+            host = self.threads.floor(self.clocks.union)  # done for every live thread
         self.inflight.retire(host, learned, self.colls_in_flight)
         if self.successor_waits.by_comm:
             self.successor_waits.retire(host, learned, self.completions)
@@ -839,6 +919,101 @@ class RankAnalyzer:
             g.live = False
         if g in self.live_graphs:
             self.live_graphs.remove(g)
+
+    # ------------------------------------------------------------------ host threads
+
+    def _host_threads(self):
+        """The threads' clocks, made at the first event that names a thread other than 0: until
+        then the host clock was thread 0's (docs/ordering-and-rules.md, "Host threads")."""
+        threads = self.threads
+        if threads is None:
+            clocks = self.clocks
+            threads = self.threads = HostThreads(clocks.host, clocks.max_events)
+            clocks.union = dict(clocks.host)
+        return threads
+
+    def _switch(self, thread, lane=None) -> None:
+        threads = self.threads
+        clocks = self.clocks
+        threads.clock(thread, clocks.union, clocks.streams, lane)
+        threads.current = thread
+        clocks.host = threads.clocks[thread]
+        self.inflight.settled = None  # its answers were for another thread's clock
+
+    def _issued_by(self, stream) -> None:
+        """The current thread enqueues on `stream`: if another thread enqueued there last, the
+        stream's clock takes in what that one knows (the sparse clocks keep no host part)."""
+        threads = self.threads
+        cur = threads.current
+        prev = threads.issuer.get(stream, 0)
+        if prev != cur:
+            if prev in threads.clocks:
+                self.clocks.fold(stream, threads.clocks[prev])
+            threads.issuer[stream] = cur
+
+    def _other_lanes(self):
+        threads = self.threads
+        cur = threads.current
+        return {lane for t, lane in threads.lanes.items() if t != cur}
+
+    def on_thread(self, ev, line):
+        thread = ev.thread
+        if self.threads is None:
+            if thread == 0:
+                return
+            self._host_threads()
+        elif thread == self.threads.current:
+            return
+        self._switch(thread, ev.lane)
+
+    def on_thread_start(self, ev, line):
+        thread = ev.thread
+        if thread == 0:
+            raise Malformed("thread_start of thread 0, the main thread")
+        threads = self._host_threads()
+        if thread == threads.current:
+            raise Malformed(f"thread_start of thread {thread!r} by itself")
+        threads.start(thread, ev.lane, self.clocks.streams)
+
+    def on_thread_end(self, ev, line):
+        threads = self.threads
+        if threads is None or ev.thread not in threads.clocks:
+            return  # a thread that issued nothing judged
+        threads.end(ev.thread, self.clocks.streams)
+        self._retire(None)  # it no longer holds back what the others know
+
+    def on_thread_join(self, ev, line):
+        threads = self.threads
+        if threads is None:
+            return
+        final = threads.ended.get(ev.thread)
+        if final is None:
+            final = threads.clocks.get(ev.thread)
+            if final is None:
+                self.unrecorded_waits += 1
+                return
+            final = threads.published(ev.thread, self.clocks.streams)
+        changed = self.clocks.host_learns_clock(final)
+        if changed is not None:
+            self._retire(changed)
+
+    def on_release(self, ev, line):
+        # With one thread so far, an edge orders nothing: a thread started later begins with what
+        # its starter knows, one not seen starting with what all know, either way more than this.
+        if self.threads is not None:
+            self.threads.release(ev.sync, self.clocks.streams)
+
+    def on_acquire(self, ev, line):
+        threads = self.threads
+        if threads is None:
+            return
+        released = threads.syncs.get(ev.sync)
+        if released is None:
+            self.unrecorded_waits += 1
+            return
+        changed = self.clocks.host_learns_clock(released)
+        if changed is not None:
+            self._retire(changed)
 
     # ------------------------------------------------------------------ annotations
 

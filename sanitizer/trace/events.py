@@ -183,6 +183,44 @@ class Step(Event, tag="step"):
     tokens: Optional[int] = None
 
 
+class Thread(Event, tag="thread"):
+    """The events after it were issued by host thread `thread` (0: the process's main thread,
+    the current one before any `thread` event); docs/ordering-and-rules.md, "Host threads"."""
+
+    thread: Key
+    lane: Optional[Key] = None
+    name: Optional[str] = None
+
+
+class ThreadStart(Event, tag="thread_start"):
+    """The current thread started thread `thread`, which begins knowing what it knows."""
+
+    thread: Key
+    lane: Optional[Key] = None
+
+
+class ThreadEnd(Event, tag="thread_end"):
+    thread: Key
+
+
+class ThreadJoin(Event, tag="thread_join"):
+    """The current thread joined `thread`, which had ended: it learns what that one knew."""
+
+    thread: Key
+
+
+class Release(Event, tag="release"):
+    """The current thread publishes what it knows into synchronisation object `sync`."""
+
+    sync: Key
+
+
+class Acquire(Event, tag="acquire"):
+    """The current thread learns what `sync` was released with (a no-op when never released)."""
+
+    sync: Key
+
+
 class Dropped(Event, tag="dropped"):
     """Written by capture: events the writer had to drop."""
 
@@ -201,7 +239,7 @@ class HookError(Event, tag="hook_error"):
 KINDS: tuple[type[Event], ...] = (
     Segment, SegmentFree, Window, WindowFree, Alloc, Free, FreeDone, RecordStream, Launch, Coll,
     CollDone, Record, Wait, Sync, GraphBegin, GraphEnd, GraphReplay, GraphFree, Scope, Step,
-    Dropped, HookError,
+    Dropped, HookError, Thread, ThreadStart, ThreadEnd, ThreadJoin, Release, Acquire,
 )
 BY_KIND: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in KINDS}
 #: Field names per kind, including the common ones (for unknown-field counting).

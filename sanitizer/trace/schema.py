@@ -37,6 +37,14 @@ EVENT_FIELDS: dict[str, frozenset[str]] = {
     # Written by capture (docs/trace-format.md, "Annotations and capture bookkeeping"): events the writer had to drop, and hook failures.
     "dropped": frozenset({"count", "reason"}),
     "hook_error": frozenset({"count", "hook", "error"}),
+    # Host threads (docs/ordering-and-rules.md, "Host threads"): who issued the events that
+    # follow, and the edges between threads the program made.
+    "thread": frozenset({"thread", "lane", "name"}),
+    "thread_start": frozenset({"thread", "lane"}),
+    "thread_end": frozenset({"thread"}),
+    "thread_join": frozenset({"thread"}),
+    "release": frozenset({"sync"}),
+    "acquire": frozenset({"sync"}),
 }
 
 ACCESS_CODES = {"r": 1, "w": 2, "rw": 3}

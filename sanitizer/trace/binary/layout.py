@@ -57,6 +57,12 @@ LAYOUT: dict[str, tuple[int, tuple[str, ...]]] = {
     "step": (20, ("n", "phase", "tokens")),
     "dropped": (21, ("count", "reason")),
     "hook_error": (22, ("count", "hook", "error")),
+    "thread": (23, ("thread", "lane", "name")),
+    "thread_start": (24, ("thread", "lane")),
+    "thread_end": (25, ("thread",)),
+    "thread_join": (26, ("thread",)),
+    "release": (27, ("sync",)),
+    "acquire": (28, ("sync",)),
 }
 #: Fields a kind gained after COMMON was fixed behind its own: they follow the common fields, so
 #: that an array written before them keeps every position (a reader of that file finds them absent).
