@@ -19,6 +19,8 @@ LANE = f"cpu@{H}"
 
 
 def _found(events, backend):
+    # every scenario here is also checked against the brute-force reference (dense clocks)
+    check_against_reference(Scenario([events], "local"), backend=backend)
     result = analyze_scenario(Scenario([events], "local"), backend=backend)
     return sorted((f.rule, f.line, f.op.line if f.op else None, f.op.stream if f.op else None)
                   for f in result.findings)

@@ -210,21 +210,32 @@ class RankReference:
         self.transients: dict = defaultdict(lambda: [0, 0])
         self.findings: list[RefFinding] = []
         self.position = 0
+        # host threads: None while only thread 0 has shown up (self.host is its clock)
+        self.tclock: dict | None = None   # thread -> its clock (the current one's is self.host)
+        self.cur = 0
+        self.lanes: dict = {}              # thread -> its lane
+        self.live_threads: set = set()
+        self.ended: dict = {}              # thread -> its clock and lane count at its end
+        self.syncs: dict = {}              # synchronisation object -> the clock released into it
+        self.union: dict = {}              # the max of every clock any thread ever had
 
     # ---- ordering (DESIGN 3) ----
-    def _locally_complete(self, op: Op, x) -> bool:
+    def _locally_complete(self, op: Op, x, host=None) -> bool:
         # the later of what stream x and the host have seen of op's stream (spelled out: the
-        # quadratic checks call this millions of times on long scenarios)
-        return self.stream_clock[x].get(op.stream, 0) >= op.epoch or self.host.get(op.stream, 0) >= op.epoch
+        # quadratic checks call this millions of times on long scenarios). `host`: the clock of
+        # the host that asks (None: the current thread's; the memory rules pass the union)
+        if host is None:
+            host = self.host
+        return self.stream_clock[x].get(op.stream, 0) >= op.epoch or host.get(op.stream, 0) >= op.epoch
 
-    def _buf_done(self, op: Op, buf: Buf, x, *, reading: bool = False) -> bool:
-        local = self._locally_complete(op, x)
+    def _buf_done(self, op: Op, buf: Buf, x, *, reading: bool = False, host=None) -> bool:
+        local = self._locally_complete(op, x, host)
         if not (self.strict and op.is_coll and buf.in_own_window):
             return local
         successor_done = any(
             later.is_coll and later.captured is None and later.comm == op.comm
             and later.position > op.position
-            and later.seq > op.seq and self._locally_complete(later, x)
+            and later.seq > op.seq and self._locally_complete(later, x, host)
             for later in self.ops
         )
         if reading and not self.semantics.strict_reads:
@@ -273,7 +284,13 @@ class RankReference:
                     self._emit("graph-buffer-released", line=line, op_line=op_line, overlap=_span(hits))
         return touched
 
+    def _memory_host(self) -> dict:
+        """The host clock the memory rules ask: what all threads know together (the current
+        thread's own while there is one)."""
+        return self.host if self.tclock is None else self.union
+
     def _in_flight(self, rule, line, lo, hi, x, *, skip_streams=(), released=frozenset()):
+        host = self._memory_host()
         for op in self.ops:
             if op.captured in released or op.stream in skip_streams or op.observed:
                 continue
@@ -283,8 +300,8 @@ class RankReference:
             hits = [
                 _intersection(lo, hi, b.lo, b.hi)
                 for b in op.bufs
-                if _intersection(lo, hi, b.lo, b.hi) and not self._buf_done(op, b, x)
-                and not any(self._buf_done(op, b, r) for r in skip_streams)
+                if _intersection(lo, hi, b.lo, b.hi) and not self._buf_done(op, b, x, host=host)
+                and not any(self._buf_done(op, b, r, host=host) for r in skip_streams)
             ]
             if hits:
                 self._emit(rule, line=line, op_line=op.line, overlap=_span(hits))
@@ -328,14 +345,16 @@ class RankReference:
         if handler is not None:
             handler(line, ev)
 
-    def _done_for_host(self, op: Op, buf: Buf) -> bool:
-        if self.host.get(op.stream, 0) < op.epoch:
+    def _done_for_host(self, op: Op, buf: Buf, host=None) -> bool:
+        if host is None:
+            host = self.host
+        if host.get(op.stream, 0) < op.epoch:
             return False
         if not (self.strict and op.is_coll and buf.in_own_window):
             return True
         return any(later.is_coll and later.captured is None and later.comm == op.comm
                    and later.position > op.position and later.seq > op.seq
-                   and self.host.get(later.stream, 0) >= later.epoch for later in self.ops)
+                   and host.get(later.stream, 0) >= later.epoch for later in self.ops)
 
     def _ev_alloc(self, line, ev):
         lo, hi, x = ev["addr"], ev["addr"] + ev["size"], ev["stream"]
@@ -350,8 +369,9 @@ class RankReference:
             if block.pool != block.captured_pool and x == self.graph_stream[self.capturing]:
                 self.foreign[self.capturing].append((line, lo, hi))
         else:
+            host = self._memory_host()
             block.exposed = any(op.is_coll and not op.observed
-                                and any(not self._done_for_host(op, b) for b in op.bufs)
+                                and any(not self._done_for_host(op, b, host) for b in op.bufs)
                                 for op in self.ops)
         self.blocks[ev["id"]] = block
 
@@ -363,8 +383,13 @@ class RankReference:
         for op in self.ops:
             if op.observed:   # the buffers it had in the freed block went with the block
                 op.bufs = [b for b in op.bufs if not _intersection(block.lo, block.hi, b.lo, b.hi)]
+            elif self.tclock is not None:
+                # host threads: what some thread knows done touched the old block only
+                op.bufs = [b for b in op.bufs if not (_intersection(block.lo, block.hi, b.lo, b.hi)
+                                                      and self._done_for_host(op, b, self.union))]
         if block.record_streams:
-            self.pending_free[ev["id"]] = [dict(self.stream_clock[s]) for s in block.record_streams]
+            # the allocator's event on R at the free: max(VC_R, VC_H) then (H: the freeing thread)
+            self.pending_free[ev["id"]] = [_join(self.stream_clock[s], self.host) for s in block.record_streams]
         if block.in_window:
             used = any(block.alloc_position < pos and _intersection(block.lo, block.hi, lo, hi)
                        for pos, lo, hi in self.coll_uses)
@@ -377,7 +402,7 @@ class RankReference:
 
     def _ev_free_done(self, line, ev):
         for clock in self.pending_free.pop(ev["id"]):
-            self.host = _join(self.host, clock)
+            self._learn(clock)
 
     def _ev_record_stream(self, line, ev):
         block = self.blocks[ev["id"]]
@@ -388,7 +413,10 @@ class RankReference:
         if self.capturing is not None:
             self.graphs[self.capturing].append(CapturedOp(line, ev))
             return
-        self._enqueue(line, ev["stream"], _bufs_of(ev), is_coll=False)
+        op = self._enqueue(line, ev["stream"], _bufs_of(ev), is_coll=False)
+        if self.tclock is not None and self.cur != 0 and self.lanes[self.cur] == op.stream:
+            # a thread's own CPU work ran before it went on (thread 0's "cpu": capture's lazy sync)
+            self._learn({op.stream: op.epoch})
 
     def _ev_coll(self, line, ev):
         self._note_offsets(line, ev)
@@ -415,7 +443,7 @@ class RankReference:
             if op is not None and not (self.strict and any(b.in_own_window for b in op.bufs)):
                 op.observed = True
             return
-        self.host = _join(self.host, self.coll_clock[ev["cid"]])
+        self._learn(self.coll_clock[ev["cid"]])
 
     def _ev_record(self, line, ev):
         if self.capturing is not None:
@@ -431,13 +459,17 @@ class RankReference:
         self.stream_clock[s] = _join(self.stream_clock[s], self.event_clock.get(ev["event"], {}))
 
     def _ev_sync(self, line, ev):
+        # with host threads: no synchronize waits for another thread's CPU work (its lane)
+        others = set() if self.tclock is None else {lane for t, lane in self.lanes.items() if t != self.cur}
         if ev.get("stream") is not None:
-            self.host = _join(self.host, self.stream_clock[ev["stream"]])
+            if ev["stream"] not in others:
+                self._learn(self.stream_clock[ev["stream"]])
         elif ev.get("event") is not None:
-            self.host = _join(self.host, self.event_clock[ev["event"]])
+            self._learn(self.event_clock[ev["event"]])
         else:
-            for clock in list(self.stream_clock.values()):
-                self.host = _join(self.host, clock)
+            for stream, clock in list(self.stream_clock.items()):
+                if stream not in others:
+                    self._learn(clock)
 
     def _ev_graph_begin(self, line, ev):
         self.capturing = ev["graph"]
@@ -493,6 +525,86 @@ class RankReference:
 
     def _ev_window_free(self, line, ev):
         self.windows = [w for w in self.windows if not (w[0] == ev["comm"] and w[1] == ev["addr"])]
+
+    # ---- host threads ----
+    def _learn(self, clock: dict) -> None:
+        """The current thread learns `clock` (and so does the union)."""
+        self.host = _join(self.host, clock)
+        if self.tclock is not None:
+            self.tclock[self.cur] = self.host
+            self.union = _join(self.union, clock)
+
+    def _threads(self) -> None:
+        """A second thread shows up: thread 0's clock is the host's so far."""
+        if self.tclock is None:
+            self.tclock = {0: self.host}
+            self.lanes = {0: "cpu"}
+            self.live_threads = {0}
+            self.union = dict(self.host)
+
+    def _lane_count(self, thread) -> int:
+        lane = self.lanes[thread]
+        return self.stream_clock[lane].get(lane, 0) if lane in self.stream_clock else 0
+
+    def _published(self, thread) -> dict:
+        """What `thread` hands on (a start, a release, its end): its clock and its CPU work."""
+        out = dict(self.tclock[thread])
+        lane = self.lanes[thread]
+        if self._lane_count(thread) > out.get(lane, 0):
+            out[lane] = self._lane_count(thread)
+        return out
+
+    def _new_thread(self, thread, clock, lane) -> None:
+        self.tclock[thread] = clock
+        self.lanes[thread] = lane if lane is not None else ("cpu" if thread == 0 else f"cpu@{thread}")
+        self.live_threads.add(thread)
+        self.ended.pop(thread, None)
+        self.union = _join(self.union, clock)
+
+    def _ev_thread(self, line, ev):
+        k = ev["thread"]
+        if self.tclock is None and k == 0:
+            return
+        self._threads()
+        if k == self.cur:
+            return
+        if k not in self.tclock or k in self.ended:
+            # not seen starting: knows what all threads know, their CPU work included
+            clock = dict(self.union)
+            for t in self.live_threads:
+                lane = self.lanes[t]
+                if self._lane_count(t) > clock.get(lane, 0):
+                    clock[lane] = self._lane_count(t)
+            self._new_thread(k, clock, ev.get("lane"))
+        self.cur = k
+        self.host = self.tclock[k]
+
+    def _ev_thread_start(self, line, ev):
+        self._threads()
+        self._new_thread(ev["thread"], self._published(self.cur), ev.get("lane"))
+
+    def _ev_thread_end(self, line, ev):
+        k = ev["thread"]
+        if self.tclock is None or k not in self.tclock:
+            return
+        self.ended[k] = self._published(k)
+        self.live_threads.discard(k)
+
+    def _ev_thread_join(self, line, ev):
+        k = ev["thread"]
+        if self.tclock is None or k not in self.tclock:
+            return
+        self._learn(self.ended[k] if k in self.ended else self._published(k))
+
+    def _ev_release(self, line, ev):
+        if self.tclock is None:
+            return
+        self.syncs[ev["sync"]] = _join(self.syncs.get(ev["sync"], {}), self._published(self.cur))
+
+    def _ev_acquire(self, line, ev):
+        if self.tclock is None:
+            return
+        self._learn(self.syncs.get(ev["sync"], {}))
 
     def finish(self) -> list[RefFinding]:
         for (site, _), (count, nbytes) in self.transients.items():
