@@ -181,6 +181,8 @@ def finding_text(f: Finding) -> list[str]:
     if f.overlap:
         out.append(f"  overlapping range {_range(*f.overlap)}")
     out.append(f"  collides with {_describe_op(f.op)}")
+    if f.note:
+        out.append(f"  Note: {f.note}")
     out.append("  Op enqueued at:")
     out.extend(_stack_lines((f.op or {}).get("stack"), (f.op or {}).get("site")))
     if f.rule == "unordered-access":

@@ -14,10 +14,12 @@ import os
 from dataclasses import dataclass, field
 
 from sanitizer.limits import Limits
+from sanitizer.order import ranks as ranks_mod
 from sanitizer.rules.findings import ERROR, Finding, FindingSink
 # engine choice, re-exported: callers and tests name it here
 from sanitizer.rules.select import CHOICES, ENV, REQUIRE_ENV, compiled_available, load_engine  # noqa: F401
 from sanitizer.trace import runs
+from sanitizer.trace.events import CollDone
 from sanitizer.trace.reader import TraceError, TraceFile, TypedEvents, open_trace
 
 BATCH = 4096  # lines read from one rank before moving to the next
@@ -70,9 +72,13 @@ def new_analyzer(eng, file: str, rank: int, sink, matcher, peer_completion: str,
 class RankReader:
     """One rank's file: batches of typed events (either format) applied to its engine."""
 
-    def __init__(self, trace: TraceFile, analyzer):
+    def __init__(self, trace: TraceFile, analyzer, extra_done: dict | None = None):
         self.trace = trace
         self.analyzer = analyzer
+        # the sends the ranks' messages order complete (sanitizer.order.ranks): (line, cids), the
+        # last line first; a plain coll_done of each is fed right after that line
+        self.extra = sorted(extra_done.items(), reverse=True) if extra_done else None
+        self.injected = 0
         self.source = TypedEvents(trace, CHUNK, on_classes=self._dispatch)
         self.decoder = self.source       # .warnings(file)
         if trace.format == "binary" and trace.values is None:
@@ -94,9 +100,26 @@ class RankReader:
             engine.KIND_CODES.pop(cls, None)
             self.analyzer.handlers.pop(cls, None)
 
+    def _feed_with_extra(self, first: int, items: list, problems: list) -> None:
+        """feed_batch, with a plain coll_done of each send in `extra` right after its line (typed
+        events, as either format decodes them; not counted as events of the file)."""
+        feed, extra = self.analyzer.feed_batch, self.extra
+        while extra and extra[-1][0] < first + len(items):
+            line, cids = extra.pop()
+            cut = max(0, line - first + 1)
+            if cut:
+                feed(first, items[:cut], problems)
+                items, first = items[cut:], first + cut
+            feed(line, [CollDone(cid=cid) for cid in cids], problems)
+            self.injected += len(cids)
+        if items:
+            feed(first, items, problems)
+
     def step(self, problems: list) -> None:
         """Decode and apply about BATCH events; StopIteration at the end of the file."""
         nxt, feed = self.source.next, self.analyzer.feed_batch
+        if self.extra:
+            feed = self._feed_with_extra
         first, items = nxt(problems)
         feed(first, items, problems)
         done = len(items)
@@ -112,7 +135,8 @@ class RankReader:
 def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
             max_per_group: int = 100, max_errors: int = 50, engine: str | None = None,
             matcher=None, live=(), limits: Limits | None = None, run: str | None = None,
-            suppress=None, progress: bool | None = False) -> Analysis:
+            suppress=None, progress: bool | None = False, extra_done: dict | None = None,
+            across_ranks: bool = True) -> Analysis:
     """Analyse rank trace files (or directories of them) together.
 
     Malformed lines are collected as `errors` (exit 2) unless `lenient`, which skips and counts
@@ -139,6 +163,14 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     summary's `suppressed`, never listed or counted as a finding.
 
     `progress`: a bar of the bytes read on stderr (None: when stderr is a terminal; `hazsan check`).
+
+    `across_ranks`: where a finding is about a send still in flight to another rank of the check,
+    order it by the ranks' messages (sanitizer.order.ranks; docs/ordering-and-rules.md, "Ordering
+    across ranks"): the ranks whose sends the messages order complete are analysed again. Off where
+    a `matcher` is given (the analysis split across processes does it after the join).
+
+    `extra_done`: {line: [cid, ...]}, for one file: a plain `coll_done` of each cid is fed right
+    after that line (what `across_ranks` learnt; not counted as events).
     """
     # Millions of short-lived decoded events, no reference cycles among them: the cyclic
     # collector's passes over them cost time and find nothing.
@@ -146,17 +178,19 @@ def analyze(paths, *, peer_completion: str = "local", lenient: bool = False,
     gc.disable()
     try:
         return _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, matcher, live,
-                        limits or Limits(), run, suppress, progress)
+                        limits or Limits(), run, suppress, progress, extra_done,
+                        across_ranks and matcher is None and not extra_done)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine, make_matcher, live,
-             limits: Limits, run: str | None, suppress=None, progress: bool | None = False) -> Analysis:
+             limits: Limits, run: str | None, suppress=None, progress: bool | None = False,
+             extra_done: dict | None = None, across: bool = False) -> Analysis:
     if peer_completion not in ("local", "successor"):
         raise ValueError("peer_completion must be 'local' or 'successor'")
-    sink = FindingSink(max_per_group=max_per_group, suppress=suppress)
+    sink = RankSink(max_per_group=max_per_group, suppress=suppress)
     try:
         eng, engine_kind, fallback = load_engine(engine)
     except (ValueError, RuntimeError) as exc:
@@ -189,7 +223,8 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         ranks_seen.setdefault(t.rank, str(t.path))
     matcher = (make_matcher or eng.CollectiveMatcher)(
         sink, enabled=len(ranks_seen) > 1 and len(ranks_seen) == len(traces), ranks=ranks_seen)
-    readers = [RankReader(t, new_analyzer(eng, str(t.path), t.rank, sink, matcher, peer_completion, limits))
+    readers = [RankReader(t, new_analyzer(eng, str(t.path), t.rank, sink, matcher, peer_completion, limits),
+                          extra_done)
                for t in traces]
     error_total = 0
     # Round-robin over ranks, a batch at a time, so collectives meet while still fresh.
@@ -231,7 +266,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         a = r.analyzer
         a.finish()
         r.trace.steps_contradict(a.steps_seen)
-        events += a.events
+        events += a.events - r.injected
         drops += a.counted_drops
         hook_errors += a.hook_errors
         warnings.extend(r.trace.warnings)
@@ -252,6 +287,15 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         warnings.append(f"--lenient: skipped {skipped} malformed line(s)")
     if error_total > len(errors):
         warnings.append(f"{error_total - len(errors)} more malformed line(s) not listed")
+    if across and len(ranks_seen) > 1 and len(ranks_seen) == len(traces):
+        files = {rank: file for rank, file in ranks_seen.items()}
+        redo = order_across_ranks(sink.findings, files, _serial_map, limits)
+        for file, extra in redo.items():
+            again = analyze([file], peer_completion=peer_completion, lenient=lenient, max_per_group=max_per_group,
+                            max_errors=0, engine=engine, live=live, limits=limits, suppress=suppress,
+                            extra_done=extra)
+            sink.replace_file(file, again.sink)
+        ranks_mod.annotate(sink.findings, files)
     if sink.omitted:
         warnings.append(f"{sink.omitted} repeated finding(s) counted but not listed (max {sink.max_per_group} per rule and call site)")
     findings = sorted(sink.findings, key=_finding_order)
@@ -259,7 +303,82 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
                        unranked=sum(1 for r in readers if r.analyzer.rank < 0))
     summary["malformed"] = error_total
     summary["steps_by_rank"] = {r.analyzer.rank: sorted(r.analyzer.steps_seen) for r in readers}
-    return Analysis(findings, summary, errors, warnings, [str(f) for f in files])
+    out = Analysis(findings, summary, errors, warnings, [str(f) for f in files])
+    out.sink = sink
+    return out
+
+
+class RankSink(FindingSink):
+    """The serial run's FindingSink, which also counts per file: a rank analysed again with what
+    the ranks' messages ordered (order_across_ranks) replaces its findings and counts."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.per_file: dict = {}      # file -> {("rule", rule) | ("group", key) | ("suppressed", rule): n}
+
+    def add(self, finding: Finding) -> None:
+        counts = self.per_file.get(finding.file)
+        if counts is None:
+            counts = self.per_file[finding.file] = {}
+        if self.suppress is not None and self.suppress(finding):
+            key = ("suppressed", finding.rule)
+        else:
+            key = ("rule", finding.rule)
+            gkey = ("group", finding.group_key())
+            counts[gkey] = counts.get(gkey, 0) + 1
+        counts[key] = counts.get(key, 0) + 1
+        FindingSink.add(self, finding)
+
+    def replace_file(self, file: str, other: "RankSink") -> None:
+        """`file`'s findings and counts are `other`'s (its analysis alone). Counts stay exact; where a
+        rule and call site has more than max_per_group findings, those of other files that were
+        counted but not listed stay unlisted."""
+        old = self.per_file.pop(file, {})
+        self.findings = [f for f in self.findings if f.file != file]
+        for (what, key), n in old.items():
+            table = {"rule": self.by_rule, "group": self.group_counts, "suppressed": self.suppressed}[what]
+            table[key] -= n
+            if not table[key]:
+                del table[key]
+        listed: dict = {}
+        for f in self.findings:
+            k = f.group_key()
+            listed[k] = listed.get(k, 0) + 1
+        new = other.per_file.get(file, {})
+        self.per_file[file] = dict(new)
+        for (what, key), n in new.items():
+            table = {"rule": self.by_rule, "group": self.group_counts, "suppressed": self.suppressed}[what]
+            table[key] = table.get(key, 0) + n
+        for f in other.findings:
+            k = f.group_key()
+            n = listed.get(k, 0)
+            if not self.max_per_group or n < self.max_per_group:
+                self.findings.append(f)
+                listed[k] = n + 1
+        self.omitted = sum(self.by_rule.values()) - len(self.findings)
+
+
+def _serial_map(fn, calls):
+    return [fn(*args) for args in calls]
+
+
+def order_across_ranks(findings, files: dict, run_map, limits: Limits | None = None) -> dict:
+    """{file: {line: [cid, ...]}}: the sends in flight that findings are about and that the ranks'
+    messages order complete (sanitizer.order.ranks), for the files to analyse again. `files`: rank
+    -> file, every rank once; `run_map(fn, [args, ...])`: fn(*args) for each, in a pool or not, the
+    results in order. Empty, reading nothing, where no finding is about a send to a rank of the check."""
+    wanted = ranks_mod.candidates(findings, files)
+    if not wanted:
+        return {}
+    rank_of = {file: rank for rank, file in files.items()}
+    needed: dict = {}
+    for file, cids in wanted.items():
+        needed.setdefault(rank_of[file], set()).update(cids)
+        for peer in cids.values():
+            needed.setdefault(peer, set())
+    order = sorted(needed)
+    got = run_map(ranks_mod.scan, [(files[r], sorted(needed[r], key=repr), limits) for r in order])
+    return ranks_mod.settle(dict(zip(order, got)), wanted, rank_of)
 
 
 def _read_progress(traces, enabled: bool | None):

@@ -149,6 +149,9 @@ class Finding:
     site: str | None = None
     detail: str | None = None
     by_step: dict = field(default_factory=dict)  # transient-in-window: blocks per decode step
+    #: a sentence the check adds after the analysis: on a send still in flight to a rank of the
+    #: check, that the order may come from a channel capture does not record (sanitizer.order.ranks)
+    note: str | None = None
 
     def to_dict(self) -> dict:
         out = {
@@ -170,6 +173,8 @@ class Finding:
             out["site"] = self.site
         if self.detail:
             out["detail"] = self.detail
+        if self.note:
+            out["note"] = self.note
         return out
 
     def headline_site(self) -> str | None:
