@@ -92,14 +92,14 @@ def send_peer(op: dict | None, rank: int):
 
 def candidates(findings, ranks: dict) -> dict:
     """{file: {cid: peer}}: the sends still in flight that findings are about, whose peer is a rank
-    of the check (`ranks`: rank -> file, every rank once)."""
+    of the check (`ranks`: rank -> file, every rank once; a finding's rank names its file)."""
     out: dict = {}
     for f in findings:
         op = f.op
         peer = send_peer(op.to_dict() if op is not None else None, f.rank)
-        if peer is None or peer not in ranks or ranks.get(f.rank) != f.file:
+        if peer is None or peer not in ranks or f.rank not in ranks:
             continue
-        out.setdefault(f.file, {})[op.cid] = peer
+        out.setdefault(ranks[f.rank], {})[op.cid] = peer
     return out
 
 

@@ -139,6 +139,21 @@ def analyze_on_cluster(paths, *, scheduler: str, peer_completion: str = "local",
                                  key=f"hazsan-check-{run_id}-{n}")
                    for n, (worker, path) in enumerate(tasks)]
         parts = client.gather(futures)      # in task order: the order a serial run reads the files
+        where = {path: worker for worker, path in tasks}
+        count = iter(range(len(tasks), 1 << 62))
+
+        def on_worker(fn, path, *args):     # where the file is
+            return client.submit(fn, path, *args, workers=[where[path]], allow_other_workers=False,
+                                 pure=False, key=f"hazsan-check-{run_id}-{next(count)}")
+
+        def run_map(fn, calls):
+            return client.gather([on_worker(fn, *args) for args in calls])
+
+        def rerun(path, extra):
+            return on_worker(parallel.analyze_one, path, peer_completion, lenient, max_per_group, max_errors,
+                             engine_kind, limits, None, extra)
+
+        parts = parallel.across_ranks(parts, run_map, rerun, limits)
     finally:
         client.close()
     was_enabled = gc.isenabled()

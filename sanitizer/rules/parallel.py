@@ -26,6 +26,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from sanitizer.limits import Limits
+from sanitizer.order import ranks as ranks_mod
 from sanitizer.rules import driver, select
 from sanitizer.rules.driver import Analysis
 from sanitizer.rules.findings import Finding, FindingSink
@@ -103,14 +104,16 @@ class SignatureRecorder:
 
 
 def analyze_one(path: str, peer_completion: str, lenient: bool, max_per_group: int, max_errors: int,
-                engine: str | None, limits: Limits, suppress=None):
+                engine: str | None, limits: Limits, suppress=None, extra_done: dict | None = None):
     """Worker: one rank file, within `limits` (the parent's, passed as a value: spawned workers
     and Dask's share no module state with it). Returns plain data (TraceError does not survive
-    pickling)."""
+    pickling). `extra_done`: the driver's (a rank analysed again, its sends ordered complete by the
+    ranks' messages: `order_across_ranks`)."""
     recorder = SignatureRecorder()
     a = driver.analyze([path], peer_completion=peer_completion, lenient=lenient,
                        max_per_group=max_per_group, max_errors=max_errors, engine=engine,
-                       matcher=lambda sink, enabled, ranks=None: recorder, limits=limits, suppress=suppress)
+                       matcher=lambda sink, enabled, ranks=None: recorder, limits=limits, suppress=suppress,
+                       extra_done=extra_done)
     errors = [(e.path, e.line, e.message) if isinstance(e, TraceError) else (path, None, str(e))
               for e in a.errors]
     steps = a.summary.get("steps_by_rank", {})
@@ -186,7 +189,17 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
                 results[res[0]] = res
                 if bar is not None:
                     bar.update(sizes.get(res[0], 0))
-        joined = join([results[f] for f in files], max_per_group=max_per_group, max_errors=max_errors,
+            parts = [results[f] for f in files]
+
+            def run_map(fn, calls):
+                return [f.result() for f in [pool.submit(fn, *args) for args in calls]]
+
+            def rerun(path, extra):
+                return pool.submit(analyze_one, path, peer_completion, lenient, max_per_group, max_errors,
+                                   engine_kind, limits, suppress, extra)
+
+            parts = across_ranks(parts, run_map, rerun, limits)
+        joined = join(parts, max_per_group=max_per_group, max_errors=max_errors,
                       engine=eng, engine_kind=engine_kind, fallback=fallback, suppress=suppress)
         joined.warnings[:0] = notes
         joined.files = files
@@ -196,6 +209,32 @@ def analyze_parallel(paths, *, jobs: int, peer_completion: str = "local", lenien
             bar.close()
         if was_enabled:
             gc.enable()
+
+
+def across_ranks(parts: list, run_map, rerun, limits: Limits | None = None) -> list:
+    """The per-file results with the ranks' messages' order (driver.order_across_ranks;
+    docs/ordering-and-rules.md, "Ordering across ranks"): a rank whose sends in flight they order
+    complete is analysed again (`rerun(path, extra_done)`: a future of analyze_one's result) and its
+    result replaces the first one, but for its collectives' signatures (asymmetric-offset is the
+    first analysis's); then findings still on a send to a rank of the check get the note.
+    `run_map(fn, [args, ...])`: the light scans, in the same pool. Nothing is read, and the parts
+    are returned as they are, where no finding is about such a send."""
+    files: dict = {}
+    for path, rank, *_ in parts:
+        if rank is None:
+            continue
+        if rank in files:
+            return parts                    # a rank twice: which file is the peer is unknown
+        files[rank] = path
+    if len(files) < 2 or len(files) != len(parts):
+        return parts
+    findings = [f for p in parts for f in p[2]]
+    redo = driver.order_across_ranks(findings, files, run_map, limits)
+    if redo:
+        futures = {path: rerun(path, extra) for path, extra in redo.items()}
+        parts = [(*futures[p[0]].result()[:6], p[6]) if p[0] in futures else p for p in parts]
+    ranks_mod.annotate([f for p in parts for f in p[2]], files)
+    return parts
 
 
 def _finding_order(f: Finding):
