@@ -1,0 +1,128 @@
+"""Host threads: where the engine (ffed723) and the reference model, read from the docs' text
+(docs/ordering-and-rules.md, "Vector clocks" and "Host threads"), disagreed on random traces.
+
+Each case is the minimal trace shrunk from a property-test disagreement (test_engine_property.py).
+The reference's answer, the docs' one, is pinned first; the engine is then asked for the same.
+Where the engine is wrong the test is xfail(strict=True): it passes again (and must lose its mark)
+once the engine is fixed. Reported to the lead, who owns sanitizer/.
+
+The property test keeps running on threaded traces meanwhile: it reads the contract as the engine
+does where noted (engine_scenarios.SEMANTICS, Semantics.late_fold), and its generator avoids the
+two patterns (a buffer-less launch on a threaded rank; thread 0's CPU work before a thread starts).
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine_scenarios import BACKENDS, Scenario, analyze_scenario
+from reference_model import reference_findings
+
+T = 0x100000   # a tensor two threads touch
+U = 0x101000   # another
+H = 7
+LANE = f"cpu@{H}"
+
+
+def _launch(stream, writes=(), reads=()):
+    return {"ev": "launch", "stream": stream, "reads": [[a, 16] for a in reads], "writes": [[a, 16] for a in writes]}
+
+
+# (a) thread_start hands thread 0's CPU work ("cpu", lane count 1) to thread 7: the threads together
+# know it done, so an alloc over it on s0 (a memory rule: what all threads know together) is clean.
+# The engine's union takes in what threads learn later, not what a thread is given at its start
+# (nor, for a thread not seen starting, the live threads' lane counts): reuse-in-flight at line 4.
+UNION_HOLDS_WHAT_A_STARTED_THREAD_KNOWS = [
+    _launch("cpu", writes=[T]),
+    {"ev": "thread_start", "thread": H, "lane": LANE},
+    {"ev": "alloc", "id": 0, "addr": T, "size": 16, "stream": "s0", "pool": "default"},
+]
+
+# (b) thread 7 writes T on its lane (done at once for it), then enqueues a launch without buffers on
+# s0; thread 0 then writes T on s0, after 7's launch in stream order ("work on one stream runs in
+# order, whoever enqueued it"): clean. The engine does not count a launch without buffers as the
+# stream's issuer (RankAnalyzer.on_launch skips _issued_by): unordered-access at line 7.
+BUFFERLESS_LAUNCH_IS_AN_ENQUEUE = [
+    {"ev": "thread_start", "thread": H, "lane": LANE},
+    {"ev": "thread", "thread": H},
+    _launch(LANE, writes=[T]),
+    _launch("s0"),
+    {"ev": "thread", "thread": 0},
+    _launch("s0", writes=[T]),
+]
+
+# (c) thread 7 starts before thread 0 learns s0's write done (line 4); 7 then writes T on its own
+# lane, which nobody enqueued on before: 7 never learned the s0 write done, unordered-access at
+# line 6. The engine takes a stream with no issuer as thread 0's (HostThreads.issuer defaults to
+# 0) and folds thread 0's clock, as it is now, into it: no finding.
+FRESH_STREAM_HAS_NO_PREVIOUS_ISSUER = [
+    _launch("s0", writes=[T]),
+    {"ev": "thread_start", "thread": H, "lane": LANE},
+    {"ev": "sync"},
+    {"ev": "thread", "thread": H},
+    _launch(LANE, writes=[T]),
+]
+
+# (d) thread 0 enqueues on s1 knowing nothing of s0's write, *then* learns it (line 5); thread 7
+# writes T on s1: its work follows thread 0's line-4 launch, which followed only what thread 0
+# knew at line 4 (the table: VC_S = max(VC_S, VC_H) at the enqueue). Thread 0's later sync is no
+# edge to thread 7 (trace order is timing): unordered-access at line 7. The engine folds thread
+# 0's clock as it is at line 7 into s1: no finding.
+STREAM_CARRIES_WHAT_ITS_ISSUER_KNEW_AT_THE_ENQUEUE = [
+    _launch("s0", writes=[T]),
+    {"ev": "thread_start", "thread": H, "lane": LANE},
+    _launch("s1", writes=[U]),
+    {"ev": "sync", "stream": "s0"},
+    {"ev": "thread", "thread": H},
+    _launch("s1", writes=[T]),
+]
+
+# (e) thread 7 writes T on its lane, then enqueues on s1; thread 0 synchronizes s1, which waits for
+# 7's launch there, enqueued after 7's CPU write: thread 0 learns it (sync: VC_H = max(VC_H, VC_s1),
+# VC_s1 holding what 7 knew at its enqueue), clean. The engine's stream clocks keep no thread's
+# part unless another thread enqueues there next: unordered-access at line 8.
+SYNC_LEARNS_WHAT_THE_STREAMS_ISSUER_KNEW = [
+    {"ev": "thread_start", "thread": H, "lane": LANE},
+    {"ev": "thread", "thread": H},
+    _launch(LANE, writes=[T]),
+    _launch("s1", writes=[U]),
+    {"ev": "thread", "thread": 0},
+    {"ev": "sync", "stream": "s1"},
+    _launch("cpu", writes=[T]),
+]
+
+# name -> (events, the docs' findings as (rule, line, op line))
+CASES = {
+    "union-holds-what-a-started-thread-knows": (UNION_HOLDS_WHAT_A_STARTED_THREAD_KNOWS, set()),
+    "bufferless-launch-is-an-enqueue": (BUFFERLESS_LAUNCH_IS_AN_ENQUEUE, set()),
+    "fresh-stream-has-no-previous-issuer": (FRESH_STREAM_HAS_NO_PREVIOUS_ISSUER, {("unordered-access", 6, 2)}),
+    "stream-carries-what-its-issuer-knew-at-the-enqueue": (STREAM_CARRIES_WHAT_ITS_ISSUER_KNEW_AT_THE_ENQUEUE,
+                                                           {("unordered-access", 7, 2)}),
+    "sync-learns-what-the-streams-issuer-knew": (SYNC_LEARNS_WHAT_THE_STREAMS_ISSUER_KNEW, set()),
+}
+
+ENGINE_WRONG = {
+    "union-holds-what-a-started-thread-knows":
+        "engine's StreamClocks.union misses the lane count HostThreads.start/clock give a thread",
+    "bufferless-launch-is-an-enqueue": "on_launch without buffers skips _issued_by",
+    "fresh-stream-has-no-previous-issuer": "HostThreads.issuer defaults to thread 0 on a stream nobody enqueued on",
+    "stream-carries-what-its-issuer-knew-at-the-enqueue":
+        "_issued_by folds the previous issuer's clock as it is now, not as it was at its enqueue",
+    "sync-learns-what-the-streams-issuer-knew":
+        "sparse stream clocks keep no issuing thread's part; only another thread's enqueue folds it",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_answers_as_the_docs(name):
+    events, want = CASES[name]
+    got = {(f.rule, f.line, f.op_line) for f in reference_findings([events])}
+    assert got == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=ENGINE_WRONG[n]))
+                                  if n in ENGINE_WRONG else n for n in sorted(CASES)])
+def test_engine_answers_as_the_docs(name, backend):
+    events, want = CASES[name]
+    result = analyze_scenario(Scenario([events], "local"), backend)
+    assert {(f.rule, f.line, f.op.line) for f in result.findings} == want
