@@ -181,9 +181,15 @@ class Semantics:
         True: the engine's reading (ffed723, RankAnalyzer._issued_by), which orders K's work after
         what J learned since, and, on a stream nobody enqueued on, after thread 0's knowledge
         (reported to the lead; tests/rules/test_engine_threads_reference.py, xfail).
+    exposure_floor: with host threads, a window block is exposed at its alloc (transient-in-window)
+        when a collective is not done for *every live thread* (the engine's ffed723: its in-flight
+        count drops at retirement). False: not done for the union, as the memory rules ask (a
+        collective some thread waited is finished; the allocating thread's own clock would say
+        no more than the union). Reported to the lead (test_engine_threads_reference.py, xfail).
     """
     strict_reads: bool = True
     late_fold: bool = False
+    exposure_floor: bool = False
 
 
 DESIGN_SEMANTICS = Semantics()
@@ -384,6 +390,9 @@ class RankReference:
                 self.foreign[self.capturing].append((line, lo, hi))
         else:
             host = self._memory_host()
+            if self.semantics.exposure_floor and self.tclock is not None:
+                live = [self.tclock[t] for t in self.live_threads]
+                host = {k: min(c.get(k, 0) for c in live) for k in self.union}
             block.exposed = any(op.is_coll and not op.observed
                                 and any(not self._done_for_host(op, b, host) for b in op.bufs)
                                 for op in self.ops)
