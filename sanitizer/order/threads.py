@@ -43,7 +43,8 @@ class HostThreads:
     """The clocks of the program's host threads, the synchronisation objects between them, and
     which thread is current."""
 
-    __slots__ = ("clocks", "lanes", "live", "ended", "syncs", "current", "issuer", "max_syncs")
+    __slots__ = ("clocks", "lanes", "live", "ended", "syncs", "current", "version", "stamp", "merged",
+                 "max_syncs")
 
     def __init__(self, host: dict, max_syncs: int) -> None:
         # thread -> its clock; thread 0's is the host clock the single-thread analysis built
@@ -53,10 +54,13 @@ class HostThreads:
         self.ended = {}       # thread -> its clock at its end (for thread_join)
         self.syncs = {}       # synchronisation object -> the clock released into it
         self.current = 0
-        # stream -> the thread that last enqueued on it (absent: thread 0). A stream's clock holds
-        # no host part (sanitizer.order.clocks, "sparse"); when another thread enqueues on it, what
-        # the previous one knew is folded into it once (StreamClocks.fold).
-        self.issuer = {}
+        # An enqueue on stream S by thread K takes VC_K into VC_S, as the table says (with one
+        # thread, the sparse clocks leave that out: sanitizer.order.clocks). `version`: thread ->
+        # the stamp of its clock's last growth; `merged`: stream -> (thread, version) last taken in,
+        # so that an enqueue costs a comparison unless the thread learned something since.
+        self.version = {}
+        self.stamp = 0
+        self.merged = {}
         self.max_syncs = max_syncs
 
     def clock(self, thread, union: dict, streams: dict, lane=None) -> dict:
@@ -65,6 +69,7 @@ class HostThreads:
         clock = self.clocks.get(thread)
         if clock is None or thread in self.ended:   # (an ended thread's id, used again)
             clock = self.clocks[thread] = dict(union)
+            self.grew(thread)
             for t in self.live:
                 lane_clock = streams.get(self.lanes[t])
                 if lane_clock is not None:
@@ -75,6 +80,11 @@ class HostThreads:
             self.live.add(thread)
             self.ended.pop(thread, None)
         return clock
+
+    def grew(self, thread) -> None:
+        """Thread's clock grew: the streams it enqueues on next take it in again."""
+        self.stamp += 1
+        self.version[thread] = self.stamp
 
     def published(self, thread, streams: dict) -> dict:
         """What `thread` hands on at a release, a start or its end: its clock and its CPU work."""
@@ -90,6 +100,7 @@ class HostThreads:
     def start(self, thread, lane, streams: dict) -> None:
         """The current thread starts `thread` (a thread id used again starts afresh)."""
         self.clocks[thread] = self.published(self.current, streams)
+        self.grew(thread)
         self.lanes[thread] = lane_of(thread, lane)
         self.live.add(thread)
         self.ended.pop(thread, None)

@@ -78,6 +78,7 @@ cdef class RankAnalyzer:
     @cython.locals(lo=cython.longlong, hi=cython.longlong, acc=int, unfinished=list)
     cpdef _enqueue(self, OpType op)
     cpdef _own_lane(self, OpType op)
+    cpdef _issued_by(self, object stream)
 
     @cython.locals(host=dict)
     cpdef _retire(self, object learned=*)

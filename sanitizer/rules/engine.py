@@ -72,7 +72,7 @@ record_stream streams were its own is accepted and changes nothing.
 from __future__ import annotations
 
 from sanitizer.limits import Limits
-from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany
+from sanitizer.order.clocks import MAX_EVENTS, MAX_STREAMS, StreamClocks, TooMany, merge_changed
 from sanitizer.order.threads import HostThreads
 from sanitizer.rules.findings import BlockRecord, Finding, OpRecord, severity_of
 from sanitizer.rules.inflight import InFlightTable
@@ -369,6 +369,17 @@ class RankAnalyzer:
             return
         self._alloc(ev, line, bid, addr, size, stream)
 
+    def _coll_running(self) -> bool:
+        """With host threads: a collective with buffers that no thread knows done (the in-flight
+        table keeps ops until every thread does), or a window buffer waiting for its successor."""
+        if self.successor_waits.index.count:
+            return True
+        union = self.clocks.union
+        for op in self.colls_in_flight.values():
+            if op.bufs and not op.observed and union.get(op.stream, 0) < op.epoch:
+                return True
+        return False
+
     def _memory_rule(self, on) -> None:
         """With host threads: the memory rules ask what all threads know together (a block is
         freed or handed out again only once every thread holding it let go: the reference counts
@@ -392,6 +403,8 @@ class RankAnalyzer:
                     g.foreign = []
                 g.foreign.append(block)
             block.colls_seen = -1  # a replay's collectives run amid it: exposed for good
+        elif self.threads is not None:
+            block.colls_seen = -1 if self._coll_running() else self.colls_issued
         elif self.inflight.colls or self.successor_waits.index.count:
             block.colls_seen = -1  # a collective not done for the host may write the window now
         else:
@@ -546,6 +559,8 @@ class RankAnalyzer:
             writes = hazsan_slot(ev, at[2])
         if not reads and not writes:
             if not self.capturing:
+                if self.threads is not None:
+                    self._issued_by(stream)
                 self.clocks.enqueue(stream)
             return
         op = new_op("launch", stream, None, line, self.step, ev)  # buffers made when needed
@@ -777,6 +792,7 @@ class RankAnalyzer:
             self.completions.host_learned(learned)
         host = self.clocks.host
         if self.threads is not None:
+            self.threads.grew(self.threads.current)
             host = self.threads.floor(self.clocks.union)  # done for every live thread
         self.inflight.retire(host, learned, self.colls_in_flight)
         if self.successor_waits.by_comm:
@@ -935,21 +951,22 @@ class RankAnalyzer:
     def _switch(self, thread, lane=None) -> None:
         threads = self.threads
         clocks = self.clocks
-        threads.clock(thread, clocks.union, clocks.streams, lane)
+        merge_changed(clocks.union, threads.clock(thread, clocks.union, clocks.streams, lane), None)
         threads.current = thread
         clocks.host = threads.clocks[thread]
         self.inflight.settled = None  # its answers were for another thread's clock
 
     def _issued_by(self, stream) -> None:
-        """The current thread enqueues on `stream`: if another thread enqueued there last, the
-        stream's clock takes in what that one knows (the sparse clocks keep no host part)."""
+        """The current thread enqueues on `stream`: VC_S = max(VC_S, VC_cur), as the table says
+        (with one thread the sparse clocks take the host's part at each query instead; with several,
+        work on a stream carries what its issuing thread knew then, whoever asks later). Only when
+        the thread learned something since it last did so."""
         threads = self.threads
         cur = threads.current
-        prev = threads.issuer.get(stream, 0)
-        if prev != cur:
-            if prev in threads.clocks:
-                self.clocks.fold(stream, threads.clocks[prev])
-            threads.issuer[stream] = cur
+        stamp = (cur, threads.version.get(cur, 0))
+        if threads.merged.get(stream) != stamp:
+            self.clocks.fold(stream, threads.clocks[cur])
+            threads.merged[stream] = stamp
 
     def _other_lanes(self):
         threads = self.threads
@@ -974,6 +991,7 @@ class RankAnalyzer:
         if thread == threads.current:
             raise Malformed(f"thread_start of thread {thread!r} by itself")
         threads.start(thread, ev.lane, self.clocks.streams)
+        merge_changed(self.clocks.union, threads.clocks[thread], None)  # (its start lane count)
 
     def on_thread_end(self, ev, line):
         threads = self.threads
