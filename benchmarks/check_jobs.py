@@ -69,9 +69,52 @@ print(json.dumps({"wall": wall, "imported": imported, "parent_cpu": me.ru_utime 
 """
 
 
+def add_p2p(out: Path, ranks: int, rounds: int) -> None:
+    """Append to every rank file (JSON Lines) `rounds` rounds of ai-dynamo/dynamo#826's transfer
+    with the rank beside it (docs/ordering-and-rules.md, "Ordering across ranks"): an even rank
+    sends a KV page with an isend it never waits, receives the odd rank's "done" on group `kv1`
+    and then rewrites the page; the odd rank receives the page, then sends "done". One round in
+    ten rewrites the page before receiving "done" (a finding that stays, with its note): every
+    even rank has findings on sends, so the check takes the cross-rank step on every rank."""
+    for rank in range(ranks):
+        peer = rank ^ 1
+        if peer >= ranks:
+            continue
+        lo, hi = sorted((rank, peer))
+        kv, note = f"kv0:p2p:{lo}-{hi}", f"kv1:p2p:{lo}-{hi}"
+        page, buf = 1 << 50, (1 << 50) + (1 << 20)
+        ev = [{"ev": "alloc", "id": "kv-page", "addr": page, "size": 4096, "stream": "cpu", "pool": "kv"},
+              {"ev": "alloc", "id": "kv-note", "addr": buf, "size": 4, "stream": "cpu", "pool": "kv"}]
+        for k in range(rounds):
+            sent, got = f"kv-s{k}", f"kv-n{k}"
+            if rank % 2 == 0:
+                write = {"ev": "launch", "stream": "cpu", "writes": [[page, 4096]], "site": "kv.py:1:reuse"}
+                early = k % 10 == 9
+                ev += [{"ev": "sync", "stream": "cpu"},   # as capture writes before a collective
+                       {"ev": "coll", "cid": sent, "comm": kv, "seq": k, "op": "c10d.send", "stream": f"gloo:kv0#{k}",
+                        "bufs": [{"addr": page, "size": 4096, "access": "r"}]},
+                       *([write] if early else []),
+                       {"ev": "coll", "cid": got, "comm": note, "seq": k, "op": "c10d.recv_", "stream": "gloo:kv1",
+                        "bufs": [{"addr": buf, "size": 4, "access": "w"}]},
+                       {"ev": "coll_done", "cid": got}, *([] if early else [write])]
+            else:
+                ev += [{"ev": "coll", "cid": sent, "comm": kv, "seq": k, "op": "c10d.recv_", "stream": "gloo:kv0",
+                        "bufs": [{"addr": page, "size": 4096, "access": "w"}]},
+                       {"ev": "coll_done", "cid": sent},
+                       {"ev": "sync", "stream": "cpu"},
+                       {"ev": "coll", "cid": got, "comm": note, "seq": k, "op": "c10d.send", "stream": "gloo:kv1",
+                        "bufs": [{"addr": buf, "size": 4, "access": "r"}]},
+                       {"ev": "coll_done", "cid": got}]
+        path = out / f"rank{rank}.jsonl"
+        lines = path.read_bytes().splitlines(keepends=True)
+        tail = [lines.pop()] if lines and b'"ev": "end"' in lines[-1].replace(b'"ev":"end"', b'"ev": "end"') else []
+        path.write_bytes(b"".join(lines) + b"".join(orjson.dumps(e) + b"\n" for e in ev) + b"".join(tail))
+
+
 def ensure_traces(args) -> Path:
     out = args.trace_dir / (f"jobs-r{args.ranks}-e{args.events}-i{args.inject}-s{args.seed}"
-                            + ("-binary" if args.format == "binary" else ""))
+                            + ("-binary" if args.format == "binary" else "")
+                            + (f"-p2p{args.p2p}" if args.p2p else ""))
     meta = out / "meta.json"
     if meta.exists():
         m = orjson.loads(meta.read_bytes())
@@ -80,21 +123,30 @@ def ensure_traces(args) -> Path:
             return out
     t0 = time.perf_counter()
     gen.generate(out, events=args.events, ranks=args.ranks, seed=args.seed, inject=args.inject, fmt=args.format)
+    if args.p2p:
+        if args.format != "jsonl":
+            raise SystemExit("--p2p appends to JSON Lines rank files: --format jsonl")
+        add_p2p(out, args.ranks, args.p2p)
     print(f"traces: generated {out} in {time.perf_counter() - t0:.0f} s")
     return out
 
 
-def run(trace: Path, jobs: int) -> tuple[float, float, dict]:
+def run(trace: Path, jobs: int) -> tuple[float, float, dict, float]:
+    """(wall s, CPU s, the report, peak RSS in MB of the largest process: the check or a worker)."""
     cmd = [sys.executable, "-m", "sanitizer", "check", str(trace), "--format", "json", "--jobs", str(jobs)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, cwd=ROOT)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)   # the check and its pool workers
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    if done.returncode not in (0, 1):
-        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.decode()[-2000:]}")
-    return wall, cpu, orjson.loads(done.stdout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)   # the check and the workers it waited for
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    cpu = usage.ru_utime + usage.ru_stime
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}: {stderr.decode()[-2000:]}")
+    return wall, cpu, orjson.loads(stdout), usage.ru_maxrss / 1024
 
 
 def breakdown(trace: Path, jobs: int) -> dict:
@@ -137,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--format", choices=("jsonl", "binary"), default="jsonl", help="the rank files' format")
     ap.add_argument("--jobs", default="1,2", help="comma-separated job counts; the first is the baseline")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--p2p", type=int, default=0, metavar="N",
+                    help="append N rounds of dynamo#826's KV transfer between ranks 2k and 2k+1 to every "
+                         "file (JSON Lines): the check then orders sends across ranks on every rank")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the timed in-process runs (2.)")
     ap.add_argument("--trace-dir", type=Path, default=Path(tempfile.gettempdir()) / "hazsan-bench",
                     help="cache of generated traces, reused (default: hazsan-bench in tempfile.gettempdir())")
@@ -149,24 +204,26 @@ def main(argv=None) -> int:
     for j in [int(x) for x in args.jobs.split(",")]:
         best = None
         for _ in range(args.repeat):
-            wall, cpu, report = run(trace, j)
+            wall, cpu, report, peak = run(trace, j)
             if best is None or wall < best[0]:
-                best = (wall, cpu)
+                best = (wall, cpu, peak)
         reports[j] = report
         rows.append((j, *best))
         if not args.no_breakdown:
             parts[j] = min((breakdown(trace, j) for _ in range(args.repeat)), key=lambda b: b["wall"])
     base = rows[0][1]
-    print(f"{'jobs':>5} {'wall s':>8} {'events/s':>12} {'speed-up':>9} {'CPU s':>8}")
-    for j, wall, cpu in rows:
-        print(f"{j:>5} {wall:>8.2f} {total / wall:>12,.0f} {base / wall:>8.2f}x {cpu:>8.2f}")
+    print(f"{'jobs':>5} {'wall s':>8} {'events/s':>12} {'speed-up':>9} {'CPU s':>8} {'peak MB':>8}")
+    for j, wall, cpu, peak in rows:
+        print(f"{j:>5} {wall:>8.2f} {total / wall:>12,.0f} {base / wall:>8.2f}x {cpu:>8.2f} {peak:>8.0f}")
     for j, b in parts.items():
         print(f"--jobs {j}, timed in process:")
         for line in describe_breakdown(b):
             print(f"  {line}")
     first = next(iter(reports.values()))
     same = all(r == first for r in reports.values())
-    print(f"findings: {first['summary']['by_rule']}; identical reports across job counts: {same}")
+    notes = sum(1 for f in first["findings"] if f.get("note"))
+    print(f"findings: {first['summary']['by_rule']} ({notes} listed with the cross-rank note); "
+          f"identical reports across job counts: {same}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0 if same else 1
 

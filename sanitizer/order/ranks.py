@@ -90,16 +90,16 @@ def send_peer(op: dict | None, rank: int):
     return k[1] if k is not None and k[0] == "send" else None
 
 
-def candidates(findings, ranks: dict) -> dict:
+def candidates(p2p_ops, ranks: dict) -> dict:
     """{file: {cid: peer}}: the sends still in flight that findings are about, whose peer is a rank
-    of the check (`ranks`: rank -> file, every rank once; a finding's rank names its file)."""
+    of the check. `p2p_ops`: ((rank, cid), OpRecord) of the findings' ops; `ranks`: rank -> file,
+    every rank once (a finding's rank names its file)."""
     out: dict = {}
-    for f in findings:
-        op = f.op
-        peer = send_peer(op.to_dict() if op is not None else None, f.rank)
-        if peer is None or peer not in ranks or f.rank not in ranks:
+    for (rank, cid), op in p2p_ops:
+        peer = send_peer(op.to_dict(), rank)
+        if peer is None or peer not in ranks or rank not in ranks:
             continue
-        out.setdefault(ranks[f.rank], {})[op.cid] = peer
+        out.setdefault(ranks[rank], {})[cid] = peer
     return out
 
 

@@ -289,7 +289,7 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
         warnings.append(f"{error_total - len(errors)} more malformed line(s) not listed")
     if across and len(ranks_seen) > 1 and len(ranks_seen) == len(traces):
         files = {rank: file for rank, file in ranks_seen.items()}
-        redo = order_across_ranks(sink.findings, files, _serial_map, limits)
+        redo = order_across_ranks(list(sink.p2p_ops.items()), files, _serial_map, limits)
         for file, extra in redo.items():
             again = analyze([file], peer_completion=peer_completion, lenient=lenient, max_per_group=max_per_group,
                             max_errors=0, engine=engine, live=live, limits=limits, suppress=suppress,
@@ -303,6 +303,8 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
                        unranked=sum(1 for r in readers if r.analyzer.rank < 0))
     summary["malformed"] = error_total
     summary["steps_by_rank"] = {r.analyzer.rank: sorted(r.analyzer.steps_seen) for r in readers}
+    if not across and make_matcher is not None and sink.p2p_ops:
+        summary["_p2p_ops"] = list(sink.p2p_ops.items())   # for the parent's order_across_ranks
     out = Analysis(findings, summary, errors, warnings, [str(f) for f in files])
     out.sink = sink
     return out
@@ -315,6 +317,7 @@ class RankSink(FindingSink):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.per_file: dict = {}      # file -> {("rule", rule) | ("group", key) | ("suppressed", rule): n}
+        self.p2p_ops: dict = {}       # (rank, cid) -> OpRecord: the point-to-point ops of findings
 
     def add(self, finding: Finding) -> None:
         counts = self.per_file.get(finding.file)
@@ -326,6 +329,10 @@ class RankSink(FindingSink):
             key = ("rule", finding.rule)
             gkey = ("group", finding.group_key())
             counts[gkey] = counts.get(gkey, 0) + 1
+            op = finding.op
+            if op is not None and op.kind == "coll" and isinstance(op.comm, str) and ":p2p:" in op.comm:
+                # a point-to-point op, listed or not: order_across_ranks asks about every one
+                self.p2p_ops.setdefault((finding.rank, op.cid), op)
         counts[key] = counts.get(key, 0) + 1
         FindingSink.add(self, finding)
 
@@ -362,12 +369,14 @@ def _serial_map(fn, calls):
     return [fn(*args) for args in calls]
 
 
-def order_across_ranks(findings, files: dict, run_map, limits: Limits | None = None) -> dict:
+def order_across_ranks(p2p_ops, files: dict, run_map, limits: Limits | None = None) -> dict:
     """{file: {line: [cid, ...]}}: the sends in flight that findings are about and that the ranks'
-    messages order complete (sanitizer.order.ranks), for the files to analyse again. `files`: rank
-    -> file, every rank once; `run_map(fn, [args, ...])`: fn(*args) for each, in a pool or not, the
-    results in order. Empty, reading nothing, where no finding is about a send to a rank of the check."""
-    wanted = ranks_mod.candidates(findings, files)
+    messages order complete (sanitizer.order.ranks), for the files to analyse again. `p2p_ops`:
+    ((rank, cid), OpRecord) of every finding's point-to-point op, listed or not (RankSink.p2p_ops);
+    `files`: rank -> file, every rank once; `run_map(fn, [args, ...])`: fn(*args) for each, in a
+    pool or not, the results in order. Empty, reading nothing, where no finding is about a send to
+    a rank of the check."""
+    wanted = ranks_mod.candidates(p2p_ops, files)
     if not wanted:
         return {}
     rank_of = {file: rank for rank, file in files.items()}

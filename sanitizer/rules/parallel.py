@@ -224,15 +224,20 @@ def across_ranks(parts: list, run_map, rerun, limits: Limits | None = None) -> l
         if rank is None:
             continue
         if rank in files:
-            return parts                    # a rank twice: which file is the peer is unknown
+            files = {}                      # a rank twice: which file is the peer is unknown
+            break
         files[rank] = path
     if len(files) < 2 or len(files) != len(parts):
+        for p in parts:
+            p[3].pop("_p2p_ops", None)
         return parts
-    findings = [f for p in parts for f in p[2]]
-    redo = driver.order_across_ranks(findings, files, run_map, limits)
+    p2p_ops = [item for p in parts for item in p[3].pop("_p2p_ops", ())]
+    redo = driver.order_across_ranks(p2p_ops, files, run_map, limits)
     if redo:
         futures = {path: rerun(path, extra) for path, extra in redo.items()}
         parts = [(*futures[p[0]].result()[:6], p[6]) if p[0] in futures else p for p in parts]
+        for p in parts:
+            p[3].pop("_p2p_ops", None)
     ranks_mod.annotate([f for p in parts for f in p[2]], files)
     return parts
 

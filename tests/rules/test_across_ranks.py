@@ -208,3 +208,19 @@ def test_binary_traces(tmp_path, intern):
             got = [(f.rule, f.rank, f.line) for f in a.findings]
             want = [] if name in CLEAN else [("unordered-access", 0, rank0.index(REUSE) + 2)]
             assert got == want, (name, intern, how, got)
+
+
+def test_sends_past_the_listing_limit_are_ordered_too(tmp_path):
+    """150 fixed transfers: more findings on sends than --max-per-group lists in the first pass;
+    every one is ordered (the step asks about every finding, listed or not)."""
+    rank0, rank1 = [H0, _alloc(1, 4096, 1024), _alloc(2, 65536, 4)], [H1, _alloc(1, 4096, 1024), _alloc(2, 65536, 4)]
+    for k in range(150):
+        rank0 += [{"ev": "sync", "stream": "cpu"}, _coll(f"s{k}", "0:p2p:0-1", 2 * k, "c10d.send", f"gloo:0#{k}", "r", KV),
+                  _coll(f"n{k}", "1:p2p:0-1", k, "c10d.recv_", "gloo:1", "w"), _done(f"n{k}"), REUSE]
+        rank1 += [_coll(f"s{k}", "0:p2p:0-1", 2 * k, "c10d.recv_", "gloo:0", "w", KV), _done(f"s{k}"),
+                  _coll(f"n{k}", "1:p2p:0-1", k, "c10d.send", "gloo:1", "r"), _done(f"n{k}")]
+    path = _write(tmp_path, "many", rank0, rank1)
+    for how, a in _analyses(path).items():
+        assert a.findings == [] and a.summary["findings"] == 0, (how, a.summary["by_rule"])
+    first = analyze([str(path)], across_ranks=False)
+    assert first.summary["findings"] > 100 and len(first.findings) == 100
