@@ -33,7 +33,8 @@ it reads and writes, derived from the op's schema the way PyTorch's CUDA sanitiz
 maybe-alias op (CompositeImplicitAutograd, seen whole where autograd is off: `to.dtype`,
 `contiguous`, `reshape`) is a view or a copy by what it returned, not by its schema: a result
 in a new storage was written, and the arguments it may alias read. Allocation without a kernel (empty and friends) launches nothing. On CPU the stream is `cpu`, on a GPU the
-current stream of the tensor's device (streams.py names it).
+current stream of the tensor's device (streams.py names it). A thread other than the main one
+has a CPU lane of its own, `cpu@<K>` (runtime.cpu_lane; docs/capture.md, "Host threads").
 """
 from __future__ import annotations
 
@@ -291,7 +292,7 @@ class BlockTable:
                 device = self._ranges(written, writes, device)
             if not reads and not writes:
                 return
-            stream = "cpu" if device is None or device.type == "cpu" else self.stream_of_device(device)
+            stream = _runtime.cpu_lane() if device is None or device.type == "cpu" else self.stream_of_device(device)
             cap = self.capture
             if cap.host_work_unsynced and stream != "cpu":
                 cap.host_ran_cpu_work()

@@ -95,6 +95,7 @@ from sanitizer.capture.collective_ops import (
     hook_name, p2p_comm, rank_in_options, register_collective_op, register_wrapping_op,
     tensors_in, work_in)
 from sanitizer.capture.block_table import entering_quiet, leaving_quiet
+from sanitizer.capture.runtime import cpu_lane
 from sanitizer.capture.collective_patches import ORIGINAL, install_patches
 from sanitizer.capture.collective_state import (CompletionStreams, CoverageGaps, NcclWorkLifetimes,
                                                 WorkHeldTensors)
@@ -116,6 +117,11 @@ class DispatchedCollectives:
         self.groups: dict = {}              # ProcessGroup (pybind) or group name -> (name, stream, pg)
         self.device_streamed: dict[int, str] = {}   # cid -> NCCL stream of a collective not yet waited for
         self.pending: dict[int, tuple] = {}     # id(Work or Future) -> (weakref, cid)
+        # host threads (threads.py): handles whose collectives are all done -> (weakref, cids, the
+        # threads that synchronised with them); a wait on one by another thread is that thread's
+        # own synchronisation, written as a `coll_done` again on it (a no-op for one that knew)
+        self.finished: dict[int, tuple] = {}
+        self.device_done: set = set()          # cids whose completion was a record/wait (NCCL)
         table = getattr(capture, "blocks", None)
         # cid -> Future of a Work only C++ holds (polled); per-thread state: shared with the mode
         self.unowned: dict[int, object] = table.unowned if table is not None else {}
@@ -243,7 +249,8 @@ class DispatchedCollectives:
                 reads.append([r[0], r[1]])
         if not reads:
             return
-        ev = {"ev": "launch", "stream": "cpu", "op": "backend input copy", "reads": reads,
+        lane = cpu_lane()
+        ev = {"ev": "launch", "stream": lane, "op": "backend input copy", "reads": reads,
               "t": time.time_ns()}
         site, frames = self.capture.sites.where()
         if site is not None:
@@ -251,7 +258,8 @@ class DispatchedCollectives:
             if frames is not None:
                 ev["stack"] = frames
         self.emit(ev)
-        self.capture.host_work_unsynced = True
+        if lane == "cpu":
+            self.capture.host_work_unsynced = True
 
     def _record(self, op, comm, stream, bufs, by_backend: bool = True, tensors=(), cid=None, seq=None) -> int:
         """Write one `coll`; by_backend: the stream is a process group's, ordered as its backend
@@ -552,12 +560,15 @@ class DispatchedCollectives:
 
     def _remember(self, handle, cid) -> None:
         key = id(handle)
-        pending = self.pending
+        pending, finished = self.pending, self.finished
 
         def forget(_ref, key=key):
             entry = pending.get(key)
             if entry is not None and entry[0] is _ref:
                 del pending[key]
+            entry = finished.get(key)
+            if entry is not None and entry[0] is _ref:
+                del finished[key]
 
         pending[key] = (weakref.ref(handle, forget), list(cid) if isinstance(cid, list) else [cid])
 
@@ -566,7 +577,45 @@ class DispatchedCollectives:
         if entry is None or entry[0]() is not handle:
             return None
         del self.pending[id(handle)]
+        self.finished[id(handle)] = (entry[0], entry[1], {threading.get_ident()})
         return entry[1]
+
+    def cids_of(self, handle) -> list | None:
+        """The collectives filed under `handle` (a Work or Future), done or not; None: none."""
+        for table in (self.pending, self.finished):
+            entry = table.get(id(handle))
+            if entry is not None and entry[0]() is handle:
+                return entry[1]
+        return None
+
+    def learnt(self, cids) -> None:
+        """The calling thread synchronised with collectives `cids` (a Future's callback runs
+        after its completion: threads.py): their `coll_done` on it, the first one or again."""
+        try:
+            again = []
+            for cid in cids:
+                if cid in self.issued_cids or cid in self.observed_cids:
+                    self.done(cid, waited=True)
+                elif cid not in self.device_done:
+                    again.append(cid)
+            for cid in again:
+                self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
+        except Exception as exc:
+            self.capture.failed("coll.done", exc)
+
+    def _again(self, handle) -> None:
+        """Another thread waited on a handle whose collectives are done: its own `coll_done`
+        (docs/capture.md, "Host threads"); nothing for the thread that already synchronised."""
+        entry = self.finished.get(id(handle))
+        if entry is None or entry[0]() is not handle:
+            return
+        me = threading.get_ident()
+        if me in entry[2]:
+            return
+        entry[2].add(me)
+        for cid in entry[1]:
+            if cid not in self.issued_cids and cid not in self.observed_cids and cid not in self.device_done:
+                self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
 
     def observed(self, handle, waited: bool = True, settle: bool = True,
                  future_done: bool = False) -> None:
@@ -595,6 +644,8 @@ class DispatchedCollectives:
                 # worker, and the modelled window placement of the next block depends on timing.
                 if settle:
                     time.sleep(SETTLE_SECONDS)
+            elif self.finished:
+                self._again(handle)
             if self.unowned:
                 self.poll()
         except Exception as exc:
@@ -660,15 +711,20 @@ class DispatchedCollectives:
                 t = time.time_ns()
                 self.emit({"ev": "record", "event": event, "stream": nccl_stream, "t": t})
                 self.emit({"ev": "wait", "event": event, "stream": current_stream(self.capture), "t": t})
+                if len(self.device_done) > 65536:
+                    self.device_done.clear()
+                self.device_done.add(cid)
             else:
                 self.emit({"ev": "coll_done", "cid": cid, "t": time.time_ns()})
         # its stream may take the next Work once the completion is written, not before
         self.streams.complete(cid)
         # the same collective may be observed through its Work and its Future: once is enough
         # (issued_cids); pending entries whose collectives are all done go
+        me = threading.get_ident()
         for key, (ref, cids) in list(self.pending.items()):
             if cid in cids and not any(c in self.issued_cids or c in self.observed_cids for c in cids):
-                self.pending.pop(key, None)
+                if self.pending.pop(key, None) is not None:
+                    self.finished[key] = (ref, cids, {me})
 
     def _observed_done(self, cid) -> None:
         """Capture itself saw `cid` finish: write `coll_done` with `observed`. The collective keeps

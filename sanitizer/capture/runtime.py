@@ -31,6 +31,27 @@ def active() -> "Capture | None":
     return _active
 
 
+_get_ident = threading.get_ident
+#: threading.get_ident() of the process's main thread (thread 0 of the trace; after a fork, the
+#: thread that forked: Capture.after_fork_in_child)
+MAIN_THREAD = threading.main_thread().ident
+_LANES: dict = {}
+
+
+def cpu_lane() -> str:
+    """The stream of a CPU access made by the calling thread: `cpu` on the main thread, else its
+    own lane `cpu@<K>`, K its threading.get_ident() (docs/capture.md, "Host threads")."""
+    k = _get_ident()
+    if k == MAIN_THREAD:
+        return "cpu"
+    lane = _LANES.get(k)
+    if lane is None:
+        if len(_LANES) > 4096:
+            _LANES.clear()
+        lane = _LANES[k] = f"cpu@{k}"
+    return lane
+
+
 class ScopeStack(threading.local):
     """Symmetric scopes entered on this thread (innermost last): (pool, comm) pairs."""
 
@@ -163,7 +184,11 @@ class Capture:
     def host_ran_cpu_work(self) -> None:
         """CPU ops run synchronously on the host: by the time the host enqueues work on another
         stream, every `launch` on stream "cpu" before it has finished. Say so with one sync of
-        the cpu stream, written lazily (only before such an enqueue), not after every CPU op."""
+        the cpu stream, written lazily (only before such an enqueue), not after every CPU op.
+        Only the main thread's: `cpu` holds its accesses alone (another thread's are on its own
+        lane, complete at once for it), and another thread knows nothing of them by itself."""
+        if _get_ident() != MAIN_THREAD:
+            return
         self.host_work_unsynced = False
         self.emit({"ev": "sync", "stream": "cpu", "t": time.time_ns()})
 
@@ -252,6 +277,8 @@ class Capture:
         program (a `preexec_fn` runs the fork handlers) starts no file: exec runs no exit handler,
         so the file would stay behind header-only, read as a killed process."""
         try:
+            global MAIN_THREAD
+            MAIN_THREAD = threading.main_thread().ident     # the thread that forked
             self.writer.discard_after_fork(start=not _in_subprocess_exec_child())
             if self.blocks is not None:
                 self.blocks.redeclare_after_fork()

@@ -41,6 +41,11 @@ def on_torch(capture) -> None:
         _patch_mem_pools(capture)
     except Exception as exc:
         capture.failed("install.use_mem_pool", exc)
+    try:      # host threads: start/join, Event, Queue, torch futures (threads.py)
+        from sanitizer.capture import threads
+        threads.install(capture)
+    except Exception as exc:
+        capture.failed("install.threads", exc)
 
 
 def _install_native(capture):

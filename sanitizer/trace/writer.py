@@ -57,6 +57,14 @@ over the old ones (TraceFile._write_progress_in_place).
 writer (Python runs them between any two bytecodes) are deferred until it is left
 (``when_outside``).
 
+Threads: each event is the issuing host thread's (docs/trace-format.md, `thread`). An event
+appended by another thread than the last one's is preceded by ``{"ev": "thread", "thread": K}``,
+K its ``threading.get_ident()``, 0 for the process's main thread (the current one where a file
+starts); the cost is one get_ident() and a compare per event. ``emit_on`` and ``emit_many``'s
+``thread`` append events another thread issued (the native recorder's records, drained by
+whichever thread drains them). A file that starts, or a batch whose predecessor was cut or lost,
+begins with the switch to the thread its first event belongs to.
+
 File naming: ``rank<R>.jsonl`` once the rank is known (torch.distributed, else RANK / LOCAL_RANK),
 else ``pid<PID>.jsonl`` with header rank ``-PID`` (a process without a distributed rank; distinct
 from every real rank and from other such processes). Files are created with O_EXCL; a name already
@@ -139,6 +147,11 @@ class TraceWriter(TraceFile, TimeFlush):
         # as structs until the flush encodes them), and the events they hold beyond one entry each
         self._buf_runs = 0
         self._buf_extra = 0
+        # Host threads (docs/trace-format.md, `thread`): the thread (threading.get_ident()) that
+        # issued the last event buffered, the one current at the buffer's start, and the one
+        # current at the end of what the file holds (None: not known, a batch was cut or lost)
+        self._main = threading.main_thread().ident
+        self._thread = self._buf_thread = self._file_thread = self._main
         self._lock = threading.RLock()      # file state; flush may re-enter (GC during a flush)
         self._buf_lock = threading.RLock()  # the buffer append/swap only
         self._count_lock = threading.RLock() # drop and hook-error counts: hooks add, a flush (any thread) takes
@@ -194,21 +207,53 @@ class TraceWriter(TraceFile, TimeFlush):
         """Queue one event. Flushes when the buffer is full; the time flush is the timer thread's.
 
         Called from any thread (frees arrive on whichever thread drops a storage): the append and
-        the swap in flush() share a lock, so no event can land in a batch already written."""
+        the swap in flush() share a lock, so no event can land in a batch already written. An
+        event from another thread than the last one's is preceded by a `thread` event (host
+        threads: the module's docstring, "Threads")."""
+        me = _get_ident()
         with self._buf_lock:
             if self._quiet:
                 n = -1
             else:
                 buf = self._buf
+                if me != self._thread:
+                    buf.append(self._switch(me))
                 buf.append(ev)
                 n = len(buf)
         if n < 0:             # the header says nothing is missing
-            if self._through and self._write_through(ev):
+            if self._through and self._write_through(ev, thread=me):
                 return
             self._wake()      # say otherwise before buffering
-            self.emit(ev)
+            self.emit_on(ev, me)
             return
         self._queued(n)
+
+    def emit_on(self, ev: dict, thread: int) -> None:
+        """emit(), for an event that host thread `thread` (its threading.get_ident()) issued, not
+        the calling one (the native recorder's records, turned into events by whichever thread
+        drains them)."""
+        with self._buf_lock:
+            if self._quiet:
+                n = -1
+            else:
+                buf = self._buf
+                if thread != self._thread:
+                    buf.append(self._switch(thread))
+                buf.append(ev)
+                n = len(buf)
+        if n < 0:
+            if self._through and self._write_through(ev, thread=thread):
+                return
+            self._wake()
+            self.emit_on(ev, thread)
+            return
+        self._queued(n)
+
+    def _switch(self, thread: int) -> dict:
+        """(with _buf_lock) The `thread` event that makes `thread` the current one: the process's
+        main thread is 0."""
+        self._thread = thread
+        return {"ev": "thread", "thread": 0 if thread == self._main else thread}
 
     def _queued(self, n: int) -> None:
         """After an append that left `n` events buffered."""
@@ -217,25 +262,30 @@ class TraceWriter(TraceFile, TimeFlush):
         if self._deferred:
             self._run_deferred()
 
-    def emit_many(self, evs) -> None:
+    def emit_many(self, evs, thread: int | None = None) -> None:
         """Queue events in order, one lock for all (the native recorder's batches): a list, or a
-        packed run (binary.is_packed), which stays one entry until the flush encodes it."""
+        packed run (binary.is_packed), which stays one entry until the flush encodes it. `thread`:
+        the host thread that issued them (threading.get_ident()), when not the calling one."""
+        if thread is None:
+            thread = _get_ident()
         with self._buf_lock:
             if self._quiet:
                 n = -1
             else:
-                n = self._append_many(evs)
+                n = self._append_many(evs, thread)
         if n < 0:             # the header says nothing is missing
-            if self._through and self._write_through(evs, many=True):
+            if self._through and self._write_through(evs, many=True, thread=thread):
                 return        # idle between steps: the batch written at once, still quiet
             self._wake()
-            self.emit_many(evs)
+            self.emit_many(evs, thread)
             return
         self._queued(n)
 
-    def _append_many(self, evs) -> int:
+    def _append_many(self, evs, thread: int) -> int:
         """(with _buf_lock) Append events to the buffer; the number of events it holds now."""
         buf = self._buf
+        if thread != self._thread:
+            buf.append(self._switch(thread))
         if type(evs) is list:
             buf.extend(evs)
         elif len(evs):
@@ -282,7 +332,7 @@ class TraceWriter(TraceFile, TimeFlush):
             with self._buf_lock:
                 self._quiet = self._through = False
 
-    def _write_through(self, ev, many: bool = False) -> bool:
+    def _write_through(self, ev, many: bool = False, thread: int | None = None) -> bool:
         """Idle between steps (see _settle): write `ev` now (`many`: the events of list `ev`), so
         that the file keeps holding every event recorded. False when that cannot be done here (the
         mode ended meanwhile; this thread is inside a flush, a GC finalizer): the caller buffers it
@@ -291,9 +341,13 @@ class TraceWriter(TraceFile, TimeFlush):
             if not (self._quiet and self._through) or self._flush_thread == threading.get_ident():
                 return False
             with self._buf_lock:
+                if thread is None:
+                    thread = _get_ident()
                 if many:
-                    self._append_many(ev)
+                    self._append_many(ev, thread)
                 else:
+                    if thread != self._thread:
+                        self._buf.append(self._switch(thread))
                     self._buf.append(ev)
             self.flush(drain_source=False)   # a failed write counts a drop, which ends the quiet state
         if self._deferred:
@@ -475,6 +529,12 @@ class TraceWriter(TraceFile, TimeFlush):
             fn()
 
     # ------------------------------------------------------------------ identity
+    def discard_after_fork(self, start: bool = True) -> None:
+        """TimeFlush.discard_after_fork; the child's main thread is the one that forked (threading
+        made it so before this runs), 0 in the child's trace."""
+        self._main = threading.main_thread().ident
+        self._thread = self._buf_thread = self._file_thread = self._main
+        super().discard_after_fork(start)
 
 
     def _encode(self, part: list, packed: bool = False) -> bytes:
@@ -531,6 +591,8 @@ class TraceWriter(TraceFile, TimeFlush):
             batch, self._buf = self._buf, fresh
             runs, extra = self._buf_runs, self._buf_extra
             self._buf_runs = self._buf_extra = 0
+            first_thread, self._buf_thread = self._buf_thread, self._thread
+        last_thread = self._buf_thread
         total = len(batch) + extra
         if self.closed:
             if total:
@@ -542,6 +604,10 @@ class TraceWriter(TraceFile, TimeFlush):
             if runs:
                 batch, runs = B.unpacked(batch), 0
             batch = batch[:max(room, 0)]
+            last_thread = first_thread    # the thread where the kept part ends
+            for ev in batch:
+                if type(ev) is dict and ev.get("ev") == "thread":
+                    last_thread = self._main if ev["thread"] == 0 else ev["thread"]
         if room <= 0 and not self._closing and time.monotonic() - self._last_record < _CAPPED_RECORD_SECONDS:
             return  # past the cap, the counts go out once a minute and at close: the file stays bounded
         self._last_record = time.monotonic()
@@ -550,6 +616,7 @@ class TraceWriter(TraceFile, TimeFlush):
                 self._file_removed()   # before the records below, so that they count it
         except OSError:
             pass
+        own = len(batch)                # the events recorded (what follows: the writer's counts)
         with self._count_lock:          # taken whole: a count added meanwhile goes to the next flush
             errors, self._hook_errors = self._hook_errors, {}
             dropped, self._dropped = self._dropped, 0
@@ -564,8 +631,13 @@ class TraceWriter(TraceFile, TimeFlush):
         try:
             if self._fd is None:
                 self._open()
+                self._file_thread = self._main     # a new file starts on the main thread
             elif self.header_source is not None and self._header_state != self._key():
                 self._refresh_header()
+            if own and first_thread != self._file_thread:
+                # the file is not where the batch starts (a new file, a batch lost or cut)
+                batch.insert(0, {"ev": "thread", "thread": 0 if first_thread == self._main else first_thread})
+            self._file_thread = None       # known again once the whole batch is written
             # orjson's result keeps its ~4 KiB working buffer: holding a whole batch of them at
             # once would add ~270 MB to the host's peak RSS per 65k events. Slices keep it ~4 MB.
             encode = self._encode
@@ -583,6 +655,7 @@ class TraceWriter(TraceFile, TimeFlush):
                 done += n
                 self._written += n
                 self._in_file += n
+            self._file_thread = last_thread
         except Exception as exc:   # disk full, unserialisable field, directory gone
             count = len(batch) + (extra if runs else 0)
             self.count_drop(count - done, f"write-failed: {type(exc).__name__}")
@@ -687,6 +760,7 @@ class TraceWriter(TraceFile, TimeFlush):
         with self._lock:
             self.flush()
             self._finish_file()
+            self._file_thread = self._main     # the new file starts on the main thread
             with self._buf_lock:
                 self._quiet = self._through = False   # the new file starts with what the preamble re-declares
                 self.progress["quiet"] = False
@@ -703,6 +777,9 @@ class TraceWriter(TraceFile, TimeFlush):
                     self._open()
                 except Exception:
                     pass                  # tried again, counted and reported, at the next flush
+
+
+_get_ident = threading.get_ident
 
 
 def _dumps(ev: dict) -> bytes:

@@ -1221,7 +1221,12 @@ class PackedRun {
 // has Work-held or stashed blocks to look at on every free), and a launch with a range Python must
 // translate (2, op, site, t, ranges), and a registered op's collective with such a range
 // (3, cid, comm, seq, op, site, t, ranges), its ranges' first element the access ("r", "w", "rw").
-py::tuple drain_events(bool all_frees, bool packed) {
+// Host threads: before the first record and wherever the records' thread changes, a special
+// (4, thread), its pthread_self() (threading.get_ident()): the events after it are that thread's.
+// A launch of a thread other than `main_thread` is a special too (Python puts it on that thread's
+// lane, `cpu@<thread>`), and only the main thread's count in the launches returned (the lazy
+// `cpu` sync is the main thread's alone). `main_thread` 0: no threads told apart (neither).
+py::tuple drain_events(bool all_frees, bool packed, uint64_t main_thread) {
   std::vector<Record> out;
   std::vector<std::string> texts, labels, ctexts;
   std::vector<CollRec> crecs;
@@ -1326,7 +1331,14 @@ py::tuple drain_events(bool all_frees, bool packed) {
       x.foreign = NONE;
     }
   };
+  uint64_t current_thread = 0;
+  bool thread_known = false;
   for (const Record& r : out) {
+    if (main_thread != 0 && (!thread_known || r.thread != current_thread)) {
+      specials.append(py::make_tuple(n_events, py::make_tuple(4, r.thread)));
+      current_thread = r.thread;
+      thread_known = true;
+    }
     if (r.flags & COLL_DONE) {
       if (run) {
         run->evs.push_back(PlainEvent{r.addr, 0, 0, r.t, NO_SITE, static_cast<uint32_t>(COLL_DONE_KIND), 0});
@@ -1362,9 +1374,10 @@ py::tuple drain_events(bool all_frees, bool packed) {
     }
     if (r.flags & LAUNCH) {
       const LaunchRec& l = lrecs[r.addr];
-      ++n_launches;
+      bool main = main_thread == 0 || r.thread == main_thread;
+      if (main) ++n_launches;
       own_aliases(l.first, l.n);
-      if (!plain_ranges(l.first, l.n)) {
+      if (!main || !plain_ranges(l.first, l.n)) {
         specials.append(py::make_tuple(n_events, py::make_tuple(2, py::reinterpret_borrow<py::object>(label_obj(l.op)),
             py::reinterpret_borrow<py::object>(site_obj(r.site)), r.t, ranges_for_python(l.first, l.n, false))));
         continue;
@@ -1551,7 +1564,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scope", &scope);
   m.def("quiet_add", &quiet_add);
   m.def("pending", &pending);
-  m.def("drain_events", &drain_events, py::arg("all_frees"), py::arg("packed") = false);
+  m.def("drain_events", &drain_events, py::arg("all_frees"), py::arg("packed") = false,
+        py::arg("main_thread") = static_cast<uint64_t>(0));
   m.def("record_coll", &record_coll);
   m.def("set_plain_types", &set_plain_types);
   py::class_<PackedRun>(m, "PackedRun")

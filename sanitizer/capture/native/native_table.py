@@ -32,6 +32,7 @@ import threading
 from time import time_ns
 
 from sanitizer.capture import block_table as _bt
+from sanitizer.capture import runtime as _runtime
 from sanitizer.capture.block_table import BlockTable
 from sanitizer.capture.native import MAX_RECORDS, QUIET
 from sanitizer.trace.binary.layout import ORDER
@@ -172,7 +173,7 @@ class NativeBlockTable(BlockTable):
         self._draining = me
         try:
             events, specials, dropped, passed, launched, observer_errors = \
-                self.lib.drain_events(bool(self.held_by_work or self.stashed), self.packed)
+                self.lib.drain_events(bool(self.held_by_work or self.stashed), self.packed, _runtime.MAIN_THREAD)
             if launched:
                 self.capture.host_work_unsynced = True     # (BlockTable.on_op_full: a `cpu` launch)
             if observer_errors != self._observer_errors:
@@ -192,18 +193,21 @@ class NativeBlockTable(BlockTable):
             if not events and not specials:
                 return
             writer = self.writer     # (quiet: emit_many writes a batch through, or wakes the writer)
-            if not specials:
-                writer.emit_many(events)
-            else:
-                cut = events.__getitem__ if type(events) is list else lambda s: events.part(s.start, s.stop)
-                at, n = 0, len(events)
-                for pos, rec in specials:
-                    if pos > at:
-                        writer.emit_many(cut(slice(at, pos)))
-                        at = pos
-                    self._special(rec)
-                if at < n:
-                    writer.emit_many(cut(slice(at, n)))
+            # specials (4, thread) say whose records follow (every batch starts with one): the
+            # events are written as that thread's, whichever thread drains them
+            thread = None
+            cut = events.__getitem__ if type(events) is list else lambda s: events.part(s.start, s.stop)
+            at, n = 0, len(events)
+            for pos, rec in specials:
+                if pos > at:
+                    writer.emit_many(cut(slice(at, pos)), thread)
+                    at = pos
+                if rec[0] == 4:
+                    thread = rec[1]
+                else:
+                    self._special(rec, thread)
+            if at < n:
+                writer.emit_many(events if at == 0 else cut(slice(at, n)), thread)
             self.records_seen += len(events) + len(specials)
             if self.unowned and self.collectives is not None:
                 self.collectives.poll()
@@ -212,12 +216,15 @@ class NativeBlockTable(BlockTable):
         finally:
             self._draining = None
 
-    def _special(self, rec) -> None:
+    def _special(self, rec, thread) -> None:
+        """A record Python handles, issued by `thread` (None: the calling one)."""
+        if thread is None:
+            thread = threading.get_ident()
         if rec[0] == 2:
-            self._launch(rec)
+            self._launch(rec, thread)
             return
         if rec[0] == 3:
-            self._coll(rec)
+            self._coll(rec, thread)
             return
         if rec[0] == 0:                        # an allocation inside a scope: placed in its window
             _, addr, size, site, t, scope, bid = rec
@@ -229,8 +236,8 @@ class NativeBlockTable(BlockTable):
             except Exception as exc:           # window full: the real placement instead
                 pool = "default"
                 self.capture.failed("window", exc)
-            self.writer.emit((_ALLOC, bid, a, s, "cpu", pool, None if model is None else size, None, None, t, None,
-                              site))
+            self.writer.emit_on((_ALLOC, bid, a, s, "cpu", pool, None if model is None else size, None, None, t, None,
+                                 site), thread)
             self.named[addr] = NativeBlock(bid, addr, size, a, s, model)
             return
         _, addr, size, tid, t, flags, bid, block_flags = rec
@@ -244,9 +251,9 @@ class NativeBlockTable(BlockTable):
         if flags & QUIET:
             self.deferred_by_thread.setdefault(tid, []).append((b, t))
         else:
-            self._release_native(b, t)
+            self._release_native(b, t, tid)
 
-    def _launch(self, rec) -> None:
+    def _launch(self, rec, thread) -> None:
         """A launch with a range Python must translate: in a block placed in a modelled window
         (`named`, which is as it was at the launch: the specials are handled in order), or in a
         storage the recorder never saw (adopted here, as BlockTable._ranges adopts it: its tensor
@@ -256,16 +263,18 @@ class NativeBlockTable(BlockTable):
         for write, addr, size in self._translated(ranges, "native.launch", op, site):
             (writes if write else reads).append((addr, size))
         if reads or writes:
-            self.writer.emit((_bt._LAUNCH, "cpu", tuple(reads) or None, tuple(writes) or None, t, None, site,
-                              None, op))
+            # another thread's launch: on its own lane (runtime.cpu_lane)
+            lane = "cpu" if thread == _runtime.MAIN_THREAD else f"cpu@{thread}"
+            self.writer.emit_on((_bt._LAUNCH, lane, tuple(reads) or None, tuple(writes) or None, t, None, site,
+                                 None, op), thread)
 
-    def _coll(self, rec) -> None:
+    def _coll(self, rec, thread) -> None:
         """A registered op's collective (alloc_recorder.cpp, record_coll) with a range Python must
         translate, as `_launch`; written as the recorder writes a plain one (its coll_tuple)."""
         _, cid, comm, seq, op, site, t, ranges = rec
         bufs = [[addr, size, access] for access, addr, size in self._translated(ranges, "native.coll", op, site)]
         ev = (_COLL, cid, comm, seq, op, "cpu", bufs, t) + ((None, site) if site is not None else ())
-        self.writer.emit(ev)
+        self.writer.emit_on(ev, thread)
 
     def _translated(self, ranges, hook: str, op, site):
         """(access, trace address, size) of each range of a special record: one of the
@@ -284,12 +293,15 @@ class NativeBlockTable(BlockTable):
             out.append((access, b.addr + (ptr - b.real), size))
         return out
 
-    def _release_native(self, b: NativeBlock, t: int) -> None:
+    def _release_native(self, b: NativeBlock, t: int, thread: int | None = None) -> None:
         if self.stashed:
             self.on_stash_release(b.addr, b.size)
         if b.model is not None:
             self.capture.arenas_model().free(b.model)
-        self.writer.emit((_FREE, b.id, t))
+        if thread is None:
+            self.writer.emit((_FREE, b.id, t))
+        else:
+            self.writer.emit_on((_FREE, b.id, t), thread)
 
     # ------------------------------------------------------------------ the Python path's lookups
     def _new(self, t, s, opname, live, placed_by_scope=True, where=None, key=None):
