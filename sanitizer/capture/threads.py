@@ -7,10 +7,11 @@ orders two threads is what the program did to order them, recorded here as TSan 
 `release` of a synchronisation key publishes what the current thread knows, an `acquire` of it
 makes the current thread learn what was published there.
 
-  * threading.Thread: start() writes `release` of a fresh key `thread:<n>` before the thread
-    exists, and the thread's first event is the `acquire` of it (after its own `thread` switch),
-    before it runs any of the program; its last is `thread_end`, written when its run ends (also
-    by an exception). join() that returns with the thread dead writes `thread_join`.
+  * threading.Thread: start() writes `thread_start` K once the new thread K has its ident and
+    before it runs any of the program's code (it waits at the door of its run() for that: a lock
+    the starter holds until the event is written, a few microseconds); its last event is
+    `thread_end`, written when its run ends (also by an exception). join() that returns with the
+    thread dead writes `thread_join`.
   * threading.Event: set() releases the event's key (`event:<n>`) before setting it; wait()
     that returns true, and is_set() that returns true, acquire it.
   * queue.Queue (and its subclasses): put() releases the queue's key (`queue:<n>`) before the
@@ -23,7 +24,8 @@ makes the current thread learn what was published there.
     ends with the `release` of the key of the future then() returned (its wait() acquires it).
 
 An acquire that learns nothing new (the key released no more since this thread last acquired it)
-is not written. Keys are per object, from a counter: an object's key is never another's.
+is not written. Keys are per object, from a counter (`event:<n>`, `queue:<n>`, `future:<n>`):
+an object's key is never another's.
 
 Not recorded: threading.Lock, RLock and Condition (C types, or Python objects made of them, used
 everywhere in the interpreter and libraries: a Python wrapper would cost every lock of the
@@ -43,6 +45,7 @@ import sys
 import threading
 
 _get_ident = threading.get_ident
+_allocate_lock = threading._allocate_lock
 _keys = itertools.count(1)
 ATTR = "_hazsan_sync"        # an object's key, or False: not recorded
 COUNT = "_hazsan_n"          # how many times it was released
@@ -112,21 +115,36 @@ class HostEdges:
             self.capture.failed(f"threads.{kind}", exc)
 
     # ------------------------------------------------------------------ threads
-    def starting(self, thread) -> None:
+    def starting(self, thread):
+        """Before Thread.start: the lock its run() waits for (None: not recorded)."""
         try:
             if ATTR in thread.__dict__:
-                return
+                return None
             if _internal(3) or (thread.name or "").startswith("hazsan"):
                 thread.__dict__[ATTR] = False
-                return
-            key = thread.__dict__[ATTR] = f"thread:{next(_keys)}"
-            self.release(key)
+                return None
+            gate = _allocate_lock()
+            gate.acquire()
+            thread.__dict__[ATTR] = gate
+            return gate
         except Exception as exc:
             self.capture.failed("threads.start", exc)
+            return None
+
+    def started(self, thread, gate) -> None:
+        """Thread.start returned (the thread has its ident, and waits for `gate`)."""
+        try:
+            thread.__dict__[ATTR] = True
+            if thread.ident is not None:
+                self.capture.emit({"ev": "thread_start", "thread": thread.ident})
+        except Exception as exc:
+            self.capture.failed("threads.start", exc)
+        finally:
+            gate.release()
 
     def joined(self, thread) -> None:
         try:
-            if thread.__dict__.get(ATTR) and not thread.is_alive() and thread.ident is not None:
+            if thread.__dict__.get(ATTR) is True and not thread.is_alive() and thread.ident is not None:
                 self.capture.emit({"ev": "thread_join", "thread": thread.ident})
         except Exception as exc:
             self.capture.failed("threads.join", exc)
@@ -232,15 +250,29 @@ def _patch_threads(capture, edges: HostEdges) -> None:
     emit = capture.emit
 
     def start(self):
-        edges.starting(self)
-        return t_start(self)
+        gate = edges.starting(self)
+        if gate is None:
+            return t_start(self)
+        try:
+            return t_start(self)
+        finally:
+            edges.started(self, gate)      # (also when start failed: the gate opens)
 
     def _bootstrap_inner(self):
-        key = self.__dict__.get(ATTR)
-        if not key:
+        gate = self.__dict__.get(ATTR)
+        if not gate:
             return t_boot(self)
         try:
-            edges.acquire(key)           # (the writer's `thread` switch to this thread first)
+            # the program's run() waits until the starter wrote thread_start (t_boot first sets the
+            # ident and `_started`, which start() waits for)
+            run = self.run
+
+            def run_after_start(*a, **k):
+                self.__dict__.pop("run", None)
+                gate.acquire()
+                gate.release()
+                return run(*a, **k)
+            self.__dict__["run"] = run_after_start
         except Exception as exc:
             capture.failed("threads.start", exc)
         try:
