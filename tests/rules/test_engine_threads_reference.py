@@ -3,12 +3,8 @@
 
 Each case is the minimal trace shrunk from a property-test disagreement (test_engine_property.py).
 The reference's answer, the docs' one, is pinned first; the engine is then asked for the same.
-Where the engine is wrong the test is xfail(strict=True): it passes again (and must lose its mark)
-once the engine is fixed. Reported to the lead, who owns sanitizer/.
-
-The property test keeps running on threaded traces meanwhile: it reads the contract as the engine
-does where noted (engine_scenarios.SEMANTICS, Semantics.late_fold), and its generator avoids the
-two patterns (a buffer-less launch on a threaded rank; thread 0's CPU work before a thread starts).
+The engine of ffed723 was wrong in all six (ENGINE_WRONG says how); ccbe060 fixed them, and the
+xfail marks these tests had then are gone.
 """
 from __future__ import annotations
 

@@ -18,12 +18,8 @@ from reference_model import SEVERITY, Semantics, reference_findings
 # How the engine must read docs/ordering-and-rules.md where the text admits two readings (see Semantics). The
 # defaults follow the text literally; the lead decided (issue 2) that in successor mode a read
 # needs local completion only (a locally complete collective's result is final; peers may still
-# read my window, so writes and reuse wait for a later collective). late_fold=True: the engine's
-# reading of "a stream's clock takes in what the thread that enqueued on it knew" (ffed723), not
-# the docs' table; exposure_floor=True: the engine's window-block exposure with host threads
-# (a collective not done for every live thread); both reported to the lead, the docs' answer pinned (xfail) in
-# tests/rules/test_engine_threads_reference.py.
-SEMANTICS = Semantics(strict_reads=False, late_fold=True, exposure_floor=True)
+# read my window, so writes and reuse wait for a later collective).
+SEMANTICS = Semantics(strict_reads=False)
 
 PAIR_RULES = ("reuse-in-flight", "free-in-flight", "unordered-access", "graph-buffer-released")
 
@@ -116,11 +112,6 @@ class RankTraceBuilder:
     def launch(self, stream):
         reads = [list(self.range_anywhere()) for _ in range(self.draw(st.integers(0, 2)))]
         writes = [list(self.range_anywhere()) for _ in range(self.draw(st.integers(0, 2)))]
-        if self.n_threads > 1 and not reads and not writes:
-            # With host threads, no launch without buffers: the engine (ffed723) does not count one
-            # as the stream's last issuer (tests/rules/test_engine_threads_reference.py, xfail;
-            # reported to the lead)
-            writes = [list(self.range_anywhere())]
         return {"ev": "launch", "stream": stream, "reads": reads, "writes": writes, "op": "aten::mm"}
 
     def coll(self, stream, *, captured=False):
@@ -150,13 +141,7 @@ class RankTraceBuilder:
             kinds += ["thread_end"]
         if self.ended_threads:
             kinds += ["thread_join"]
-        # Thread 0's CPU work ("cpu", done only at capture's lazy sync) only once no thread is
-        # left to start: the engine's union (ffed723) misses the lane count a thread is given at
-        # its start, which the docs' union holds (tests/rules/test_engine_threads_reference.py,
-        # xfail; reported to the lead).
-        if self.cur != 0 or not self.fresh_threads:
-            kinds += ["lane_launch"] * 3
-        kinds += ["release"] * 2 + ["acquire"] * 2 + ["lane_sync", "device_sync"]
+        kinds += ["lane_launch"] * 3 + ["release"] * 2 + ["acquire"] * 2 + ["lane_sync", "device_sync"]
         if self.done_cids:
             kinds += ["coll_done_again"]
         return kinds

@@ -174,22 +174,8 @@ class Semantics:
         completion "says nothing about peers finishing theirs", so their writes may still land).
         False (the lead's decision on issue 2): only writes and reuse get the successor rule; a
         read needs the collective locally complete, as in local mode.
-    late_fold: with host threads, when thread K enqueues (a launch with buffers, a coll, a
-        replayed op) on a stream whose last such enqueue was by another thread J (thread 0 when
-        there was none), the stream's clock also takes in J's clock *as it is now*. False (the
-        docs' table, VC_S = max(VC_S, VC_K) at each enqueue): only what J knew when it enqueued.
-        True: the engine's reading (ffed723, RankAnalyzer._issued_by), which orders K's work after
-        what J learned since, and, on a stream nobody enqueued on, after thread 0's knowledge
-        (reported to the lead; tests/rules/test_engine_threads_reference.py, xfail).
-    exposure_floor: with host threads, a window block is exposed at its alloc (transient-in-window)
-        when a collective is not done for *every live thread* (the engine's ffed723: its in-flight
-        count drops at retirement). False: not done for the union, as the memory rules ask (a
-        collective some thread waited is finished; the allocating thread's own clock would say
-        no more than the union). Reported to the lead (test_engine_threads_reference.py, xfail).
     """
     strict_reads: bool = True
-    late_fold: bool = False
-    exposure_floor: bool = False
 
 
 DESIGN_SEMANTICS = Semantics()
@@ -232,7 +218,6 @@ class RankReference:
         self.ended: dict = {}              # thread -> its clock and lane count at its end
         self.syncs: dict = {}              # synchronisation object -> the clock released into it
         self.union: dict = {}              # the max of every clock any thread ever had
-        self.issuer: dict = {}             # stream -> the thread that last enqueued on it (late_fold)
 
     # ---- ordering (DESIGN 3) ----
     def _locally_complete(self, op: Op, x, host=None) -> bool:
@@ -326,11 +311,6 @@ class RankReference:
 
     # ---- enqueue and unordered-access ----
     def _enqueue(self, line, stream, bufs, *, is_coll, comm=None, seq=None, captured=None):
-        if self.semantics.late_fold and self.tclock is not None and (bufs or is_coll):
-            prev = self.issuer.get(stream, 0)
-            if prev != self.cur:
-                self.stream_clock[stream] = _join(self.stream_clock[stream], self.tclock[prev])
-                self.issuer[stream] = self.cur
         clock = _join(self.stream_clock[stream], self.host)
         clock[stream] = clock.get(stream, 0) + 1
         self.stream_clock[stream] = clock
@@ -390,9 +370,6 @@ class RankReference:
                 self.foreign[self.capturing].append((line, lo, hi))
         else:
             host = self._memory_host()
-            if self.semantics.exposure_floor and self.tclock is not None:
-                live = [self.tclock[t] for t in self.live_threads]
-                host = {k: min(c.get(k, 0) for c in live) for k in self.union}
             block.exposed = any(op.is_coll and not op.observed
                                 and any(not self._done_for_host(op, b, host) for b in op.bufs)
                                 for op in self.ops)
