@@ -138,9 +138,9 @@ class RankTraceBuilder:
         if len(self.live_threads) > 1:
             kinds += ["thread_switch"] * 4
         if self.cur != 0:
-            kinds += ["thread_end"]
+            kinds += ["thread_end"] * 2
         if self.ended_threads:
-            kinds += ["thread_join"]
+            kinds += ["thread_join"] * 3
         kinds += ["lane_launch"] * 3 + ["release"] * 2 + ["acquire"] * 2 + ["lane_sync", "device_sync"]
         if self.done_cids:
             kinds += ["coll_done_again"]
