@@ -228,6 +228,10 @@ def install(capture) -> HostEdges | None:
     _patch_event(capture, edges)
     _patch_queue(capture, edges)
     try:
+        _patch_concurrent(capture, edges)
+    except Exception as exc:
+        capture.failed("install.threads.concurrent", exc)
+    try:
         _patch_futures(capture, edges)
     except Exception as exc:
         capture.failed("install.threads.future", exc)
@@ -333,6 +337,77 @@ def _patch_queue(capture, edges: HostEdges) -> None:
 
     Q.put = _mark(put, q_put, "Queue.put")
     Q.get = _mark(get, q_get, "Queue.get")
+
+
+def _patch_concurrent(capture, edges: HostEdges) -> None:
+    """concurrent.futures: a Future completed (set_result, set_exception) releases its key
+    (`cfuture:<n>`), result(), exception() and a true done() acquire it, a done-callback starts
+    with the acquire; a ThreadPoolExecutor work item releases `work:<n>` when submitted, and the
+    worker acquires it before running it (the executor hands it over through a SimpleQueue)."""
+    import concurrent.futures as cf
+    import concurrent.futures.thread as cft
+    F = cf.Future
+    f_set, f_exc, f_result, f_exception, f_done, f_add = (F.set_result, F.set_exception, F.result,
+                                                          F.exception, F.done, F.add_done_callback)
+
+    def set_result(self, result):
+        edges.released(self, "cfuture")
+        return f_set(self, result)
+
+    def set_exception(self, exception):
+        edges.released(self, "cfuture")
+        return f_exc(self, exception)
+
+    def result(self, timeout=None):
+        try:
+            return f_result(self, timeout)
+        finally:
+            if f_done(self):
+                edges.acquired(self, "cfuture")
+
+    def exception(self, timeout=None):
+        r = f_exception(self, timeout)
+        edges.acquired(self, "cfuture")
+        return r
+
+    def done(self):
+        r = f_done(self)
+        if r:
+            edges.acquired(self, "cfuture")
+        return r
+
+    def add_done_callback(self, fn):
+        future = self
+
+        def run(f):
+            edges.acquired(future, "cfuture")
+            return fn(f)
+        try:
+            run.__wrapped__ = fn
+        except Exception:
+            pass
+        return f_add(self, run)
+
+    for name, fn, orig in (("set_result", set_result, f_set), ("set_exception", set_exception, f_exc),
+                           ("result", result, f_result), ("exception", exception, f_exception),
+                           ("done", done, f_done), ("add_done_callback", add_done_callback, f_add)):
+        setattr(F, name, _mark(fn, orig, f"Future.{name}"))
+
+    W = getattr(cft, "_WorkItem", None)
+    if W is None:
+        return
+    w_init, w_run = W.__init__, W.run
+
+    def __init__(self, *a, **k):
+        w_init(self, *a, **k)
+        edges.released(self, "work")
+
+    def run(self, *a, **k):
+        edges.acquired(self, "work")
+        return w_run(self, *a, **k)
+
+    W.__init__ = _mark(__init__, w_init, "_WorkItem.__init__")
+    W.run = _mark(run, w_run, "_WorkItem.run")
 
 
 def _patch_futures(capture, edges: HostEdges) -> None:

@@ -19,7 +19,9 @@ Threads and the threading module's edges:
   412  no edge: the thread writes, main reads after a sleep (the write came first): flagged;
   413  no edge: main reads at once, the thread writes after a sleep (the read came first): flagged;
   420  a queue.Queue handoff (the thread writes, puts; main gets, reads): clean;
-  421  the same handoff through a plain attribute main busy-waits on: flagged.
+  421  the same handoff through a plain attribute main busy-waits on: flagged;
+  430  a concurrent.futures.ThreadPoolExecutor job waited with result(), then read: clean;
+  431  the job's tensor read while it may still run: flagged.
 
 Both capture paths at `full` (the dispatch mode and the native recorder).
 """
@@ -118,6 +120,20 @@ PROGRAM = textwrap.dedent(r'''
                 time.sleep(0.001)
             return float(g.sum())
         run(421, flagger, spin)
+        # 430: a ThreadPoolExecutor job, its result() waited; 431: read while it may still run
+        import concurrent.futures as cf
+        h = torch.zeros(256)
+        with cf.ThreadPoolExecutor(1) as ex:
+            sanitizer.step(430)
+            ex.submit(h.add_, 9.0).result()
+            res["430"] = float(h.sum())
+            dist.barrier()
+            sanitizer.step(431)
+            job = ex.submit(h.add_, 9.0)
+            time.sleep(0.3)
+            res["431"] = float(h.sum())
+            job.result()
+            dist.barrier()
         sanitizer.step(490)
         dist.barrier()
         json.dump(res, open(f"{out}/res{rank}.json", "w"))
@@ -127,7 +143,7 @@ PROGRAM = textwrap.dedent(r'''
         mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2]), nprocs=2)
 ''')
 
-BUGGY, CLEAN = (400, 401, 412, 413, 421), (402, 403, 410, 411, 420)
+BUGGY, CLEAN = (400, 401, 412, 413, 421, 431), (402, 403, 410, 411, 420, 430)
 
 
 @pytest.fixture(scope="module", params=["full", "full-native"])
@@ -153,6 +169,7 @@ def test_the_program_computed_what_it_should(run):
         assert r["402"] == r["403"] == 1.5, r            # (1 + 2) / 2, the callback before the read
         assert r["400"] == 1.5 and r["401"] == 3.0, r    # the buggy reads, as the timing made them
         assert r["410"] == 512.0 and r["411"] == 768.0 and r["420"] == r["421"] == 1792.0, r
+        assert r["430"] == 2304.0 and r["431"] == 4608.0, r
 
 
 def test_buggy_flagged_in_either_order_and_fixed_clean(run):
@@ -205,7 +222,7 @@ def test_the_callback_is_on_the_handler_thread_after_the_edges(run):
 
 
 def test_thread_start_comes_before_the_thread_s_first_event(run):
-    """Each thread main starts (10) has its thread_start, written by main, before any event of its
+    """Each thread main starts (11: the executor's one) has its thread_start, written by main, before any event of its
     own; a thread the program did not start (gloo's) issues no CPU access on a lane."""
     _, (_, _, _, events) = run
     started, n = set(), 0
@@ -222,4 +239,4 @@ def test_thread_start_comes_before_the_thread_s_first_event(run):
             started.discard(ev["thread"])    # (an id used again is a new thread)
         elif thread != 0 and thread not in started:
             assert ev["ev"] in ("free", "coll_done", "alloc") or (ev["ev"] == "launch" and ev["stream"] == "cpu"), ev
-    assert n == 10, n
+    assert n == 11, n
