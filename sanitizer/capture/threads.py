@@ -22,6 +22,8 @@ makes the current thread learn what was published there.
     future: it starts with the `acquire` of the parent's key and the `coll_done` of the parent's
     collectives on its thread (it runs after them: the program's order), and then()'s callback
     ends with the `release` of the key of the future then() returned (its wait() acquires it).
+  * concurrent.futures (_patch_concurrent): a Future's completion releases, its result() and
+    friends acquire; a ThreadPoolExecutor job is released at submit and acquired by its worker.
 
 An acquire that learns nothing new (the key released no more since this thread last acquired it)
 is not written. Keys are per object, from a counter (`event:<n>`, `queue:<n>`, `future:<n>`):
@@ -30,7 +32,8 @@ an object's key is never another's.
 Not recorded: threading.Lock, RLock and Condition (C types, or Python objects made of them, used
 everywhere in the interpreter and libraries: a Python wrapper would cost every lock of the
 program a Python call and two events; docs/capture.md says what that leaves out), Semaphore,
-Barrier, queue.SimpleQueue (a C type), multiprocessing. Objects whose first use comes from
+Barrier, queue.SimpleQueue (a C type; the executor's own handoff is recorded at its ends),
+multiprocessing. Objects whose first use comes from
 threading itself or from capture (the `_started` Event of each Thread, the time flush's, the
 testbed's comm threads and queues) and threads capture starts are left alone.
 
