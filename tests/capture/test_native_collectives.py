@@ -84,6 +84,8 @@ def _normalized(path):
     tf = open_trace(path)
     live: dict[int, tuple] = {}
     names: dict[int, int] = {}
+    threads: dict[int, str] = {}
+    counter = iter(range(1, 1 << 30))
     out = []
 
     def where(addr):
@@ -103,6 +105,11 @@ def _normalized(path):
             live.pop(ev["id"], None)
         elif ev["ev"] == "coll":
             ev["bufs"] = [(*where(b["addr"]), b["size"], b["access"]) for b in ev["bufs"]]
+        elif ev["ev"] in ("thread", "thread_start", "thread_end", "thread_join") and ev["thread"] != 0:
+            # host threads, named in order of appearance (an id the system reused is a new thread)
+            if ev["ev"] == "thread_start" or ev["thread"] not in threads:
+                threads[ev["thread"]] = f"T{next(counter)}"
+            ev["thread"] = threads[ev["thread"]]
         out.append(ev)
     assert tf.end is not None and not tf.end.get("dropped"), (path, tf.end)
     return out
