@@ -288,14 +288,14 @@ def _analyze(paths, peer_completion, lenient, max_per_group, max_errors, engine,
     if error_total > len(errors):
         warnings.append(f"{error_total - len(errors)} more malformed line(s) not listed")
     if across and len(ranks_seen) > 1 and len(ranks_seen) == len(traces):
-        files = {rank: file for rank, file in ranks_seen.items()}
-        redo = order_across_ranks(list(sink.p2p_ops.items()), files, _serial_map, limits)
+        rank_files = dict(ranks_seen)   # (not `files`: the list the Analysis returns)
+        redo = order_across_ranks(list(sink.p2p_ops.items()), rank_files, _serial_map, limits)
         for file, extra in redo.items():
             again = analyze([file], peer_completion=peer_completion, lenient=lenient, max_per_group=max_per_group,
                             max_errors=0, engine=engine, live=live, limits=limits, suppress=suppress,
                             extra_done=extra)
             sink.replace_file(file, again.sink)
-        ranks_mod.annotate(sink.findings, files)
+        ranks_mod.annotate(sink.findings, rank_files)
     if sink.omitted:
         warnings.append(f"{sink.omitted} repeated finding(s) counted but not listed (max {sink.max_per_group} per rule and call site)")
     findings = sorted(sink.findings, key=_finding_order)
