@@ -730,13 +730,21 @@ class RankAnalyzer:
         to what is allocated there next conflicts with them (as ThreadSanitizer forgets a freed
         range's accesses). Ops not done for any thread stay: their memory is a reuse hazard."""
         union = self.clocks.union
-        for fl in self.inflight.streams.values():
-            for key in fl.by_address().overlapping(addr, end):
-                op = key[4]
-                if union.get(op.stream, 0) >= op.epoch:
-                    if op.released is None:
-                        op.released = []
-                    op.released.append((addr, end))
+        inflight = self.inflight
+        if inflight.wide is not None:
+            # past CROWD streams in flight (a gloo lane per Work): one index, not a walk of them all
+            self._release_keys(inflight.wide.overlapping(addr, end), union, addr, end)
+            return
+        for fl in inflight.streams.values():
+            self._release_keys(fl.by_address().overlapping(addr, end), union, addr, end)
+
+    def _release_keys(self, keys, union, addr, end) -> None:
+        for key in keys:
+            op = key[4]
+            if union.get(op.stream, 0) >= op.epoch:
+                if op.released is None:
+                    op.released = []
+                op.released.append((addr, end))
 
     def on_record(self, ev, line, at=None):
         if at is None:
@@ -793,7 +801,8 @@ class RankAnalyzer:
         host = self.clocks.host
         if self.threads is not None:
             self.threads.grew(self.threads.current)
-            host = self.threads.floor(self.clocks.union)  # done for every live thread
+            # done for every live thread; only the streams just learned can have moved
+            host = self.threads.floor(self.clocks.union if learned is None else learned)
         self.inflight.retire(host, learned, self.colls_in_flight)
         if self.successor_waits.by_comm:
             self.successor_waits.retire(host, learned, self.completions)
